@@ -1,0 +1,44 @@
+"""dpsco_jax: differentially private optimizers as optax transformations.
+
+The curated public API. Modules, one concern each:
+
+* `dpsco_jax.clipping`: clipped per-example / per-difference / per-user sums
+  and the sensitivity they guarantee;
+* `dpsco_jax.noise`: noise mechanisms (i.i.d. Gaussian, binary tree with
+  residual or prefix release, Honaker, restarts) behind one interface;
+* `dpsco_jax.accounting`: epsilon spent and noise calibration
+  (`dp_accounting` PLD/RDP, the papers' zCDP and GDP closed forms);
+* `dpsco_jax.estimators`: private gradient estimators as optax
+  transformations;
+* `dpsco_jax.algorithms`: the algorithms (DP-SGD, DP-FTRL, ...);
+* `dpsco_jax.parallel`: cross-device sums and the replicated-key check;
+* `dpsco_jax.batching`: batch formation matching the accounting.
+"""
+
+from dpsco_jax import accounting
+from dpsco_jax import batching
+from dpsco_jax import clipping
+from dpsco_jax import estimators
+from dpsco_jax import neighboring
+from dpsco_jax import noise
+from dpsco_jax import parallel
+from dpsco_jax.accounting import calibrate_noise_multiplier
+from dpsco_jax.accounting import epsilon_spent
+from dpsco_jax.accounting import FixedOrder
+from dpsco_jax.accounting import PoissonSampling
+from dpsco_jax.accounting import Shuffled
+from dpsco_jax.accounting import single_epoch
+from dpsco_jax.algorithms.baselines import dpftrl
+from dpsco_jax.algorithms.baselines import dpsgd
+from dpsco_jax.clipping import clipped_grad_difference_sum
+from dpsco_jax.clipping import clipped_grad_sum
+from dpsco_jax.clipping import clipped_user_grad_sum
+from dpsco_jax.clipping import ClippedStatistic
+from dpsco_jax.clipping import ClippedSum
+from dpsco_jax.clipping import UserBatch
+from dpsco_jax.estimators import noisy_gradient
+from dpsco_jax.neighboring import NeighboringRelation
+from dpsco_jax.noise import NoiseMechanism
+from dpsco_jax.noise import NoiseState
+
+__version__ = '0.1.0'

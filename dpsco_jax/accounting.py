@@ -1,0 +1,506 @@
+"""Privacy accounting: epsilon spent and noise calibration for every mechanism.
+
+The accounting follows how the batches were really formed, stated as a
+participation pattern:
+
+* `FixedOrder(num_epochs, steps_per_epoch)`: batches in a fixed public order,
+  the same order every epoch; the example in batch j takes part at steps
+  `j, b + j, ..., (k-1) b + j` (the (k, b)-participation of multi-epoch
+  matrix factorization). `single_epoch(T)` is `FixedOrder(1, T)`.
+* `Shuffled(num_epochs, steps_per_epoch)`: each example at most once per
+  epoch, at a step that may change between epochs (a reshuffle); no
+  amplification is claimed.
+* `PoissonSampling(sampling_probability, num_steps)`: every example joins
+  every batch independently with probability q (privacy amplification), for
+  i.i.d. Gaussian noise only.
+
+Without amplification every mechanism of `dpsco_jax.noise` is ONE Gaussian
+mechanism `C x + z` on the whole stream: its sensitivity is derived from the
+mechanism's encoder matrix `C` and the participation pattern
+(`participation_sensitivity`), and the run is accounted as
+`GaussianDpEvent(noise_multiplier / sensitivity)`. Poisson-sampled DP-SGD is
+`SelfComposed(PoissonSampled(q, Gaussian(z)), T)`.
+
+Methods (`method=`):
+
+* 'pld' (default): `dp_accounting`'s privacy-loss-distribution accountant;
+* 'rdp': `dp_accounting`'s Renyi accountant;
+* 'zcdp': the papers' rho-zCDP route (paper 001 §2.4): a Gaussian with
+  sensitivity s and std sigma is (s^2 / 2 sigma^2)-zCDP, which gives
+  `(rho + 2 sqrt(rho log(1/delta)), delta)`-DP;
+* 'gdp_paper': the papers' closed form (paper 001 Lemma 4.3 / §2.3, 000
+  Cor 5.7): mu-GDP with `mu = epsilon / sqrt(2 ln(2.5 / delta))`, which gives
+  (epsilon, delta/2)-DP and so (epsilon, delta)-DP; conservative.
+
+The noise multiplier is always the noise std over the sensitivity of ONE
+step's clipped sum under the neighbouring relation the noise was calibrated
+for (`ClippedStatistic.sensitivity(relation)`): the relation's factor is in
+the noise, so the accountant sees a unit-sensitivity mechanism.
+"""
+
+import dataclasses
+import math
+from typing import Optional, Union
+
+import dp_accounting
+import numpy as np
+from scipy import optimize
+from scipy import stats
+
+from dpsco_jax import neighboring
+from dpsco_jax import noise as noise_lib
+
+METHODS = ('pld', 'rdp', 'zcdp', 'gdp_paper')
+
+
+@dataclasses.dataclass(frozen=True)
+class FixedOrder:
+  """Batches in a fixed public order, repeated every epoch ((k, b) pattern).
+
+  Attributes:
+    num_epochs: k, passes over the data.
+    steps_per_epoch: b, batches per epoch.
+  """
+
+  num_epochs: int
+  steps_per_epoch: int
+
+  @property
+  def num_steps(self) -> int:
+    return self.num_epochs * self.steps_per_epoch
+
+
+@dataclasses.dataclass(frozen=True)
+class Shuffled:
+  """Each example at most once per epoch, anywhere in the epoch.
+
+  Attributes:
+    num_epochs: passes over the data.
+    steps_per_epoch: batches per epoch.
+  """
+
+  num_epochs: int
+  steps_per_epoch: int
+
+  @property
+  def num_steps(self) -> int:
+    return self.num_epochs * self.steps_per_epoch
+
+
+@dataclasses.dataclass(frozen=True)
+class PoissonSampling:
+  """Each example joins each batch independently with probability q.
+
+  Attributes:
+    sampling_probability: q in (0, 1].
+    num_steps: number of steps.
+  """
+
+  sampling_probability: float
+  num_steps: int
+
+
+Participation = Union[FixedOrder, Shuffled, PoissonSampling]
+
+
+def single_epoch(num_steps: int) -> FixedOrder:
+  """Each example in at most one of `num_steps` steps (one pass).
+
+  Args:
+    num_steps: number of steps.
+
+  Returns:
+    `FixedOrder(1, num_steps)`.
+  """
+  return FixedOrder(num_epochs=1, steps_per_epoch=num_steps)
+
+
+def _check_positive_int(value, name: str) -> int:
+  if isinstance(value, bool) or int(value) != value or value < 1:
+    raise ValueError(f'{name} must be a positive integer, got {value!r}')
+  return int(value)
+
+
+def validate_epsilon_delta(epsilon: Optional[float], delta: float) -> None:
+  """Raises ValueError unless epsilon > 0 (when given) and 0 < delta < 1.
+
+  Args:
+    epsilon: target epsilon, or None when only delta is checked.
+    delta: target delta.
+  """
+  if epsilon is not None and not (float(epsilon) > 0 and
+                                  math.isfinite(float(epsilon))):
+    raise ValueError(f'epsilon must be positive and finite, got {epsilon!r}')
+  if not 0.0 < float(delta) < 1.0:
+    raise ValueError(f'delta must be in (0, 1), got {delta!r}')
+
+
+def _validate_participation(participation: Participation) -> None:
+  if isinstance(participation, (FixedOrder, Shuffled)):
+    _check_positive_int(participation.num_epochs, 'num_epochs')
+    _check_positive_int(participation.steps_per_epoch, 'steps_per_epoch')
+  elif isinstance(participation, PoissonSampling):
+    _check_positive_int(participation.num_steps, 'num_steps')
+    q = float(participation.sampling_probability)
+    if not 0.0 < q <= 1.0:
+      raise ValueError(f'sampling_probability must be in (0, 1], got {q!r}')
+  else:
+    raise ValueError(f'unknown participation pattern {participation!r}')
+
+
+def participation_sensitivity(encoder: np.ndarray,
+                              participation: Participation) -> float:
+  """l2 sensitivity of `x -> C x` when one example changes.
+
+  One example contributes a vector of norm <= 1 (after dividing by the
+  per-step sensitivity) at each step it takes part in. With G = C^T C the
+  squared sensitivity is the largest `sum_{s,t} |G[s, t]|` over the steps
+  s, t one example can share. This is exact when those entries of G are
+  non-negative (trees, identity, non-negative factorizations) and an upper
+  bound otherwise. For `Shuffled`, the worst step in each pair of epochs is
+  taken, which is exact when G has no cross-epoch entries (e.g. trees
+  restarted every epoch) and an upper bound otherwise.
+
+  Args:
+    encoder: `C`, shape `[rows, num_steps]`.
+    participation: `FixedOrder` or `Shuffled`.
+
+  Returns:
+    The sensitivity in units of one step's sensitivity.
+
+  Raises:
+    ValueError: if the pattern's step count differs from the encoder's.
+  """
+  _validate_participation(participation)
+  if isinstance(participation, PoissonSampling):
+    raise ValueError('Poisson sampling has no fixed participation; it is '
+                     'accounted by amplification instead')
+  encoder = np.asarray(encoder, dtype=np.float64)
+  k, b = participation.num_epochs, participation.steps_per_epoch
+  if encoder.shape[1] != k * b:
+    raise ValueError(
+        f'the mechanism covers {encoder.shape[1]} steps but the participation '
+        f'pattern has {k} x {b} = {k * b}')
+  gram = np.abs(encoder.T @ encoder).reshape(k, b, k, b)
+  if isinstance(participation, FixedOrder):
+    # Example in batch j: steps (i*b + j) for every epoch i.
+    per_batch = np.einsum('ijlj->j', gram)
+    return float(np.sqrt(per_batch.max()))
+  worst = gram.max(axis=(1, 3))
+  return float(np.sqrt(worst.sum()))
+
+
+def _encoder_for(mechanism: noise_lib.NoiseMechanism,
+                 participation: Participation) -> np.ndarray:
+  if mechanism.num_steps is None:
+    return np.eye(participation.num_steps)
+  if mechanism.num_steps != participation.num_steps:
+    raise ValueError(
+        f'the mechanism was built for {mechanism.num_steps} steps but the '
+        f'participation pattern has {participation.num_steps}: account for '
+        'exactly the steps the noise allows')
+  return mechanism.encoder_matrix()
+
+
+def _is_iid(mechanism: noise_lib.NoiseMechanism, steps: int) -> bool:
+  if mechanism.num_steps is None:
+    return mechanism.release == 'per_step'
+  encoder = mechanism.encoder_matrix()
+  return (mechanism.release == 'per_step' and encoder.shape == (steps, steps)
+          and np.array_equal(encoder, np.eye(steps)))
+
+
+def mechanism_sensitivity(mechanism: noise_lib.NoiseMechanism,
+                          participation: Participation) -> float:
+  """Sensitivity of a whole run of `mechanism` under `participation`.
+
+  Args:
+    mechanism: a noise mechanism.
+    participation: `FixedOrder` or `Shuffled`.
+
+  Returns:
+    The run's l2 sensitivity in units of one step's sensitivity.
+  """
+  return participation_sensitivity(_encoder_for(mechanism, participation),
+                                   participation)
+
+
+def dp_event(mechanism: noise_lib.NoiseMechanism, noise_multiplier: float,
+             participation: Participation) -> dp_accounting.DpEvent:
+  """The `dp_accounting` event of a whole run.
+
+  Args:
+    mechanism: the noise mechanism used by the run.
+    noise_multiplier: node/step noise std over one step's sensitivity.
+    participation: how batches were formed.
+
+  Returns:
+    A `dp_accounting.DpEvent`.
+
+  Raises:
+    ValueError: for bad inputs, or Poisson sampling with correlated noise
+      (its amplification is not accounted here).
+  """
+  _validate_participation(participation)
+  noise_multiplier = float(noise_multiplier)
+  if not noise_multiplier >= 0:
+    raise ValueError(f'noise_multiplier must be >= 0, got {noise_multiplier}')
+  if isinstance(participation, PoissonSampling):
+    if not _is_iid(mechanism, participation.num_steps):
+      raise ValueError(
+          'Poisson-sampling amplification is only accounted for i.i.d. '
+          f'Gaussian noise, not {mechanism.name}; use FixedOrder or Shuffled')
+    if (mechanism.num_steps is not None and
+        mechanism.num_steps != participation.num_steps):
+      raise ValueError('the mechanism and the participation pattern disagree '
+                       'on the number of steps')
+    return dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(
+            participation.sampling_probability,
+            dp_accounting.GaussianDpEvent(noise_multiplier)),
+        participation.num_steps)
+  sensitivity = mechanism_sensitivity(mechanism, participation)
+  return dp_accounting.GaussianDpEvent(noise_multiplier / sensitivity)
+
+
+def tree_aggregation_event(noise_multiplier: float, num_steps: int,
+                           restart_every: Optional[int] = None
+                           ) -> dp_accounting.DpEvent:
+  """`dp_accounting`'s own single-epoch tree event (RDP only).
+
+  Each example in at most one step over all trees. Offered as an independent
+  cross-check of `dp_event` for trees (they agree under RDP).
+
+  Args:
+    noise_multiplier: node noise std over one step's sensitivity.
+    num_steps: total steps.
+    restart_every: steps per tree (None: one tree).
+
+  Returns:
+    A `dp_accounting.SingleEpochTreeAggregationDpEvent`.
+  """
+  num_steps = _check_positive_int(num_steps, 'num_steps')
+  size = restart_every or num_steps
+  counts = [size] * (num_steps // size)
+  if num_steps % size:
+    counts.append(num_steps % size)
+  return dp_accounting.SingleEpochTreeAggregationDpEvent(noise_multiplier,
+                                                         counts)
+
+
+def _accountant(method: str, relation: neighboring.NeighboringRelation,
+                event: dp_accounting.DpEvent):
+  if isinstance(event, dp_accounting.SingleEpochTreeAggregationDpEvent):
+    return dp_accounting.rdp.RdpAccountant(
+        neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_SPECIAL)
+  amplified = isinstance(event, dp_accounting.SelfComposedDpEvent)
+  if amplified and neighboring.NeighboringRelation(relation) is (
+      neighboring.NeighboringRelation.REPLACE_ONE):
+    raise ValueError('Poisson sampling is accounted under add/remove (or '
+                     'zero-out) neighbours, not replace-one')
+  dp_relation = (neighboring.to_dp_accounting(relation) if amplified else
+                 dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+  if method == 'pld':
+    return dp_accounting.pld.PLDAccountant(neighboring_relation=dp_relation)
+  return dp_accounting.rdp.RdpAccountant(neighboring_relation=dp_relation)
+
+
+def _check_method(method: str, participation: Participation) -> None:
+  if method not in METHODS:
+    raise ValueError(f'method must be one of {METHODS}, got {method!r}')
+  if method in ('zcdp', 'gdp_paper') and isinstance(participation,
+                                                   PoissonSampling):
+    raise ValueError(f"method '{method}' has no Poisson amplification; use "
+                     "'pld' or 'rdp'")
+
+
+def zcdp_epsilon(rho: float, delta: float) -> float:
+  """(epsilon, delta) implied by rho-zCDP: `rho + 2 sqrt(rho log(1/delta))`.
+
+  Args:
+    rho: the zCDP parameter.
+    delta: target delta.
+
+  Returns:
+    epsilon.
+  """
+  validate_epsilon_delta(None, delta)
+  return rho + 2.0 * math.sqrt(rho * math.log(1.0 / delta))
+
+
+def zcdp_rho(epsilon: float, delta: float) -> float:
+  """The rho whose zCDP conversion gives exactly (epsilon, delta).
+
+  Inverts `zcdp_epsilon`: `sqrt(rho) = sqrt(log(1/delta) + eps) -
+  sqrt(log(1/delta))` (paper 001 §2.4: (0.1, 1e-6) -> 1.80304e-4).
+
+  Args:
+    epsilon: target epsilon.
+    delta: target delta.
+
+  Returns:
+    rho.
+  """
+  validate_epsilon_delta(epsilon, delta)
+  log_term = math.log(1.0 / delta)
+  return (math.sqrt(log_term + epsilon) - math.sqrt(log_term)) ** 2
+
+
+def paper_gdp_mu(epsilon: float, delta: float) -> float:
+  """The papers' GDP parameter for (epsilon, delta): `eps / sqrt(2 ln(2.5/delta))`.
+
+  Paper 001 §2.3 / Lemma 4.3 and paper 000 Cor 5.7/5.11: mu-GDP with this mu
+  implies (epsilon, delta/2)-DP.
+
+  Args:
+    epsilon: target epsilon.
+    delta: target delta.
+
+  Returns:
+    mu.
+  """
+  validate_epsilon_delta(epsilon, delta)
+  return epsilon / math.sqrt(2.0 * math.log(2.5 / delta))
+
+
+def gdp_delta(mu: float, epsilon: float) -> float:
+  """Exact delta(epsilon) of mu-GDP (Dong, Roth, Su 2019).
+
+  Args:
+    mu: the GDP parameter.
+    epsilon: the epsilon at which delta is evaluated.
+
+  Returns:
+    `Phi(-eps/mu + mu/2) - e^eps Phi(-eps/mu - mu/2)`.
+  """
+  return float(stats.norm.cdf(-epsilon / mu + mu / 2) -
+               math.exp(epsilon) * stats.norm.cdf(-epsilon / mu - mu / 2))
+
+
+def epsilon_spent(
+    mechanism: noise_lib.NoiseMechanism,
+    noise_multiplier: float,
+    participation: Participation,
+    delta: float,
+    *,
+    method: str = 'pld',
+    neighboring_relation: neighboring.NeighboringRelation = (
+        neighboring.NeighboringRelation.ADD_OR_REMOVE),
+) -> float:
+  """The epsilon of a whole run at `delta`.
+
+  Example:
+    >>> mech = noise.tree(num_steps=1600)
+    >>> epsilon_spent(mech, 8.83, single_epoch(1600), delta=1e-6)
+
+  Args:
+    mechanism: the noise mechanism used by the run.
+    noise_multiplier: noise std over one step's sensitivity.
+    participation: how batches were formed.
+    delta: target delta.
+    method: 'pld', 'rdp', 'zcdp' or 'gdp_paper' (module docstring).
+    neighboring_relation: the relation (matters only under Poisson sampling;
+      otherwise it is already in the noise multiplier).
+
+  Returns:
+    epsilon (inf when there is no noise).
+  """
+  validate_epsilon_delta(None, delta)
+  _check_method(method, participation)
+  if method in ('zcdp', 'gdp_paper'):
+    sensitivity = mechanism_sensitivity(mechanism, participation)
+    if noise_multiplier == 0:
+      return math.inf
+    mu = sensitivity / float(noise_multiplier)
+    if method == 'zcdp':
+      return zcdp_epsilon(mu ** 2 / 2.0, delta)
+    return mu * math.sqrt(2.0 * math.log(2.5 / delta))
+  event = dp_event(mechanism, noise_multiplier, participation)
+  accountant = _accountant(method, neighboring_relation, event)
+  return float(accountant.compose(event).get_epsilon(delta))
+
+
+def calibrate_noise_multiplier(
+    mechanism: noise_lib.NoiseMechanism,
+    participation: Participation,
+    epsilon: float,
+    delta: float,
+    *,
+    method: str = 'pld',
+    neighboring_relation: neighboring.NeighboringRelation = (
+        neighboring.NeighboringRelation.ADD_OR_REMOVE),
+) -> float:
+  """The smallest noise multiplier whose run is (epsilon, delta)-DP.
+
+  Example:
+    >>> mech = noise.gaussian(num_steps=1000)
+    >>> z = calibrate_noise_multiplier(mech, PoissonSampling(0.01, 1000),
+    ...                                epsilon=1.0, delta=1e-5)
+
+  Args:
+    mechanism: the noise mechanism the run will use.
+    participation: how batches will be formed.
+    epsilon: target epsilon (> 0).
+    delta: target delta in (0, 1).
+    method: 'pld', 'rdp', 'zcdp' or 'gdp_paper' (module docstring).
+    neighboring_relation: see `epsilon_spent`.
+
+  Returns:
+    The noise multiplier (node/step noise std over one step's sensitivity).
+  """
+  validate_epsilon_delta(epsilon, delta)
+  _check_method(method, participation)
+  if method == 'zcdp':
+    sensitivity = mechanism_sensitivity(mechanism, participation)
+    return sensitivity / math.sqrt(2.0 * zcdp_rho(epsilon, delta))
+  if method == 'gdp_paper':
+    sensitivity = mechanism_sensitivity(mechanism, participation)
+    return sensitivity / paper_gdp_mu(epsilon, delta)
+
+  def gap(z: float) -> float:
+    return epsilon_spent(mechanism, z, participation, delta, method=method,
+                         neighboring_relation=neighboring_relation) - epsilon
+
+  # Bracket with the cheap RDP accountant first: PLD at a tiny multiplier
+  # (huge epsilon) needs enormous memory, and RDP's multiplier is an upper
+  # bound for PLD's.
+  if method == 'rdp':
+    upper = 1.0
+    while gap(upper) > 0:
+      upper *= 2.0
+    lower = upper / 2.0
+    while lower > 1e-6 and gap(lower) <= 0:
+      lower /= 2.0
+  else:
+    upper = calibrate_noise_multiplier(
+        mechanism, participation, epsilon, delta, method='rdp',
+        neighboring_relation=neighboring_relation)
+    lower = upper / 2.0
+    while gap(lower) <= 0:
+      lower /= 2.0
+  value = optimize.brentq(gap, lower, upper, xtol=1e-6 * upper)
+  # Brent's method may stop on either side of the target; step up until the
+  # guarantee holds so the returned multiplier is never weaker than asked.
+  while gap(value) > 0:
+    value *= 1.0 + 1e-6
+  return float(value)
+
+
+def epsilon_for_gdp(mu: float, delta: float) -> float:
+  """The smallest epsilon with mu-GDP => (epsilon, delta)-DP (exact).
+
+  Args:
+    mu: the GDP parameter.
+    delta: target delta.
+
+  Returns:
+    epsilon.
+  """
+  validate_epsilon_delta(None, delta)
+  if gdp_delta(mu, 0.0) <= delta:
+    return 0.0
+  upper = 1.0
+  while gdp_delta(mu, upper) > delta:
+    upper *= 2.0
+  return float(optimize.brentq(lambda e: gdp_delta(mu, e) - delta, 0.0, upper,
+                               xtol=1e-12))

@@ -1,0 +1,1 @@
+"""Private optimization algorithms, one module per algorithm family."""

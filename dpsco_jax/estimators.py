@@ -1,0 +1,221 @@
+"""Private gradient estimators as optax transformations.
+
+An estimator turns a batch into a privatized gradient estimate: it evaluates a
+clipped statistic (`dpsco_jax.clipping`) at the current params, sums it across
+devices (`dpsco_jax.parallel`), adds ONE draw of a noise mechanism
+(`dpsco_jax.noise`) scaled to the statistic's sensitivity, and only then
+divides by the public batch size. Chain it before any optax optimizer: what
+comes after is post-processing.
+
+    tx = optax.chain(noisy_gradient(loss_fn, ...), optax.sgd(lr, momentum=0.9))
+    updates, state = tx.update(None, state, params, batch=batch)
+
+The `updates` argument is ignored (pass None): the estimator computes the
+gradients itself from `loss_fn`, bound at construction, so it controls the
+per-example clipping the privacy guarantee rests on.
+"""
+
+from typing import Any, Callable, NamedTuple, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from dpsco_jax import clipping
+from dpsco_jax import neighboring
+from dpsco_jax import noise as noise_lib
+from dpsco_jax import parallel
+
+PyTree = Any
+KeyLike = Union[int, jax.Array]
+
+
+class NoisyGradientState(NamedTuple):
+  """State of `noisy_gradient`.
+
+  Attributes:
+    noise: the noise mechanism's state (key, step counter, noise buffers).
+      It holds no data-dependent values and is safe to checkpoint or publish.
+  """
+
+  noise: noise_lib.NoiseState
+
+
+def as_key(key: KeyLike) -> jax.Array:
+  """Returns a PRNG key from an int seed or a key.
+
+  Args:
+    key: an int seed, a typed key, or a raw uint32 key.
+
+  Returns:
+    A key usable with `jax.random`.
+
+  Raises:
+    ValueError: if `key` is None or not a key.
+  """
+  if key is None:
+    raise ValueError('a PRNG key (or int seed) for the noise is required')
+  if isinstance(key, int):
+    return jax.random.key(key)
+  key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+  if not (jnp.issubdtype(key.dtype, jax.dtypes.prng_key) or
+          key.dtype == jnp.uint32):
+    raise ValueError(f'key must be an int seed or a jax PRNG key, got {key!r}')
+  return key
+
+
+def validate_noise_multiplier(noise_multiplier: float) -> float:
+  """Returns the noise multiplier as a float, or raises if it is invalid.
+
+  Args:
+    noise_multiplier: noise standard deviation over sensitivity.
+
+  Returns:
+    `float(noise_multiplier)`.
+
+  Raises:
+    ValueError: if negative, NaN or infinite.
+  """
+  value = float(noise_multiplier)
+  if not (value >= 0.0 and value < float('inf')):
+    raise ValueError(
+        f'noise_multiplier must be a non-negative finite number, got '
+        f'{noise_multiplier!r}')
+  return value
+
+
+def privatize_sum(
+    clipped: clipping.ClippedSum,
+    noise_state: noise_lib.NoiseState,
+    mechanism: noise_lib.NoiseMechanism,
+    stddev: float,
+    *,
+    normalize_by: float,
+    axis_name: Optional[str] = None,
+) -> tuple[PyTree, noise_lib.NoiseState]:
+  """Sums a clipped statistic across devices, adds noise once, normalizes.
+
+  This is the one place where noise meets data: every estimator calls it.
+
+  Args:
+    clipped: the local (per-device) clipped sum.
+    noise_state: the mechanism state; its key must be replicated.
+    mechanism: the noise mechanism.
+    stddev: noise standard deviation on the SUM (noise multiplier times the
+      statistic's sensitivity).
+    normalize_by: the public batch size the noisy sum is divided by.
+    axis_name: the device axis, or None.
+
+  Returns:
+    `((global clipped sum + stddev * noise) / normalize_by, new noise state)`,
+    in float32 (or wider).
+  """
+  parallel.check_replicated(noise_state.key, axis_name)
+  total = parallel.psum(clipped.sum, axis_name)
+  noise, noise_state = mechanism.next(noise_state, total)
+  private = jax.tree_util.tree_map(
+      lambda s, n: (s + stddev * n.astype(s.dtype)) / normalize_by, total,
+      noise)
+  return private, noise_state
+
+
+def _check_params(params: PyTree) -> None:
+  if params is None:
+    raise ValueError('params are required: call update(None, state, params, '
+                     'batch=batch)')
+
+
+def _cast_like(tree: PyTree, like: PyTree) -> PyTree:
+  if jax.tree_util.tree_structure(tree) != jax.tree_util.tree_structure(like):
+    raise ValueError('the gradient pytree does not match the params pytree')
+  return jax.tree_util.tree_map(
+      lambda x, p: x.astype(jnp.result_type(p)), tree, like)
+
+
+def noisy_gradient(
+    loss_fn: Callable[[PyTree, PyTree], jax.Array],
+    *,
+    l2_clip: float,
+    noise_multiplier: float,
+    mechanism: noise_lib.NoiseMechanism,
+    key: KeyLike,
+    neighboring_relation: neighboring.NeighboringRelation = (
+        neighboring.NeighboringRelation.ADD_OR_REMOVE),
+    normalize_by: Optional[float] = None,
+    microbatch_size: Optional[int] = None,
+    axis_name: Optional[str] = None,
+) -> optax.GradientTransformationExtraArgs:
+  """Noisy clipped mean gradient: the estimator behind DP-SGD and DP-FTRL.
+
+  Each step: per-example gradients of `loss_fn` at `params` on `batch`, each
+  clipped to `l2_clip`; their SUM (summed over devices when `axis_name` is
+  set); plus `noise_multiplier * sensitivity` times the mechanism's next
+  noise vector; divided by the public batch size. With the i.i.d. Gaussian
+  mechanism this is DP-SGD's gradient (paper 001 §2.3); with the tree's
+  per-step residual noise it is DP-FTRL's (prefix sums of the outputs are the
+  tree's noisy prefix sums).
+
+  Example:
+    >>> tx = optax.chain(
+    ...     noisy_gradient(loss_fn, l2_clip=1.0, noise_multiplier=1.1,
+    ...                    mechanism=noise.gaussian(1000), key=0),
+    ...     optax.sgd(0.1, momentum=0.9))
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update(None, state, params, batch=batch)
+
+  Args:
+    loss_fn: `loss_fn(params, example) -> scalar` for ONE example.
+    l2_clip: per-example clip norm.
+    noise_multiplier: noise standard deviation over the sensitivity of the
+      clipped sum (under `neighboring_relation`).
+    mechanism: the noise mechanism (its `num_steps` caps the run).
+    key: PRNG key or int seed used only for this noise; under several devices
+      it must be the same on all of them.
+    neighboring_relation: the relation the noise is calibrated for (replace-
+      one doubles the sensitivity, hence the noise).
+    normalize_by: the public batch size to divide by. Default: the batch's
+      leading size times the number of devices. Required with a padding mask
+      (e.g. the expected batch size under Poisson sampling): dividing by the
+      realized count would use a private quantity.
+    microbatch_size: optional cap on per-example gradients held at once.
+    axis_name: the `pmap`/`shard_map` axis name when run on several devices.
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs`; call
+    `update(None, state, params, batch=batch, batch_mask=None)`. The output
+    has the params' structure and dtypes.
+  """
+  statistic = clipping.clipped_grad_sum(
+      loss_fn, l2_clip, microbatch_size=microbatch_size)
+  noise_multiplier = validate_noise_multiplier(noise_multiplier)
+  stddev = noise_multiplier * statistic.sensitivity(neighboring_relation)
+  key = as_key(key)
+  if normalize_by is not None and not float(normalize_by) > 0:
+    raise ValueError(f'normalize_by must be positive, got {normalize_by!r}')
+
+  def init_fn(params):
+    _check_params(params)
+    return NoisyGradientState(noise=mechanism.init(params, key))
+
+  def update_fn(updates, state, params=None, *, batch=None, batch_mask=None,
+                **extra_args):
+    del updates, extra_args
+    _check_params(params)
+    if batch is None:
+      raise ValueError('the batch is required: update(None, state, params, '
+                       'batch=batch)')
+    if batch_mask is not None and normalize_by is None:
+      raise ValueError(
+          'a padding mask was given without normalize_by: pass the public '
+          'batch size (e.g. the expected batch size under Poisson sampling); '
+          'dividing by the realized count would release a private value')
+    local_size = clipping.batch_size_of(batch)
+    divisor = (normalize_by if normalize_by is not None else
+               local_size * parallel.axis_size(axis_name))
+    clipped = statistic(batch, params, mask=batch_mask)
+    private, noise_state = privatize_sum(
+        clipped, state.noise, mechanism, stddev, normalize_by=divisor,
+        axis_name=axis_name)
+    return _cast_like(private, params), NoisyGradientState(noise=noise_state)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
