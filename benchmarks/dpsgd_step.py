@@ -93,7 +93,7 @@ def load_dpsco_jax() -> tuple[ModuleType | None, str]:
   """Returns ``dpsco_jax`` if it provides ``dpsgd``, else None and a reason."""
   module, reason = optional_import('dpsco_jax')
   if module is not None and not hasattr(module, 'dpsgd'):
-    return None, 'dpsco_jax is importable but has no attribute `dpsgd`'
+    return None, 'importable but has no `dpsgd`'
   return module, reason
 
 
@@ -161,6 +161,7 @@ def non_private_variant(model: Model) -> Variant:
   tx = optax.sgd(LEARNING_RATE)
 
   def mean_loss(params: PyTree, batch: Batch) -> jax.Array:
+    # The per-example loss broadcasts over a leading batch axis.
     return jnp.mean(loss(params, batch))
 
   @jax.jit
@@ -321,13 +322,16 @@ def print_results(model: Model, times: dict[str, list[float]]) -> None:
 def parse_args(argv: list[str]) -> argparse.Namespace:
   """Parses command-line flags."""
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--iters', type=int, default=10,
+  parser.add_argument('--iters', type=int, default=5,
                       help='timed steps per variant per round')
-  parser.add_argument('--warmup', type=int, default=2,
+  parser.add_argument('--warmup', type=int, default=1,
                       help='untimed steps per variant after compilation')
   parser.add_argument('--rounds', type=int, default=5,
                       help='interleaved timing rounds')
-  return parser.parse_args(argv)
+  args = parser.parse_args(argv)
+  if min(args.iters, args.rounds) < 1 or args.warmup < 0:
+    parser.error('--iters and --rounds must be >= 1, --warmup >= 0')
+  return args
 
 
 def main(argv: list[str]) -> None:

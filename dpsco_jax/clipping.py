@@ -19,10 +19,11 @@ accountant takes the sensitivity from here, never from a hand-copied constant.
 
 Guarantees, whatever the data:
 
-* A contribution whose norm is not finite (a NaN or Inf anywhere) is replaced
-  by zero and counted in `num_nonfinite`. A finite contribution whose squared
-  norm overflows (e.g. entries of 1e30 in float32) is still clipped correctly:
-  its norm is recomputed after rescaling.
+* A contribution whose norm is not finite (a NaN or Inf anywhere, or a norm
+  too large to represent: beyond about 1e19 clip norms in float32, e.g. a
+  gradient entry of 1e30 with clip 1) is replaced by zero and counted in
+  `num_nonfinite`. Zero is a valid clipped value, so the sensitivity bound
+  holds for every input.
 * Masked-out rows (`mask=False`, padding) contribute exactly zero, even if
   they hold NaNs.
 * Microbatching (`microbatch_size`) evaluates at most that many per-unit
@@ -53,7 +54,7 @@ class ClippedSum(NamedTuple):
       of the unmasked units, in float32 (or wider if the inputs are wider).
     count: int32 scalar, number of unmasked units.
     num_nonfinite: int32 scalar, unmasked units whose contribution had a NaN or
-      Inf and was replaced by zero.
+      Inf (or an unrepresentably large norm) and was replaced by zero.
     num_clipped: int32 scalar, unmasked units whose contribution norm exceeded
       the clip norm.
   """
@@ -126,67 +127,50 @@ def _accumulation_dtype(dtype) -> jnp.dtype:
   return jnp.promote_types(dtype, jnp.float32)
 
 
-def _squared_norms(contributions: PyTree) -> jax.Array:
-  """Per-row squared global l2 norms, in float32 or wider."""
-  leaves = jax.tree_util.tree_leaves(contributions)
+def _row_shape(values: jax.Array, ndim: int) -> jax.Array:
+  return values.reshape((-1,) + (1,) * (ndim - 1))
+
+
+def _squared_norms_in_clip_units(contributions: PyTree,
+                                 l2_clip: float) -> jax.Array:
+  """Per-row squared global l2 norms of `contributions / l2_clip`.
+
+  Measuring in units of the clip norm (the scaling fuses into the same pass)
+  keeps the values that decide clipping, norms near the clip, far from
+  float overflow and underflow whatever the clip's magnitude.
+  """
   total = 0.0
-  for leaf in leaves:
-    leaf = leaf.astype(_accumulation_dtype(leaf.dtype))
+  for leaf in jax.tree_util.tree_leaves(contributions):
+    leaf = leaf.astype(_accumulation_dtype(leaf.dtype)) * (1.0 / l2_clip)
     total = total + jnp.sum(jnp.square(leaf), axis=tuple(range(1, leaf.ndim)))
   return total
-
-
-def _rescaled_norms(contributions: PyTree) -> jax.Array:
-  """Per-row global l2 norms computed without overflow (max-abs rescaling)."""
-  leaves = jax.tree_util.tree_leaves(contributions)
-  max_abs = 0.0
-  for leaf in leaves:
-    leaf = leaf.astype(_accumulation_dtype(leaf.dtype))
-    max_abs = jnp.maximum(
-        max_abs, jnp.max(jnp.abs(leaf), axis=tuple(range(1, leaf.ndim))))
-  scale = jnp.where(max_abs > 0, max_abs, 1.0)
-  total = 0.0
-  for leaf in leaves:
-    leaf = leaf.astype(_accumulation_dtype(leaf.dtype))
-    scaled = leaf / scale.reshape((-1,) + (1,) * (leaf.ndim - 1))
-    total = total + jnp.sum(jnp.square(scaled), axis=tuple(range(1, leaf.ndim)))
-  return scale * jnp.sqrt(total)
-
-
-def _weighted_sum(weights: jax.Array, contributions: PyTree) -> PyTree:
-  def one(leaf):
-    leaf = leaf.astype(_accumulation_dtype(leaf.dtype))
-    return jnp.tensordot(weights.astype(leaf.dtype), leaf, axes=1)
-  return jax.tree_util.tree_map(one, contributions)
 
 
 def _clip_and_sum_rows(contributions: PyTree, mask: jax.Array,
                        l2_clip: float) -> ClippedSum:
   """Clips each row of `contributions` (leading axis) and sums the rows."""
-  squared = _squared_norms(contributions)
-  # A finite row can still overflow the squared norm; only then pay for the
-  # rescaled norm. `cond` on a batch-level scalar keeps the common path cheap.
-  norms = jax.lax.cond(
-      jnp.any(jnp.isposinf(squared)),
-      lambda: _rescaled_norms(contributions),
-      lambda: jnp.sqrt(squared))
-  finite = jnp.isfinite(norms)
+  squared = _squared_norms_in_clip_units(contributions, l2_clip)
+  # NaN/Inf anywhere in a row makes its squared norm non-finite, and so does a
+  # norm beyond ~1e19 clip norms in float32: such rows are dropped (zero),
+  # which never exceeds the sensitivity.
+  finite = jnp.isfinite(squared)
   used = mask & finite
-  factors = jnp.where(used, jnp.minimum(1.0, l2_clip / norms), 0.0)
-  # 0 * NaN is NaN, so rows with non-finite entries must be zeroed before the
-  # weighted sum; skip that pass when every row (masked or not) is finite.
-  clipped_sum = jax.lax.cond(
-      jnp.all(finite),
-      lambda: _weighted_sum(factors, contributions),
-      lambda: _weighted_sum(factors, jax.tree_util.tree_map(
-          lambda x: jnp.where(
-              used.reshape((-1,) + (1,) * (x.ndim - 1)), x, jnp.zeros_like(x)),
-          contributions)))
+  factors = jnp.where(used, jnp.minimum(1.0, jax.lax.rsqrt(squared)), 0.0)
+
+  def weighted_sum(leaf):
+    leaf = leaf.astype(_accumulation_dtype(leaf.dtype))
+    # `where` rather than multiplying by a zero factor: 0 * NaN is NaN. The
+    # select, the scaling and the sum fuse into one pass over the rows.
+    scaled = jnp.where(_row_shape(used, leaf.ndim),
+                       leaf * _row_shape(factors, leaf.ndim).astype(leaf.dtype),
+                       0.0)
+    return jnp.sum(scaled, axis=0)
+
   return ClippedSum(
-      sum=clipped_sum,
+      sum=jax.tree_util.tree_map(weighted_sum, contributions),
       count=jnp.sum(mask, dtype=jnp.int32),
       num_nonfinite=jnp.sum(mask & ~finite, dtype=jnp.int32),
-      num_clipped=jnp.sum(used & (norms > l2_clip), dtype=jnp.int32))
+      num_clipped=jnp.sum(used & (squared > 1.0), dtype=jnp.int32))
 
 
 def clipped_sum(

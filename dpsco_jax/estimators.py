@@ -110,12 +110,15 @@ def privatize_sum(
     `((global clipped sum + stddev * noise) / normalize_by, new noise state)`,
     in float32 (or wider).
   """
-  parallel.check_replicated(noise_state.key, axis_name)
+  not_replicated = parallel.check_replicated(noise_state.key, axis_name)
   total = parallel.psum(clipped.sum, axis_name)
   noise, noise_state = mechanism.next(noise_state, total)
   private = jax.tree_util.tree_map(
       lambda s, n: (s + stddev * n.astype(s.dtype)) / normalize_by, total,
       noise)
+  if not_replicated is not None:
+    private = jax.tree_util.tree_map(
+        lambda x: jnp.where(not_replicated, jnp.nan, x), private)
   return private, noise_state
 
 
@@ -212,7 +215,8 @@ def noisy_gradient(
     local_size = clipping.batch_size_of(batch)
     divisor = (normalize_by if normalize_by is not None else
                local_size * parallel.axis_size(axis_name))
-    clipped = statistic(batch, params, mask=batch_mask)
+    clipped = statistic(batch, parallel.per_device(params, axis_name),
+                        mask=batch_mask)
     private, noise_state = privatize_sum(
         clipped, state.noise, mechanism, stddev, normalize_by=divisor,
         axis_name=axis_name)

@@ -32,6 +32,29 @@ def psum(tree: PyTree, axis_name: Optional[str]) -> PyTree:
   return jax.lax.psum(tree, axis_name)
 
 
+def per_device(tree: PyTree, axis_name: Optional[str]) -> PyTree:
+  """Marks replicated values as device-varying before per-example work.
+
+  Under `shard_map`, differentiating with respect to a replicated (invariant)
+  value sums the gradient over devices automatically. Per-example gradients
+  taken at replicated params would then mix the examples of different
+  devices BEFORE clipping, breaking the per-example bound. Casting params to
+  device-varying first keeps each device's gradients its own; the clipped
+  sums are then added explicitly with `psum`. Under `pmap` it is a no-op.
+
+  Args:
+    tree: a pytree of replicated arrays (e.g. params).
+    axis_name: the mapped axis name, or None (identity).
+
+  Returns:
+    The same values, typed as varying along `axis_name`.
+  """
+  if axis_name is None:
+    return tree
+  return jax.tree_util.tree_map(
+      lambda x: jax.lax.pcast(x, axis_name, to='varying'), tree)
+
+
 def axis_size(axis_name: Optional[str]) -> int:
   """Number of devices along `axis_name` (1 when None).
 
@@ -55,18 +78,24 @@ def _raise_not_replicated(mismatch, what: str) -> None:
 
 
 def check_replicated(key: jax.Array, axis_name: Optional[str],
-                     what: str = 'the noise key') -> None:
+                     what: str = 'the noise key') -> Optional[jax.Array]:
   """Raises (at run time) if `key` is not identical on every device.
 
-  Costs one all-reduce of two integers.
+  Costs one all-reduce of two integers. The error is raised from a host
+  callback; the returned flag lets the caller also poison its output, so a
+  run whose error is swallowed cannot go on with weaker privacy.
 
   Args:
     key: a PRNG key (typed or raw).
     axis_name: the mapped axis name, or None (no check).
     what: the name used in the error message.
+
+  Returns:
+    A bool scalar, True when the key differs across devices (None when
+    `axis_name` is None).
   """
   if axis_name is None:
-    return
+    return None
   data = key
   if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
     data = jax.random.key_data(key)
@@ -75,3 +104,4 @@ def check_replicated(key: jax.Array, axis_name: Optional[str],
                      jax.lax.pmin(data, axis_name))
   jax.debug.callback(functools.partial(_raise_not_replicated, what=what),
                      mismatch)
+  return mismatch

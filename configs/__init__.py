@@ -1,0 +1,1 @@
+"""Config files (`ml_collections`) for the jobs in `experiments/`."""

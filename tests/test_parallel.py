@@ -1,0 +1,199 @@
+"""Multi-device steps: pmap and shard_map over 8 CPU devices equal one device.
+
+The 8 virtual devices come from tests/conftest.py. Each device holds 1/8 of
+the global batch; clipped sums are psum'd and the noise is drawn once from
+the replicated key, so the result must match the single-device run on the
+full batch with the same key, step after step.
+"""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import dpsco_jax
+from dpsco_jax import parallel
+
+NUM_DEVICES = 8
+GLOBAL_BATCH = 64
+NUM_STEPS = 5
+
+
+def loss_fn(params, example):
+  logits = example['x'] @ params['w'] + params['b']
+  return -jax.nn.log_softmax(logits)[example['y']]
+
+
+def make_data(seed=0):
+  rng = np.random.default_rng(seed)
+  batches = [{
+      'x': jnp.asarray(rng.normal(size=(GLOBAL_BATCH, 12)), jnp.float32),
+      'y': jnp.asarray(rng.integers(0, 4, GLOBAL_BATCH), jnp.int32),
+  } for _ in range(NUM_STEPS)]
+  params = {'w': jnp.asarray(rng.normal(size=(12, 4)) * 0.1, jnp.float32),
+            'b': jnp.zeros((4,), jnp.float32)}
+  return params, batches
+
+
+def make_tx(algorithm, axis_name):
+  common = dict(l2_clip=0.3, noise_multiplier=0.8, key=7, num_steps=NUM_STEPS,
+                axis_name=axis_name)
+  if algorithm == 'dpsgd':
+    private = dpsco_jax.dpsgd(loss_fn, **common)
+  elif algorithm == 'dpftrl':
+    private = dpsco_jax.dpftrl(loss_fn, restart_every=3, **common)
+  else:
+    private = dpsco_jax.dpftrl(loss_fn, honaker=True, **common)
+  return optax.chain(private, optax.sgd(0.5, momentum=0.9))
+
+
+def step_fn(tx):
+  def step(params, state, batch):
+    updates, state = tx.update(None, state, params, batch=batch)
+    return optax.apply_updates(params, updates), state
+  return step
+
+
+def run_single(algorithm, params, batches):
+  tx = make_tx(algorithm, None)
+  state = tx.init(params)
+  step = jax.jit(step_fn(tx))
+  for batch in batches:
+    params, state = step(params, state, batch)
+  return params
+
+
+def replicate(tree):
+  def one(x):
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+      data = jax.random.key_data(x)
+      return jax.random.wrap_key_data(
+          jnp.broadcast_to(data, (NUM_DEVICES,) + data.shape))
+    return jnp.broadcast_to(x, (NUM_DEVICES,) + x.shape)
+  return jax.tree_util.tree_map(one, tree)
+
+
+def shard_batch(batch):
+  return jax.tree_util.tree_map(
+      lambda x: x.reshape((NUM_DEVICES, -1) + x.shape[1:]), batch)
+
+
+def run_pmap(algorithm, params, batches):
+  tx = make_tx(algorithm, 'devices')
+  state = replicate(tx.init(params))
+  params = replicate(params)
+  step = jax.pmap(step_fn(tx), axis_name='devices')
+  for batch in batches:
+    params, state = step(params, state, shard_batch(batch))
+  return params
+
+
+def run_shard_map(algorithm, params, batches):
+  tx = make_tx(algorithm, 'devices')
+  mesh = jax.make_mesh((NUM_DEVICES,), ('devices',))
+  replicated = NamedSharding(mesh, P())
+  step = jax.jit(jax.shard_map(
+      step_fn(tx), mesh=mesh, in_specs=(P(), P(), P('devices')),
+      out_specs=(P(), P())))
+  state = jax.device_put(tx.init(params), replicated)
+  params = jax.device_put(params, replicated)
+  for batch in batches:
+    batch = jax.device_put(batch, NamedSharding(mesh, P('devices')))
+    params, state = step(params, state, batch)
+  return params
+
+
+def test_eight_devices_available():
+  assert jax.device_count() == NUM_DEVICES
+
+
+@pytest.mark.parametrize('algorithm', ['dpsgd', 'dpftrl', 'honaker'])
+def test_pmap_equals_one_device(algorithm):
+  params, batches = make_data()
+  single = run_single(algorithm, params, batches)
+  multi = run_pmap(algorithm, params, batches)
+  for leaf_single, leaf_multi in zip(jax.tree_util.tree_leaves(single),
+                                     jax.tree_util.tree_leaves(multi)):
+    # Every replica holds the same params: the noise was drawn once.
+    np.testing.assert_array_equal(leaf_multi, jnp.broadcast_to(
+        leaf_multi[0], leaf_multi.shape))
+    np.testing.assert_allclose(leaf_multi[0], leaf_single, rtol=1e-5,
+                               atol=1e-6)
+  # The run moved the params: the comparison is not between two no-ops.
+  assert float(jnp.max(jnp.abs(single['w'] - params['w']))) > 1e-2
+
+
+@pytest.mark.parametrize('algorithm', ['dpsgd', 'dpftrl', 'honaker'])
+def test_shard_map_equals_one_device(algorithm):
+  params, batches = make_data()
+  single = run_single(algorithm, params, batches)
+  multi = run_shard_map(algorithm, params, batches)
+  for leaf_single, leaf_multi in zip(jax.tree_util.tree_leaves(single),
+                                     jax.tree_util.tree_leaves(multi)):
+    np.testing.assert_allclose(leaf_multi, leaf_single, rtol=1e-5, atol=1e-6)
+
+
+def test_shard_map_per_example_gradients_stay_on_their_device():
+  """Gradients at replicated params must not be summed across devices."""
+  params, batches = make_data()
+  statistic = dpsco_jax.clipped_grad_sum(loss_fn, l2_clip=1e6)
+  mesh = jax.make_mesh((NUM_DEVICES,), ('devices',))
+
+  def local_then_psum(batch, p):
+    local = statistic(batch, parallel.per_device(p, 'devices'), mask=None)
+    return jax.lax.psum(local.sum, 'devices')
+
+  batch = jax.device_put(batches[0], NamedSharding(mesh, P('devices')))
+  total = jax.jit(jax.shard_map(
+      local_then_psum, mesh=mesh, in_specs=(P('devices'), P()),
+      out_specs=P()))(batch, params)
+  expected = statistic(batches[0], params).sum
+  for got, want in zip(jax.tree_util.tree_leaves(total),
+                       jax.tree_util.tree_leaves(expected)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+_PER_DEVICE_KEYS_SCRIPT = """
+import jax, jax.numpy as jnp, numpy as np
+from tests import test_parallel as tp
+params, batches = tp.make_data()
+tx = tp.make_tx('dpsgd', 'devices')
+state = tp.replicate(tx.init(params))
+keys = jax.random.split(jax.random.key(0), tp.NUM_DEVICES)
+state = (state[0]._replace(noise=state[0].noise._replace(key=keys)),) + tuple(
+    state[1:])
+step = jax.pmap(tp.step_fn(tx), axis_name='devices')
+try:
+  out, _ = step(tp.replicate(params), state, tp.shard_batch(batches[0]))
+  values = [np.asarray(x) for x in jax.tree_util.tree_leaves(out)]
+  print('ALL_NAN', all(np.isnan(v).all() for v in values))
+  jax.effects_barrier()
+  print('NOT_RAISED')
+except Exception as error:  # The callback error arrives as a runtime error.
+  print('RAISED', 'differs across devices' in str(error))
+"""
+
+
+def test_pmap_refuses_per_device_noise_keys():
+  """A key that differs across devices would add different noise per device.
+
+  Runs in a subprocess: the refused step raises from a host callback on every
+  device, and those errors must not leak into the other tests' runtime. The
+  callback is asynchronous, so the step's output may be read before the error
+  arrives: it must then be NaN, and the error must arrive by the barrier.
+  """
+  env = dict(os.environ)
+  env['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8'
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  result = subprocess.run(
+      [sys.executable, '-c', _PER_DEVICE_KEYS_SCRIPT], cwd=root, env=env,
+      capture_output=True, text=True, timeout=300)
+  assert 'RAISED True' in result.stdout, result.stdout + result.stderr
+  assert 'ALL_NAN False' not in result.stdout
