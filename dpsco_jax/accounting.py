@@ -39,6 +39,7 @@ the noise, so the accountant sees a unit-sensitivity mechanism.
 """
 
 import dataclasses
+import functools
 import math
 from typing import Optional, Union
 
@@ -457,15 +458,19 @@ def calibrate_noise_multiplier(
     sensitivity = mechanism_sensitivity(mechanism, participation)
     return sensitivity / paper_gdp_mu(epsilon, delta)
 
+  @functools.lru_cache(maxsize=None)
   def gap(z: float) -> float:
     return epsilon_spent(mechanism, z, participation, delta, method=method,
                          neighboring_relation=neighboring_relation) - epsilon
 
   # Bracket with the cheap RDP accountant first: PLD at a tiny multiplier
   # (huge epsilon) needs enormous memory, and RDP's multiplier is an upper
-  # bound for PLD's.
+  # bound for PLD's. Without amplification the closed form is a good start.
   if method == 'rdp':
     upper = 1.0
+    if not isinstance(participation, PoissonSampling):
+      upper = calibrate_noise_multiplier(mechanism, participation, epsilon,
+                                         delta, method='gdp_paper')
     while gap(upper) > 0:
       upper *= 2.0
     lower = upper / 2.0

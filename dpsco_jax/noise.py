@@ -32,6 +32,7 @@ reused and a tree node is regenerated identically whenever it is needed.
 """
 
 import functools
+import math
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
@@ -97,8 +98,11 @@ def _noise_dtype(leaf) -> jnp.dtype:
 def _draw(key: jax.Array, template: PyTree, sampler: Sampler) -> PyTree:
   """One unit-variance draw per leaf of `template`, a distinct key per leaf."""
   leaves, treedef = jax.tree_util.tree_flatten(template)
+  # Drawing flat then reshaping gives the same values as drawing in the leaf's
+  # shape, but compiles much faster for multi-dimensional leaves.
   noise = [
-      sampler(jax.random.fold_in(key, index), jnp.shape(leaf), _noise_dtype(leaf))
+      sampler(jax.random.fold_in(key, index), (math.prod(jnp.shape(leaf)),),
+              _noise_dtype(leaf)).reshape(jnp.shape(leaf))
       for index, leaf in enumerate(leaves)
   ]
   return jax.tree_util.tree_unflatten(treedef, noise)
@@ -354,209 +358,6 @@ def tree(
     if release == 'prefix':
       return after, buffers
     before = honaker_prefix(old, i - 1)
-    return jax.tree_util.tree_map(jnp.subtract, after, before), buffers
-
-  def init(template, key):
-    del template
-    return NoiseState(key=key, step=jnp.zeros((), jnp.int32))
-
-  def next_noise(state, template):
-    noise = _draw(jax.random.fold_in(state.key, state.step), template, sampler)
-    noise = _refuse_past_capacity(state, noise, num_steps, name)
-    return noise, state._replace(step=state.step + 1)
-
-  def encoder_matrix():
-    if num_steps is None:
-      raise ValueError('gaussian(num_steps=None) has no finite encoder matrix; '
-                       'give num_steps to account for it')
-    return np.eye(num_steps)
-
-  return NoiseMechanism(init=init, next=next_noise,
-                        encoder_matrix=encoder_matrix, num_steps=num_steps,
-                        release='per_step', name=name)
-
-
-def tree_num_levels(tree_size: int) -> int:
-  """Levels of a binary tree over `tree_size` leaves: `floor(log2 T) + 1`.
-
-  This is also how many released nodes contain the first leaf, i.e. the
-  squared l2 sensitivity of one step's contribution (paper 001 Lemma 4.3
-  bounds it by `1 + ceil(log2 T)`; this count is exact).
-
-  Args:
-    tree_size: number of leaves (steps) of the tree.
-
-  Returns:
-    The number of levels.
-  """
-  return int(tree_size).bit_length()
-
-
-def tree_encoder_matrix(num_steps: int, restart_every: Optional[int] = None
-                        ) -> np.ndarray:
-  """Node-membership matrix of (restarted) binary trees over `num_steps` steps.
-
-  Row (k, j) of a tree is the node at level k covering leaves
-  `(j-1) 2^k + 1 .. j 2^k` (1-indexed); only complete nodes are listed, since
-  only those are ever released. Restarted trees are independent blocks.
-
-  Args:
-    num_steps: total number of steps.
-    restart_every: steps per tree (default: one tree).
-
-  Returns:
-    A 0/1 float64 matrix `[num_nodes, num_steps]`.
-  """
-  num_steps = _validate_steps(num_steps, 'num_steps', required=True)
-  tree_size = restart_every or num_steps
-  rows = []
-  for start in range(0, num_steps, tree_size):
-    size = min(tree_size, num_steps - start)
-    for level in range(tree_num_levels(size)):
-      width = 1 << level
-      for j in range(1, size // width + 1):
-        row = np.zeros(num_steps)
-        row[start + (j - 1) * width:start + j * width] = 1.0
-        rows.append(row)
-  return np.stack(rows)
-
-
-def _trailing_zeros(i: jax.Array) -> jax.Array:
-  """Number of trailing zero bits of a positive int32."""
-  return jax.lax.population_count((i & -i) - 1)
-
-
-def tree(
-    num_steps: int,
-    *,
-    release: str = 'per_step',
-    restart_every: Optional[int] = None,
-    honaker: bool = False,
-    sampler: Sampler = jax.random.normal,
-) -> NoiseMechanism:
-  """Binary-tree (continual counting) noise, paper 001 Lemma 4.3.
-
-  Each tree node (level k, index j) carries an independent unit-variance
-  Gaussian draw keyed by `fold_in` of (tree, level, index), so a node is
-  regenerated identically for every prefix that uses it. At local step i
-  (1-indexed within the current tree) the prefix noise is the sum of the
-  nodes of the binary decomposition of i (`popcount(i)` nodes; e.g.
-  `g_7 = s_{1,2} + s_{3,1} + s_{7,0}`). The per-step residual noise is the
-  difference of consecutive prefix noises, computed directly from the nodes
-  that change (`1 + ctz(i)` draws, two on average).
-
-  The Honaker variant (`honaker=True`) replaces each node by its
-  minimum-variance estimate from itself and its subtree (node value
-  `v_k = n_k + (v_left + v_right) / 2`, estimate `v_k / (2 - 2^-k)`), which
-  needs one buffer per level; the standard tree keeps no buffers at all.
-  Either way the released values are post-processing of the same node
-  measurements, so the encoder (and privacy) is the same.
-
-  Restarts: with `restart_every=R` a fresh tree starts every R steps. In
-  'per_step' release the noise already added by earlier trees stays in
-  (it is folded into the iterate, as DP-FTRL's restart does), and in
-  'prefix' release the prefix restarts from zero.
-
-  Example:
-    >>> mech = tree(num_steps=1000, release='per_step', restart_every=100)
-    >>> state = mech.init(params, jax.random.key(0))
-    >>> noise, state = mech.next(state, params)
-
-  Args:
-    num_steps: capacity: total steps (over all restarts). Refused past it.
-    release: 'per_step' (residual noise) or 'prefix' (noise on prefix sums).
-    restart_every: steps per tree; None for a single tree.
-    honaker: use the Honaker variance-reduced node estimates.
-    sampler: `(key, shape, dtype) -> array` unit-variance node sampler (tests
-      replace it, e.g. with ones; keep the default in real use).
-
-  Returns:
-    A `NoiseMechanism`.
-  """
-  num_steps = _validate_steps(num_steps, 'num_steps', required=True)
-  restart_every = _validate_steps(restart_every, 'restart_every', required=False)
-  if release not in ('per_step', 'prefix'):
-    raise ValueError(f"release must be 'per_step' or 'prefix', got {release!r}")
-  tree_size = min(restart_every or num_steps, num_steps)
-  num_levels = tree_num_levels(tree_size)
-  name = (f"{'honaker_' if honaker else ''}tree(release={release}, "
-          f'num_steps={num_steps}, restart_every={restart_every})')
-
-  def local_position(step):
-    tree_index = step // tree_size
-    return tree_index, step % tree_size + 1
-
-  def node(key, tree_index, level, index, template):
-    node_key = jax.random.fold_in(
-        jax.random.fold_in(jax.random.fold_in(key, tree_index), level), index)
-    return _draw(node_key, template, sampler)
-
-  def add(a, b, scale=1.0):
-    return jax.tree_util.tree_map(lambda x, y: x + scale * y, a, b)
-
-  def standard_next(state, template):
-    tree_index, i = local_position(state.step)
-    zeros = _zeros(template)
-    if release == 'prefix':
-      total = zeros
-      for level in range(num_levels):
-        total = jax.lax.cond(
-            (i >> level) & 1,
-            lambda t, lv=level: add(t, node(state.key, tree_index, lv, i >> lv,
-                                             template)),
-            lambda t: t, total)
-      return total, ()
-    # Residual: the new node at level ctz(i) enters, the nodes of i-1 below it
-    # (its trailing ones) leave.
-    ctz = _trailing_zeros(i)
-    total = zeros
-    for level in range(num_levels):
-      branch = jnp.where(level == ctz, 1, jnp.where(level < ctz, 2, 0))
-      total = jax.lax.switch(branch, [
-          lambda t: t,
-          lambda t, lv=level: add(t, node(state.key, tree_index, lv, i >> lv,
-                                           template)),
-          lambda t, lv=level: add(t, node(state.key, tree_index, lv,
-                                           (i - 1) >> lv, template), -1.0),
-      ], total)
-    return total, ()
-
-  weights = [2.0 - 2.0 ** (-level) for level in range(num_levels)]
-
-  def honaker_prefix(buffers, i):
-    total = jax.tree_util.tree_map(lambda b: jnp.zeros(b.shape[1:], b.dtype),
-                                   buffers)
-    for level in range(num_levels):
-      bit = ((i >> level) & 1).astype(jnp.float32)
-      total = jax.tree_util.tree_map(
-          lambda t, b, lv=level: t + (bit / weights[lv]) * b[lv].astype(t.dtype),
-          total, buffers)
-    return total
-
-  def honaker_next(state, template):
-    tree_index, i = local_position(state.step)
-    ctz = _trailing_zeros(i)
-    buffers = state.buffers
-    before = honaker_prefix(buffers, i - 1)
-    value = None
-    for level in range(num_levels):
-      def completes(values, lv=level):
-        fresh = node(state.key, tree_index, lv, i >> lv, template)
-        if lv == 0:
-          return fresh
-        return jax.tree_util.tree_map(
-            lambda n, left, right: n + 0.5 * (left[lv - 1] + right),
-            fresh, buffers, values)
-      value = jax.lax.cond(level <= ctz, completes,
-                           lambda values: values if values is not None else
-                           _zeros(template),
-                           value if value is not None else _zeros(template))
-      buffers = jax.tree_util.tree_map(
-          lambda b, v, lv=level: b.at[lv].set(
-              jnp.where(level <= ctz, v, b[lv])), buffers, value)
-    after = honaker_prefix(buffers, i)
-    if release == 'prefix':
-      return after, buffers
     return jax.tree_util.tree_map(jnp.subtract, after, before), buffers
 
   def init(template, key):

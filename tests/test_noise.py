@@ -7,6 +7,7 @@ Honaker estimates are rebuilt as explicit combinations of the node draws.
 """
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -17,11 +18,15 @@ from scipy import stats
 
 from dpsco_jax import noise
 
-STEPS = 10
+STEPS = 40
 RESTART = 5
-# 20000 coordinates in two leaves: the sample variance is within ~1% (one
-# standard error) of the truth, and the KS test sees every coordinate.
-LARGE = {'w': np.zeros((100, 160), np.float32), 'b': np.zeros(4000, np.float32)}
+# One leaf of 20000 coordinates: the sample variance is within ~1% (one
+# standard error) of the truth. (More leaves would multiply the already long
+# compilation of a tree's `next`.)
+LARGE = {'w': np.zeros((100, 200), np.float32)}
+# The KS tests use the first few steps and ~4096 coordinates of each draw.
+KS_STEPS = 8
+KS_COORDINATES = 4096
 SMALL = {'w': np.zeros((3, 2), np.float32), 'b': np.zeros(5, np.float32)}
 
 
@@ -81,22 +86,35 @@ def _honaker_residual_variance(t):
   return residual @ residual
 
 
+# (release, honaker) -> variance of one coordinate at local step t of a tree.
+LOCAL_VARIANCE = {
+    ('prefix', False): lambda t: _popcount(t + 1),
+    ('per_step', False): lambda t: 1 + _ctz(t + 1),
+    ('prefix', True): _honaker_prefix_variance,
+    ('per_step', True): _honaker_residual_variance,
+}
+
+
+def _tree_name(release, honaker, restart_every):
+  restarted = ['restarted'] if restart_every else []
+  return '_'.join(['honaker' if honaker else 'tree', release] + restarted)
+
+
+def _tree_case(release, honaker, restart_every):
+  """A tree mechanism factory and its per-step variance."""
+  tree_size = restart_every or STEPS
+  local_variance = LOCAL_VARIANCE[(release, honaker)]
+  return (lambda: noise.tree(STEPS, release=release, honaker=honaker,
+                             restart_every=restart_every),
+          lambda t: local_variance(t % tree_size))
+
+
 # name -> (mechanism factory, variance of one noise coordinate at step t).
 MECHANISMS = {
     'gaussian': (noise.gaussian, lambda t: 1.0),
-    'tree_per_step': (lambda: noise.tree(STEPS), lambda t: 1 + _ctz(t + 1)),
-    'tree_prefix': (lambda: noise.tree(STEPS, release='prefix'),
-                    lambda t: _popcount(t + 1)),
-    'honaker_per_step': (lambda: noise.tree(STEPS, honaker=True),
-                         _honaker_residual_variance),
-    'honaker_prefix': (lambda: noise.tree(STEPS, release='prefix',
-                                          honaker=True),
-                       _honaker_prefix_variance),
-    'restarted_per_step': (lambda: noise.tree(STEPS, restart_every=RESTART),
-                           lambda t: 1 + _ctz(t % RESTART + 1)),
-    'restarted_prefix': (lambda: noise.tree(STEPS, release='prefix',
-                                            restart_every=RESTART),
-                         lambda t: _popcount(t % RESTART + 1)),
+    **{_tree_name(*case): _tree_case(*case)
+       for case in itertools.product(('per_step', 'prefix'), (False, True),
+                                     (None, RESTART))},
 }
 
 
@@ -137,7 +155,7 @@ def _large_draws(name):
 @pytest.mark.parametrize('name', sorted(MECHANISMS))
 def test_noise_std_passes_ks_only_at_the_right_scale(name):
   variance = MECHANISMS[name][1]
-  for t, draw in enumerate(_large_draws(name)):
+  for t, draw in enumerate(_large_draws(name)[:KS_STEPS, :KS_COORDINATES]):
     normalized = draw / np.sqrt(variance(t))
     assert stats.kstest(normalized, 'norm').pvalue > 0.01, f'step {t}'
     for wrong in (2 / 3, 3 / 2):
@@ -178,12 +196,11 @@ def _with_finished_trees(prefix, restart_every):
 
 
 @pytest.mark.parametrize('honaker', [False, True])
-@pytest.mark.parametrize('restart_every', [None, 7])
+@pytest.mark.parametrize('restart_every', [None, RESTART])
 def test_per_step_noise_accumulates_to_prefix_noise(honaker, restart_every):
   # Same key, so the same nodes: each node must be regenerated identically.
-  kwargs = dict(honaker=honaker, restart_every=restart_every)
-  per_step = _draws(noise.tree(40, **kwargs), SMALL, 40)
-  prefix = _draws(noise.tree(40, release='prefix', **kwargs), SMALL, 40)
+  per_step = _large_draws(_tree_name('per_step', honaker, restart_every))
+  prefix = _large_draws(_tree_name('prefix', honaker, restart_every))
   np.testing.assert_allclose(np.cumsum(per_step, axis=0),
                              _with_finished_trees(prefix, restart_every),
                              rtol=1e-5, atol=1e-4)
@@ -203,7 +220,8 @@ def test_restarted_tree_with_ones_sampler():
                                 local + finished)
 
 
-@pytest.mark.parametrize('name', ['restarted_per_step', 'restarted_prefix'])
+@pytest.mark.parametrize(
+    'name', ['tree_per_step_restarted', 'tree_prefix_restarted'])
 def test_restarted_trees_are_independent(name):
   # Steps 0 and RESTART are each the first leaf node of their own tree.
   first_tree, second_tree = _large_draws(name)[[0, RESTART]]
@@ -262,10 +280,15 @@ def _assert_identical(tree_a, tree_b):
 PAIR = {'a': np.zeros(64, np.float32), 'b': np.zeros(64, np.float32)}
 
 
-@pytest.mark.parametrize(
-    'name', ['gaussian', 'tree_per_step', 'tree_prefix', 'honaker_per_step'])
-def test_jitted_next_is_pure_and_never_reuses_a_key(name):
-  mech = MECHANISMS[name][0]()
+# Two-step trees: the smallest with two steps, the quickest to compile.
+@pytest.mark.parametrize('make', [
+    noise.gaussian,
+    lambda: noise.tree(2),
+    lambda: noise.tree(2, release='prefix'),
+    lambda: noise.tree(2, honaker=True),
+], ids=['gaussian', 'tree_per_step', 'tree_prefix', 'honaker_per_step'])
+def test_jitted_next_is_pure_and_never_reuses_a_key(make):
+  mech = make()
   next_noise = jax.jit(mech.next)
   state = mech.init(PAIR, jax.random.key(0))
   first = next_noise(state, PAIR)
