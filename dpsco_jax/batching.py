@@ -14,6 +14,7 @@ is computed for the batches it actually used:
 """
 
 import dataclasses
+import math
 from typing import Iterator, Optional
 
 import numpy as np
@@ -135,6 +136,10 @@ class PoissonBatches:
 
   Yields `(indices, mask)`: the sampled indices padded (with index 0) up to a
   multiple of `pad_to_multiple`, and a bool mask that is False on padding.
+  Every distinct padded size is compiled anew, so the default pads to the
+  expected size plus four standard deviations (rounded up to a multiple of
+  32): almost every batch fits one shape, and a larger batch (probability
+  ~3e-5 per step) is padded to the next multiple, never truncated.
   Each example gets its own Bernoulli draw (not a Binomial batch size
   followed by sampling without replacement, which is a different mechanism).
   Divide the noisy sum by the EXPECTED batch size `q * num_examples`
@@ -150,22 +155,28 @@ class PoissonBatches:
     sampling_probability: q in (0, 1].
     num_steps: number of batches.
     seed: sampling seed (use a fresh one per run).
-    pad_to_multiple: batches are padded to a multiple of this.
+    pad_to_multiple: batches are padded to a multiple of this (default:
+      see above).
   """
 
   num_examples: int
   sampling_probability: float
   num_steps: int
   seed: int
-  pad_to_multiple: int = 32
+  pad_to_multiple: Optional[int] = None
 
   def __post_init__(self):
     _positive_int(self.num_examples, 'num_examples')
     _positive_int(self.num_steps, 'num_steps')
-    _positive_int(self.pad_to_multiple, 'pad_to_multiple')
     if not 0.0 < float(self.sampling_probability) <= 1.0:
       raise ValueError('sampling_probability must be in (0, 1], got '
                        f'{self.sampling_probability!r}')
+    if self.pad_to_multiple is None:
+      q = self.sampling_probability
+      std = math.sqrt(self.num_examples * q * (1.0 - q))
+      object.__setattr__(self, 'pad_to_multiple', 32 * math.ceil(
+          (self.expected_batch_size + 4.0 * std) / 32))
+    _positive_int(self.pad_to_multiple, 'pad_to_multiple')
 
   @property
   def expected_batch_size(self) -> float:

@@ -159,12 +159,12 @@ def _clip_and_sum_rows(contributions: PyTree, mask: jax.Array,
 
   def weighted_sum(leaf):
     leaf = leaf.astype(_accumulation_dtype(leaf.dtype))
-    # `where` rather than multiplying by a zero factor: 0 * NaN is NaN. The
-    # select, the scaling and the sum fuse into one pass over the rows.
-    scaled = jnp.where(_row_shape(used, leaf.ndim),
-                       leaf * _row_shape(factors, leaf.ndim).astype(leaf.dtype),
-                       0.0)
-    return jnp.sum(scaled, axis=0)
+    # Zero the dropped rows with `where` (a zero factor is not enough:
+    # 0 * NaN is NaN), then one matrix-vector product over the rows; on CPU
+    # this measured several times faster than a fused multiply-and-reduce
+    # for large leaves.
+    kept = jnp.where(_row_shape(used, leaf.ndim), leaf, 0.0)
+    return jnp.tensordot(factors.astype(leaf.dtype), kept, axes=1)
 
   return ClippedSum(
       sum=jax.tree_util.tree_map(weighted_sum, contributions),
@@ -406,16 +406,16 @@ def clipped_user_grad_sum(
       items, item_mask = unit.items, unit.item_mask
     else:
       items, item_mask = unit, None
+    per_item = jax.vmap(grad_fn, in_axes=(None, 0))(params, items)
     if item_mask is None:
-      per_item = jax.vmap(grad_fn, in_axes=(None, 0))(params, items)
       return jax.tree_util.tree_map(lambda g: jnp.mean(g, axis=0), per_item)
-
-    def mean_loss(p):
-      losses = jax.vmap(lambda item: loss_fn(p, item))(items)
-      total = jnp.sum(jnp.where(item_mask, losses, 0.0))
-      return total / jnp.maximum(jnp.sum(item_mask, dtype=losses.dtype), 1.0)
-
-    return jax.grad(mean_loss)(params)
+    # Select per-item gradients rather than masking the loss: the gradient of
+    # a masked-out NaN loss is NaN even behind `where` (0 * NaN), and it would
+    # spoil the whole user's contribution.
+    count = jnp.maximum(jnp.sum(item_mask), 1)
+    return jax.tree_util.tree_map(
+        lambda g: jnp.sum(jnp.where(_row_shape(item_mask, g.ndim), g, 0.0),
+                          axis=0) / count.astype(g.dtype), per_item)
 
   return ClippedStatistic(
       contribution_fn=user_gradient, l2_clip=l2_clip,

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import optax
 
 from dpsco_jax import clipping
+from dpsco_jax import guards
 from dpsco_jax import neighboring
 from dpsco_jax import noise as noise_lib
 from dpsco_jax import parallel
@@ -117,8 +118,8 @@ def privatize_sum(
       lambda s, n: (s + stddev * n.astype(s.dtype)) / normalize_by, total,
       noise)
   if not_replicated is not None:
-    private = jax.tree_util.tree_map(
-        lambda x: jnp.where(not_replicated, jnp.nan, x), private)
+    private = guards.refuse(not_replicated, private,
+                            parallel.NOT_REPLICATED_MESSAGE)
   return private, noise_state
 
 

@@ -31,13 +31,14 @@ draw folds in the step (or tree node) and the leaf index, so no key is ever
 reused and a tree node is regenerated identically whenever it is needed.
 """
 
-import functools
 import math
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from dpsco_jax import guards
 
 PyTree = Any
 Sampler = Callable[[jax.Array, tuple, Any], jax.Array]
@@ -113,28 +114,19 @@ def _zeros(template: PyTree) -> PyTree:
       lambda leaf: jnp.zeros(jnp.shape(leaf), _noise_dtype(leaf)), template)
 
 
-def _raise_past_capacity(exceeded, step, num_steps: int, name: str) -> None:
-  if exceeded:
-    raise ValueError(
-        f'{name}: step {int(step)} is past the capacity of {num_steps} steps '
-        'its noise was calibrated for; running further would silently weaken '
-        'privacy. Build a mechanism (and accounting) for more steps.')
-
-
 def _refuse_past_capacity(state: NoiseState, noise: PyTree,
                           num_steps: Optional[int], name: str) -> PyTree:
-  """Raises if the capacity is exhausted; inside jit also poisons the noise."""
+  """Refuses a draw past the capacity (see `dpsco_jax.guards.refuse`)."""
   if num_steps is None:
     return noise
-  exceeded = state.step >= num_steps
-  if not isinstance(exceeded, jax.core.Tracer):
-    _raise_past_capacity(bool(exceeded), state.step, num_steps, name)
-    return noise
-  jax.debug.callback(functools.partial(
-      _raise_past_capacity, num_steps=num_steps, name=name), exceeded,
-      state.step)
-  return jax.tree_util.tree_map(
-      lambda x: jnp.where(exceeded, jnp.nan, x), noise)
+  step = state.step
+  if not isinstance(step, jax.core.Tracer):
+    step = int(step)
+  return guards.refuse(
+      step >= num_steps, noise,
+      f'{name}: a step past the capacity of {num_steps} steps its noise was '
+      'calibrated for; running further would silently weaken privacy. Build '
+      'a mechanism (and accounting) for more steps.')
 
 
 def gaussian(num_steps: Optional[int] = None, *,

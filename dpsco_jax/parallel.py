@@ -5,10 +5,10 @@ own examples, the clipped SUMS are summed across devices (`psum`), and the
 noise is drawn ONCE from a key that is identical on every device, so each
 device adds the very same noise to the very same global sum. Drawing noise per
 device and averaging would shrink its standard deviation by sqrt(devices) and
-silently weaken privacy; `check_replicated` refuses a non-replicated key.
+silently weaken privacy; `check_replicated` detects a non-replicated key so
+that the step can refuse it (`dpsco_jax.guards`).
 """
 
-import functools
 from typing import Any, Optional
 
 import jax
@@ -69,26 +69,16 @@ def axis_size(axis_name: Optional[str]) -> int:
   return jax.lax.axis_size(axis_name)
 
 
-def _raise_not_replicated(mismatch, what: str) -> None:
-  if mismatch:
-    raise ValueError(
-        f'{what} differs across devices. Noise must come from ONE key '
-        'replicated on every device (never fold the device index into a '
-        'noise key); otherwise each device adds different noise.')
+def check_replicated(key: jax.Array, axis_name: Optional[str]
+                     ) -> Optional[jax.Array]:
+  """Whether `key` differs across the devices of `axis_name`.
 
-
-def check_replicated(key: jax.Array, axis_name: Optional[str],
-                     what: str = 'the noise key') -> Optional[jax.Array]:
-  """Raises (at run time) if `key` is not identical on every device.
-
-  Costs one all-reduce of two integers. The error is raised from a host
-  callback; the returned flag lets the caller also poison its output, so a
-  run whose error is swallowed cannot go on with weaker privacy.
+  Costs one all-reduce of two integers. Pass the flag to
+  `guards.refuse` together with the step's output.
 
   Args:
     key: a PRNG key (typed or raw).
     axis_name: the mapped axis name, or None (no check).
-    what: the name used in the error message.
 
   Returns:
     A bool scalar, True when the key differs across devices (None when
@@ -100,8 +90,11 @@ def check_replicated(key: jax.Array, axis_name: Optional[str],
   if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
     data = jax.random.key_data(key)
   data = data.astype(jnp.uint32).view(jnp.int32)
-  mismatch = jnp.any(jax.lax.pmax(data, axis_name) !=
-                     jax.lax.pmin(data, axis_name))
-  jax.debug.callback(functools.partial(_raise_not_replicated, what=what),
-                     mismatch)
-  return mismatch
+  return jnp.any(jax.lax.pmax(data, axis_name) !=
+                 jax.lax.pmin(data, axis_name))
+
+
+NOT_REPLICATED_MESSAGE = (
+    'the noise key differs across devices. Noise must come from ONE key '
+    'replicated on every device (never fold the device index into a noise '
+    'key); otherwise each device adds different noise.')

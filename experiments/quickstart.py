@@ -200,27 +200,6 @@ def fixed_order_batches(config: ml_collections.ConfigDict,
       order_seed=seed_for(config.seed, 'fixed_order'))
 
 
-def poisson_padded_size(num_examples: int,
-                        sampling_probability: float) -> int:
-  """A padded batch size that almost every Poisson batch fits in.
-
-  Every distinct padded size is compiled anew, which takes seconds on CPU,
-  so pad to the expected size plus four standard deviations (rounded up to a
-  multiple of 32): a larger batch (probability ~3e-5 per step) still works,
-  padded to the next multiple, at the cost of one more compilation.
-
-  Args:
-    num_examples: data set size n.
-    sampling_probability: q.
-
-  Returns:
-    The padded size.
-  """
-  mean = num_examples * sampling_probability
-  std = math.sqrt(mean * (1.0 - sampling_probability))
-  return 32 * math.ceil((mean + 4.0 * std) / 32)
-
-
 def unpadded(sampler: batching.FixedOrderBatches) -> HostBatches:
   """Fixed-size batches have no padding: pair each with a None mask."""
   for indices in sampler:
@@ -235,8 +214,7 @@ def setup_dpsgd(config: ml_collections.ConfigDict,
   sampling_probability = config.expected_batch_size / num_examples
   sampler = batching.PoissonBatches(
       num_examples, sampling_probability, num_steps,
-      seed=seed_for(config.seed, 'dpsgd/sampling'),
-      pad_to_multiple=poisson_padded_size(num_examples, sampling_probability))
+      seed=seed_for(config.seed, 'dpsgd/sampling'))
   # `dpsgd` builds `noise.gaussian(num_steps)` inside; account for the same.
   privacy = calibrate(noise.gaussian(num_steps), sampler.participation, config)
   tx = optax.chain(
