@@ -1,0 +1,36 @@
+"""Refusals: an eager ValueError, or NaN-poisoned output plus a raised error."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dpsco_jax import guards
+
+
+def test_concrete_flag_raises_at_once():
+  with pytest.raises(ValueError, match='refused here'):
+    guards.refuse(True, {'a': jnp.ones(3)}, 'refused here')
+
+
+def test_concrete_false_returns_the_tree_unchanged():
+  tree = {'a': jnp.arange(3.0)}
+  assert guards.refuse(False, tree, 'never') is tree
+
+
+def test_traced_false_passes_values_through():
+  out = jax.jit(lambda x: guards.refuse(x.sum() < 0, {'a': x}, 'never'))(
+      jnp.arange(4.0))
+  np.testing.assert_array_equal(out['a'], jnp.arange(4.0))
+
+
+def test_traced_true_poisons_and_raises():
+  poisoned = None
+  with pytest.raises(Exception, match='refused under jit'):
+    poisoned = jax.jit(
+        lambda x: guards.refuse(x.sum() > 0, {'a': x, 'b': 2 * x},
+                                'refused under jit'))(jnp.ones(4))
+    # The callback is asynchronous: the values may arrive before the error.
+    assert all(bool(jnp.all(jnp.isnan(leaf)))
+               for leaf in jax.tree_util.tree_leaves(poisoned))
+    jax.effects_barrier()
