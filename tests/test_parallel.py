@@ -92,7 +92,10 @@ def run_pmap(algorithm, params, batches):
   step = jax.pmap(step_fn(tx), axis_name='devices')
   for batch in batches:
     params, state = step(params, state, shard_batch(batch))
-  return params
+  for leaf in jax.tree_util.tree_leaves(params):
+    # Every replica holds the same params: the noise was drawn once.
+    np.testing.assert_array_equal(leaf, jnp.broadcast_to(leaf[0], leaf.shape))
+  return jax.tree_util.tree_map(lambda leaf: leaf[0], params)
 
 
 def run_shard_map(algorithm, params, batches):
@@ -114,30 +117,18 @@ def test_eight_devices_available():
   assert jax.device_count() == NUM_DEVICES
 
 
+@pytest.mark.parametrize('runner', [run_pmap, run_shard_map],
+                         ids=['pmap', 'shard_map'])
 @pytest.mark.parametrize('algorithm', ['dpsgd', 'dpftrl', 'honaker'])
-def test_pmap_equals_one_device(algorithm):
+def test_eight_devices_equal_one_device(runner, algorithm):
   params, batches = make_data()
   single = run_single(algorithm, params, batches)
-  multi = run_pmap(algorithm, params, batches)
-  for leaf_single, leaf_multi in zip(jax.tree_util.tree_leaves(single),
-                                     jax.tree_util.tree_leaves(multi)):
-    # Every replica holds the same params: the noise was drawn once.
-    np.testing.assert_array_equal(leaf_multi, jnp.broadcast_to(
-        leaf_multi[0], leaf_multi.shape))
-    np.testing.assert_allclose(leaf_multi[0], leaf_single, rtol=1e-5,
-                               atol=1e-6)
-  # The run moved the params: the comparison is not between two no-ops.
-  assert float(jnp.max(jnp.abs(single['w'] - params['w']))) > 1e-2
-
-
-@pytest.mark.parametrize('algorithm', ['dpsgd', 'dpftrl', 'honaker'])
-def test_shard_map_equals_one_device(algorithm):
-  params, batches = make_data()
-  single = run_single(algorithm, params, batches)
-  multi = run_shard_map(algorithm, params, batches)
+  multi = runner(algorithm, params, batches)
   for leaf_single, leaf_multi in zip(jax.tree_util.tree_leaves(single),
                                      jax.tree_util.tree_leaves(multi)):
     np.testing.assert_allclose(leaf_multi, leaf_single, rtol=1e-5, atol=1e-6)
+  # The run moved the params: the comparison is not between two no-ops.
+  assert float(jnp.max(jnp.abs(single['w'] - params['w']))) > 1e-2
 
 
 def test_shard_map_per_example_gradients_stay_on_their_device():
