@@ -29,7 +29,9 @@ from dpsco_jax.accounting import PoissonSampling
 from dpsco_jax.accounting import Shuffled
 from dpsco_jax.accounting import single_epoch
 from dpsco_jax.algorithms.baselines import dpftrl
+from dpsco_jax.algorithms.baselines import dpftrl_mechanism
 from dpsco_jax.algorithms.baselines import dpsgd
+from dpsco_jax.algorithms.baselines import dpsgd_mechanism
 from dpsco_jax.clipping import clipped_grad_difference_sum
 from dpsco_jax.clipping import clipped_grad_sum
 from dpsco_jax.clipping import clipped_user_grad_sum

@@ -215,8 +215,9 @@ def setup_dpsgd(config: ml_collections.ConfigDict,
   sampler = batching.PoissonBatches(
       num_examples, sampling_probability, num_steps,
       seed=seed_for(config.seed, 'dpsgd/sampling'))
-  # `dpsgd` builds `noise.gaussian(num_steps)` inside; account for the same.
-  privacy = calibrate(noise.gaussian(num_steps), sampler.participation, config)
+  # Account for exactly the mechanism `dpsgd` builds.
+  privacy = calibrate(dpsco_jax.dpsgd_mechanism(num_steps),
+                      sampler.participation, config)
   tx = optax.chain(
       dpsco_jax.dpsgd(
           example_loss, l2_clip=config.clip,
@@ -233,9 +234,8 @@ def setup_dpftrl(config: ml_collections.ConfigDict,
   """DP-FTRL on fixed-order batches, one tree per epoch."""
   sampler = fixed_order_batches(config, num_examples)
   restart_every = sampler.steps_per_epoch
-  # `dpftrl` builds this very tree inside; account for the same.
-  mechanism = noise.tree(sampler.num_steps, release='per_step',
-                         restart_every=restart_every)
+  # Account for exactly the mechanism `dpftrl` builds.
+  mechanism = dpsco_jax.dpftrl_mechanism(sampler.num_steps, restart_every)
   privacy = calibrate(mechanism, sampler.participation, config)
   tx = optax.chain(
       dpsco_jax.dpftrl(

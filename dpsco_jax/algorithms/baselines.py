@@ -27,6 +27,40 @@ from dpsco_jax import noise
 PyTree = Any
 
 
+def dpsgd_mechanism(num_steps: Optional[int] = None) -> noise.NoiseMechanism:
+  """The noise mechanism `dpsgd` builds: i.i.d. Gaussian noise.
+
+  Account for a run with this very mechanism, e.g.
+  `accounting.epsilon_spent(dpsgd_mechanism(T), z, participation, delta)`.
+
+  Args:
+    num_steps: the capacity, as passed to `dpsgd`.
+
+  Returns:
+    `noise.gaussian(num_steps)`.
+  """
+  return noise.gaussian(num_steps)
+
+
+def dpftrl_mechanism(num_steps: int, restart_every: Optional[int] = None,
+                     honaker: bool = False) -> noise.NoiseMechanism:
+  """The noise mechanism `dpftrl` builds: the tree's per-step residual noise.
+
+  Account for a run with this very mechanism, e.g.
+  `accounting.calibrate_noise_multiplier(dpftrl_mechanism(T, R), ...)`.
+
+  Args:
+    num_steps: total steps, as passed to `dpftrl`.
+    restart_every: steps per tree, as passed to `dpftrl`.
+    honaker: as passed to `dpftrl`.
+
+  Returns:
+    `noise.tree(num_steps, release='per_step', ...)`.
+  """
+  return noise.tree(num_steps, release='per_step', restart_every=restart_every,
+                    honaker=honaker)
+
+
 def dpsgd(
     loss_fn: Callable[[PyTree, PyTree], jax.Array],
     *,
@@ -73,7 +107,7 @@ def dpsgd(
   """
   return estimators.noisy_gradient(
       loss_fn, l2_clip=l2_clip, noise_multiplier=noise_multiplier,
-      mechanism=noise.gaussian(num_steps), key=key,
+      mechanism=dpsgd_mechanism(num_steps), key=key,
       neighboring_relation=neighboring_relation, normalize_by=normalize_by,
       microbatch_size=microbatch_size, axis_name=axis_name)
 
@@ -127,10 +161,8 @@ def dpftrl(
     An `optax.GradientTransformationExtraArgs`; call
     `update(None, state, params, batch=batch, batch_mask=None)`.
   """
-  mechanism = noise.tree(num_steps, release='per_step',
-                         restart_every=restart_every, honaker=honaker)
   return estimators.noisy_gradient(
       loss_fn, l2_clip=l2_clip, noise_multiplier=noise_multiplier,
-      mechanism=mechanism, key=key, neighboring_relation=neighboring_relation,
+      mechanism=dpftrl_mechanism(num_steps, restart_every, honaker), key=key, neighboring_relation=neighboring_relation,
       normalize_by=normalize_by, microbatch_size=microbatch_size,
       axis_name=axis_name)

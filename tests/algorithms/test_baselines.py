@@ -233,3 +233,29 @@ def test_state_params_mismatch_is_refused():
   state = tx.init(other_params)
   with pytest.raises(ValueError, match='does not match'):
     tx.update(None, state, params, batch=batch)
+
+
+@pytest.mark.parametrize('algorithm', ['dpsgd', 'dpftrl', 'dpftrl_honaker'])
+def test_accounted_mechanism_is_the_one_that_adds_the_noise(algorithm):
+  """`*_mechanism` (what the accountant sees) draws exactly the added noise."""
+  batch_size, clip, z, steps = 4, 0.5, 2.0, 6
+  params = {'w': jnp.zeros((5, 3)), 'b': jnp.zeros((3,))}
+  batch = {'x': jnp.ones((batch_size, 2)), 'y': jnp.zeros((batch_size,), int)}
+  kwargs = dict(l2_clip=clip, noise_multiplier=z, key=11, num_steps=steps)
+  if algorithm == 'dpsgd':
+    tx = dpsco_jax.dpsgd(zero_loss, **kwargs)
+    mechanism = dpsco_jax.dpsgd_mechanism(steps)
+  else:
+    honaker = algorithm.endswith('honaker')
+    tx = dpsco_jax.dpftrl(zero_loss, restart_every=4, honaker=honaker,
+                          **kwargs)
+    mechanism = dpsco_jax.dpftrl_mechanism(steps, 4, honaker)
+  outputs = noise_outputs(tx, params, batch, steps)
+  noise_state = mechanism.init(params, jax.random.key(11))
+  next_noise = jax.jit(mechanism.next)
+  for t in range(steps):
+    drawn, noise_state = next_noise(noise_state, params)
+    expected = np.concatenate([np.ravel(x) for x in
+                               jax.tree_util.tree_leaves(drawn)])
+    np.testing.assert_allclose(outputs[t], expected * z * clip / batch_size,
+                               rtol=1e-5, atol=1e-7)
