@@ -55,8 +55,8 @@ METHODS = ('pld', 'rdp', 'zcdp', 'gdp_paper')
 
 
 @dataclasses.dataclass(frozen=True)
-class FixedOrder:
-  """Batches in a fixed public order, repeated every epoch ((k, b) pattern).
+class _Epochs:
+  """Participation over epochs of equally many steps.
 
   Attributes:
     num_epochs: k, passes over the data.
@@ -72,20 +72,13 @@ class FixedOrder:
 
 
 @dataclasses.dataclass(frozen=True)
-class Shuffled:
-  """Each example at most once per epoch, anywhere in the epoch.
+class FixedOrder(_Epochs):
+  """Batches in a fixed public order, repeated every epoch ((k, b) pattern)."""
 
-  Attributes:
-    num_epochs: passes over the data.
-    steps_per_epoch: batches per epoch.
-  """
 
-  num_epochs: int
-  steps_per_epoch: int
-
-  @property
-  def num_steps(self) -> int:
-    return self.num_epochs * self.steps_per_epoch
+@dataclasses.dataclass(frozen=True)
+class Shuffled(_Epochs):
+  """Each example at most once per epoch, anywhere in the epoch."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,29 +29,20 @@ def _positive_int(value, name: str) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class FixedOrderBatches:
-  """The same `num_examples // batch_size` batches, in the same order, each epoch.
+class _EpochBatches:
+  """Fixed-size batches over `num_epochs` passes of `num_examples // batch_size`.
 
-  The order is a permutation drawn once from `order_seed` (a public choice,
-  made before seeing the data); the leftover `num_examples % batch_size`
-  examples are never used.
-
-  Example:
-    >>> batches = FixedOrderBatches(1000, batch_size=100, num_epochs=2)
-    >>> batches.participation          # FixedOrder(2, 10)
-    >>> for indices in batches: ...     # 20 arrays of 100 indices
+  The leftover `num_examples % batch_size` examples of an epoch are not used.
 
   Attributes:
     num_examples: data set size.
     batch_size: examples per batch.
     num_epochs: passes over the data.
-    order_seed: seed of the public order (None: natural order 0..n-1).
   """
 
   num_examples: int
   batch_size: int
   num_epochs: int = 1
-  order_seed: Optional[int] = None
 
   def __post_init__(self):
     _positive_int(self.num_examples, 'num_examples')
@@ -69,6 +60,29 @@ class FixedOrderBatches:
   def num_steps(self) -> int:
     return self.num_epochs * self.steps_per_epoch
 
+  def _batches_of(self, order: np.ndarray) -> np.ndarray:
+    used = self.steps_per_epoch * self.batch_size
+    return order[:used].reshape(self.steps_per_epoch, self.batch_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class FixedOrderBatches(_EpochBatches):
+  """The same batches, in the same order, every epoch.
+
+  The order is a permutation drawn once from `order_seed` (a public choice,
+  made before seeing the data).
+
+  Example:
+    >>> batches = FixedOrderBatches(1000, batch_size=100, num_epochs=2)
+    >>> batches.participation          # FixedOrder(2, 10)
+    >>> for indices in batches: ...     # 20 arrays of 100 indices
+
+  Attributes:
+    order_seed: seed of the public order (None: natural order 0..n-1).
+  """
+
+  order_seed: Optional[int] = dataclasses.field(default=None, kw_only=True)
+
   @property
   def participation(self) -> accounting.FixedOrder:
     return accounting.FixedOrder(self.num_epochs, self.steps_per_epoch)
@@ -79,14 +93,13 @@ class FixedOrderBatches:
     else:
       order = np.random.default_rng(self.order_seed).permutation(
           self.num_examples)
-    batches = order[:self.steps_per_epoch * self.batch_size].reshape(
-        self.steps_per_epoch, self.batch_size)
+    batches = self._batches_of(order)
     for _ in range(self.num_epochs):
       yield from batches
 
 
 @dataclasses.dataclass(frozen=True)
-class ShuffledBatches:
+class ShuffledBatches(_EpochBatches):
   """A fresh random permutation each epoch, cut into fixed-size batches.
 
   Accounted as `Shuffled` (each example at most once per epoch), without
@@ -96,27 +109,10 @@ class ShuffledBatches:
     >>> batches = ShuffledBatches(1000, batch_size=100, num_epochs=3, seed=0)
 
   Attributes:
-    num_examples: data set size.
-    batch_size: examples per batch.
-    num_epochs: passes over the data.
     seed: seed of the shuffles.
   """
 
-  num_examples: int
-  batch_size: int
-  num_epochs: int
-  seed: int
-
-  def __post_init__(self):
-    FixedOrderBatches(self.num_examples, self.batch_size, self.num_epochs)
-
-  @property
-  def steps_per_epoch(self) -> int:
-    return self.num_examples // self.batch_size
-
-  @property
-  def num_steps(self) -> int:
-    return self.num_epochs * self.steps_per_epoch
+  seed: int = dataclasses.field(kw_only=True)
 
   @property
   def participation(self) -> accounting.Shuffled:
@@ -124,10 +120,8 @@ class ShuffledBatches:
 
   def __iter__(self) -> Iterator[np.ndarray]:
     rng = np.random.default_rng(self.seed)
-    used = self.steps_per_epoch * self.batch_size
     for _ in range(self.num_epochs):
-      order = rng.permutation(self.num_examples)[:used]
-      yield from order.reshape(self.steps_per_epoch, self.batch_size)
+      yield from self._batches_of(rng.permutation(self.num_examples))
 
 
 @dataclasses.dataclass(frozen=True)
