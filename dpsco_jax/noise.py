@@ -360,15 +360,26 @@ def tree(
                                  _noise_dtype(leaf)), template)
     return NoiseState(key=key, step=jnp.zeros((), jnp.int32), buffers=buffers)
 
-  def next_noise(state, template):
+  def draw_next(state, template):
     if honaker:
-      _check_buffers(state.buffers, template, num_levels)
       noise, buffers = honaker_next(state, template)
     else:
       noise, buffers = standard_next(state, template)
     noise = _refuse_past_capacity(state, noise, num_steps, name)
     return noise, NoiseState(key=state.key, step=state.step + 1,
                              buffers=buffers)
+
+  compiled_next = jax.jit(draw_next)
+
+  def next_noise(state, template):
+    if honaker:
+      _check_buffers(state.buffers, template, num_levels)
+    if isinstance(state.step, jax.core.Tracer):
+      return draw_next(state, template)
+    # Called eagerly: refuse at once, and compile the per-level conds once
+    # instead of dispatching each of them op by op.
+    _refuse_past_capacity(state, (), num_steps, name)
+    return compiled_next(state, template)
 
   return NoiseMechanism(
       init=init, next=next_noise,
