@@ -5,13 +5,15 @@ The curated public API. Modules, one concern each:
 * `dpsco_jax.clipping`: clipped per-example / per-difference / per-user sums
   and the sensitivity they guarantee;
 * `dpsco_jax.noise`: noise mechanisms (i.i.d. Gaussian, binary tree with
-  residual or prefix release, Honaker, restarts) behind one interface;
+  residual or prefix release, Honaker, restarts, matrix factorization)
+  behind one interface;
 * `dpsco_jax.accounting`: epsilon spent and noise calibration
   (`dp_accounting` PLD/RDP, the papers' zCDP and GDP closed forms);
 * `dpsco_jax.estimators`: private gradient estimators as optax
   transformations;
 * `dpsco_jax.algorithms`: the algorithms (DP-SGD, DP-FTRL, ...);
 * `dpsco_jax.parallel`: cross-device sums and the replicated-key check;
+* `dpsco_jax.guards`: refusals that hold inside compiled steps;
 * `dpsco_jax.batching`: batch formation matching the accounting.
 """
 

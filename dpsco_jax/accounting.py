@@ -30,7 +30,10 @@ Methods (`method=`):
   `(rho + 2 sqrt(rho log(1/delta)), delta)`-DP;
 * 'gdp_paper': the papers' closed form (paper 001 Lemma 4.3 / §2.3, 000
   Cor 5.7): mu-GDP with `mu = epsilon / sqrt(2 ln(2.5 / delta))`, which gives
-  (epsilon, delta/2)-DP and so (epsilon, delta)-DP; conservative.
+  (epsilon, delta/2)-DP and so (epsilon, delta)-DP; conservative. The
+  sensitivity is the exact one derived from the encoder (for one tree,
+  `sqrt(floor(log2 T) + 1)`), not the papers' bound `sqrt(1 + ceil(log2 T))`,
+  which it never exceeds.
 
 The noise multiplier is always the noise std over the sensitivity of ONE
 step's clipped sum under the neighbouring relation the noise was calibrated

@@ -373,7 +373,7 @@ def tree(
 
   def next_noise(state, template):
     if honaker:
-      _check_buffers(state.buffers, template, num_levels)
+      _check_buffers(state.buffers, template, (num_levels,))
     if isinstance(state.step, jax.core.Tracer):
       return draw_next(state, template)
     # Called eagerly: refuse at once, and compile the per-level conds once
@@ -387,8 +387,15 @@ def tree(
       num_steps=num_steps, release=release, name=name)
 
 
-def _check_buffers(buffers: PyTree, template: PyTree, num_levels: int) -> None:
-  """Raises a clear error if the noise buffers do not match `template`."""
+def _check_buffers(buffers: PyTree, template: PyTree,
+                   leading: tuple[int, ...]) -> None:
+  """Raises a clear error if the noise buffers do not match `template`.
+
+  Args:
+    buffers: a pytree like `template` whose leaves have extra leading axes.
+    template: the params-like pytree the noise is drawn for.
+    leading: the extra leading axes of every buffer leaf.
+  """
   expected = jax.tree_util.tree_structure(template)
   actual = jax.tree_util.tree_structure(buffers)
   if expected != actual:
@@ -396,7 +403,126 @@ def _check_buffers(buffers: PyTree, template: PyTree, num_levels: int) -> None:
                      f'{actual}, params have {expected}')
   for leaf, buffer in zip(jax.tree_util.tree_leaves(template),
                           jax.tree_util.tree_leaves(buffers)):
-    if tuple(buffer.shape) != (num_levels,) + tuple(jnp.shape(leaf)):
+    if tuple(buffer.shape) != tuple(leading) + tuple(jnp.shape(leaf)):
       raise ValueError(
           'noise state does not match the params: a buffer of shape '
           f'{buffer.shape} for a leaf of shape {jnp.shape(leaf)}')
+
+
+def _bandwidth(strategy: np.ndarray) -> int:
+  """Number of non-zero diagonals of a lower-triangular matrix."""
+  rows, cols = np.nonzero(strategy)
+  return int(np.max(rows - cols)) + 1
+
+
+def validate_strategy(strategy: np.ndarray) -> np.ndarray:
+  """Returns `strategy` as float64, or raises if it is not a usable `C`.
+
+  Args:
+    strategy: the matrix-factorization strategy `C`, `[T, T]`.
+
+  Returns:
+    The matrix as a float64 array.
+
+  Raises:
+    ValueError: unless `C` is square, finite, lower-triangular (the noise at
+      step t may only depend on draws up to t) with a non-zero diagonal.
+  """
+  strategy = np.asarray(strategy, dtype=np.float64)
+  if strategy.ndim != 2 or strategy.shape[0] != strategy.shape[1]:
+    raise ValueError(f'the strategy must be a square matrix, got shape '
+                     f'{strategy.shape}')
+  if not np.all(np.isfinite(strategy)):
+    raise ValueError('the strategy has non-finite entries')
+  if np.any(np.triu(strategy, 1) != 0):
+    raise ValueError('the strategy must be lower-triangular: streaming noise '
+                     'at step t may only use the draws of steps <= t')
+  if np.any(np.diag(strategy) == 0):
+    raise ValueError('the strategy must have a non-zero diagonal (invertible)')
+  return strategy
+
+
+def matrix_factorization(
+    strategy: np.ndarray,
+    *,
+    release: str = 'per_step',
+    sampler: Sampler = jax.random.normal,
+) -> NoiseMechanism:
+  """Matrix-factorization noise `C^-1 z`, streamed one step at a time.
+
+  For a lower-triangular strategy `C` (`[T, T]`) the per-step noise is
+  `w = C^-1 z` with `z_t` drawn from `fold_in(key, t)` (the same draws as
+  `gaussian`, so `C = I` reproduces it exactly), computed by forward
+  substitution `w_t = (z_t - sum_{0 < j < b} C[t, t-j] w_{t-j}) / C[t, t]`.
+  The state keeps the last `b - 1` noise vectors, b the number of non-zero
+  diagonals of `C`: O(bands x params) for banded strategies, O(T x params)
+  for dense ones. With `release='prefix'` the running sum of `w` (the prefix
+  noise `A C^-1 z`) is released instead. Strategies for DP-MF / DP-MEMF
+  (paper 001 Alg 2) plug in here; the accountant derives the sensitivity
+  from `C` and the participation pattern.
+
+  Example:
+    >>> mech = matrix_factorization(np.linalg.cholesky(gram))   # C: [T, T]
+    >>> state = mech.init(params, jax.random.key(0))
+    >>> noise, state = mech.next(state, params)
+
+  Args:
+    strategy: `C`, lower-triangular `[T, T]` with a non-zero diagonal; T is
+      the capacity.
+    release: 'per_step' (`C^-1 z`) or 'prefix' (`A C^-1 z`).
+    sampler: `(key, shape, dtype) -> array` unit-variance sampler (tests
+      replace it; keep the default in real use).
+
+  Returns:
+    A `NoiseMechanism`.
+  """
+  strategy = validate_strategy(strategy)
+  if release not in ('per_step', 'prefix'):
+    raise ValueError(f"release must be 'per_step' or 'prefix', got {release!r}")
+  num_steps = strategy.shape[0]
+  bands = _bandwidth(strategy)
+  # band[t, j] = C[t, t - j] (zero above the first row), in float32 for the
+  # device; row t drives step t.
+  band = np.zeros((num_steps, bands))
+  for j in range(bands):
+    band[j:, j] = np.diagonal(strategy, -j)
+  band = jnp.asarray(band, jnp.float32)
+  name = f'matrix_factorization(T={num_steps}, bands={bands}, release={release})'
+
+  def init(template, key):
+    past = jax.tree_util.tree_map(
+        lambda leaf: jnp.zeros((bands - 1,) + jnp.shape(leaf),
+                               _noise_dtype(leaf)), template)
+    buffers = {'past': past}
+    if release == 'prefix':
+      buffers['prefix'] = _zeros(template)
+    return NoiseState(key=key, step=jnp.zeros((), jnp.int32), buffers=buffers)
+
+  def next_noise(state, template):
+    _check_buffers(state.buffers['past'], template, (bands - 1,))
+    if release == 'prefix':
+      _check_buffers(state.buffers['prefix'], template, ())
+    row = band[jnp.minimum(state.step, num_steps - 1)]
+    z = _draw(jax.random.fold_in(state.key, state.step), template, sampler)
+
+    def substitute(z_leaf, past_leaf):
+      correction = jnp.tensordot(row[1:].astype(z_leaf.dtype), past_leaf,
+                                 axes=1)
+      return (z_leaf - correction) / row[0].astype(z_leaf.dtype)
+
+    noise = jax.tree_util.tree_map(substitute, z, state.buffers['past'])
+    # Newest first; keep only the b - 1 vectors the next rows can reach.
+    buffers = {'past': jax.tree_util.tree_map(
+        lambda past_leaf, w: jnp.concatenate([w[None], past_leaf])[:bands - 1],
+        state.buffers['past'], noise)}
+    if release == 'prefix':
+      buffers['prefix'] = jax.tree_util.tree_map(
+          jnp.add, state.buffers['prefix'], noise)
+      noise = buffers['prefix']
+    noise = _refuse_past_capacity(state, noise, num_steps, name)
+    return noise, NoiseState(key=state.key, step=state.step + 1,
+                             buffers=buffers)
+
+  return NoiseMechanism(
+      init=init, next=next_noise, encoder_matrix=lambda: strategy.copy(),
+      num_steps=num_steps, release=release, name=name)

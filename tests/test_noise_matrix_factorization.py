@@ -1,0 +1,146 @@
+"""Matrix-factorization noise: streamed C^-1 z equals the explicit product."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.linalg
+from scipy import stats
+
+import dpsco_jax
+from dpsco_jax import accounting
+from dpsco_jax import noise
+
+TEMPLATE = {'w': np.zeros((4, 3), np.float32), 'b': np.zeros((5,), np.float32)}
+
+
+def random_strategy(steps, bands=None, seed=0):
+  """A well-conditioned lower-triangular C, optionally banded."""
+  rng = np.random.default_rng(seed)
+  strategy = np.tril(rng.uniform(0.0, 0.3, size=(steps, steps)))
+  strategy[np.diag_indices(steps)] = rng.uniform(1.0, 2.0, size=steps)
+  if bands is not None:
+    strategy = np.tril(np.triu(strategy, -(bands - 1)))
+  return strategy
+
+
+def flat(tree):
+  return np.concatenate([np.ravel(x) for x in jax.tree_util.tree_leaves(tree)])
+
+
+def stream(mechanism, template, steps, seed=0):
+  state = mechanism.init(template, jax.random.key(seed))
+  next_noise = jax.jit(mechanism.next)
+  rows = []
+  for _ in range(steps):
+    out, state = next_noise(state, template)
+    rows.append(flat(out))
+  return np.stack(rows), state
+
+
+def gaussian_draws(template, steps, seed=0):
+  """The z_t the mechanism uses: the i.i.d. mechanism's draws, same key."""
+  rows, _ = stream(noise.gaussian(steps), template, steps, seed)
+  return rows.astype(np.float64)
+
+
+def test_identity_strategy_is_the_gaussian_mechanism():
+  got, _ = stream(noise.matrix_factorization(np.eye(6)), TEMPLATE, 6)
+  np.testing.assert_array_equal(got, gaussian_draws(TEMPLATE, 6))
+
+
+@pytest.mark.parametrize('steps,bands', [(12, None), (15, 3), (9, 1)])
+@pytest.mark.parametrize('release', ['per_step', 'prefix'])
+def test_streaming_equals_explicit_inverse_times_z(steps, bands, release):
+  strategy = random_strategy(steps, bands)
+  got, _ = stream(noise.matrix_factorization(strategy, release=release),
+                  TEMPLATE, steps)
+  explicit = scipy.linalg.solve_triangular(
+      strategy, gaussian_draws(TEMPLATE, steps), lower=True)
+  if release == 'prefix':
+    explicit = np.cumsum(explicit, axis=0)
+  np.testing.assert_allclose(got, explicit, rtol=1e-4, atol=1e-5)
+
+
+def test_banded_state_keeps_only_bands_minus_one_vectors():
+  mechanism = noise.matrix_factorization(random_strategy(20, bands=4))
+  state = mechanism.init(TEMPLATE, jax.random.key(0))
+  assert state.buffers['past']['w'].shape == (3, 4, 3)
+  dense = noise.matrix_factorization(random_strategy(20))
+  assert dense.init(TEMPLATE, jax.random.key(0)).buffers['past']['w'].shape == (
+      19, 4, 3)
+
+
+def test_noise_scale_matches_inverse_gram():
+  """w_t ~ N(0, (C^-1 C^-T)_tt): KS accepts it and rejects 2/3 and 3/2."""
+  steps = 6
+  strategy = random_strategy(steps, seed=3)
+  template = {'w': np.zeros((4000,), np.float32)}
+  got, _ = stream(noise.matrix_factorization(strategy), template, steps)
+  inverse = np.linalg.inv(strategy)
+  std = np.sqrt(np.diag(inverse @ inverse.T))
+  normalized = (got / std[:, None]).ravel()
+  assert stats.kstest(normalized, 'norm').pvalue > 0.01
+  assert stats.kstest(normalized * 1.5, 'norm').pvalue < 0.01
+  assert stats.kstest(normalized / 1.5, 'norm').pvalue < 0.01
+
+
+def test_refuses_past_its_size():
+  mechanism = noise.matrix_factorization(random_strategy(3))
+  state = mechanism.init(TEMPLATE, jax.random.key(0))
+  for _ in range(3):
+    _, state = mechanism.next(state, TEMPLATE)
+  with pytest.raises(ValueError, match='capacity'):
+    mechanism.next(state, TEMPLATE)
+
+
+@pytest.mark.parametrize('strategy,match', [
+    (np.triu(np.ones((3, 3))), 'lower-triangular'),
+    (np.zeros((3, 3)), 'diagonal'),
+    (np.ones((2, 3)), 'square'),
+    (np.diag([1.0, np.nan]), 'non-finite'),
+])
+def test_bad_strategies(strategy, match):
+  with pytest.raises(ValueError, match=match):
+    noise.matrix_factorization(strategy)
+
+
+def test_state_params_mismatch_is_refused():
+  mechanism = noise.matrix_factorization(random_strategy(5))
+  state = mechanism.init({'w': np.zeros((2,), np.float32)}, jax.random.key(0))
+  with pytest.raises(ValueError, match='does not match'):
+    mechanism.next(state, TEMPLATE)
+
+
+def test_accounting_uses_the_strategy():
+  """Sensitivity comes from C: a column-normalized C has sensitivity 1."""
+  strategy = random_strategy(10, seed=4)
+  strategy /= np.linalg.norm(strategy, axis=0).max()
+  mechanism = noise.matrix_factorization(strategy)
+  assert accounting.mechanism_sensitivity(
+      mechanism, accounting.single_epoch(10)) == pytest.approx(1.0)
+  eps_mf = accounting.epsilon_spent(mechanism, 3.0,
+                                    accounting.single_epoch(10), 1e-6)
+  eps_one_gaussian = accounting.epsilon_spent(
+      noise.gaussian(1), 3.0, accounting.single_epoch(1), 1e-6)
+  assert eps_mf == pytest.approx(eps_one_gaussian, rel=1e-6)
+
+
+def test_plugs_into_the_noisy_gradient_estimator():
+  """The estimator adds noise_multiplier * clip / B times the streamed noise."""
+  strategy = random_strategy(4, bands=2, seed=5)
+  params = {'w': jnp.zeros((3, 2)), 'b': jnp.zeros((2,))}
+  batch = {'x': jnp.ones((5, 3))}
+  zero_loss = lambda p, ex: 0.0 * jnp.sum(p['w']) * jnp.sum(ex['x'])
+  tx = dpsco_jax.noisy_gradient(
+      zero_loss, l2_clip=0.5, noise_multiplier=2.0,
+      mechanism=noise.matrix_factorization(strategy), key=9)
+  state = tx.init(params)
+  update = jax.jit(lambda s: tx.update(None, s, params, batch=batch))
+  outputs = []
+  for _ in range(4):
+    out, state = update(state)
+    outputs.append(flat(out))
+  expected, _ = stream(noise.matrix_factorization(strategy), params, 4, seed=9)
+  np.testing.assert_allclose(np.stack(outputs), expected * 2.0 * 0.5 / 5,
+                             rtol=1e-5, atol=1e-7)
