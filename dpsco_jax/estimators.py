@@ -36,7 +36,9 @@ class NoisyGradientState(NamedTuple):
 
   Attributes:
     noise: the noise mechanism's state (key, step counter, noise buffers).
-      It holds no data-dependent values and is safe to checkpoint or publish.
+      It holds no data, but the key and buffers determine the noise: keep it
+      secret (checkpoint it privately, never log or release it), or anyone
+      could subtract the noise from the released outputs.
   """
 
   noise: noise_lib.NoiseState

@@ -51,8 +51,11 @@ class NoiseState(NamedTuple):
     key: the mechanism's PRNG key (replicated across devices).
     step: int32, how many noise vectors have been drawn.
     buffers: mechanism-specific arrays (empty for the stateless mechanisms;
-      the Honaker tree keeps one node estimate per level). These hold noise
-      only, never data, so they are safe to checkpoint.
+      the Honaker tree keeps one node estimate per level, matrix
+      factorization its last noise vectors). They hold noise, never data.
+
+  The key and buffers determine the noise, so the state is secret: it can be
+  checkpointed privately but must never be logged or released.
   """
 
   key: jax.Array

@@ -7,12 +7,14 @@ mechanism; chain them with any optax optimizer (paper 001 §2.3-2.4):
                            num_steps=T, key=0),
                      optax.sgd(0.1, momentum=0.9))
 
-Accounting (see `dpsco_jax.accounting`): DP-SGD matches Poisson sampling
-(amplified, `accounting.PoissonSampling`) or any fixed/shuffled batch order
-without amplification; DP-FTRL assumes batches in an order that is not
-secretly sampled, with each example once per tree (`SingleEpoch`) or at most
-once per epoch in a fixed public order (`FixedOrder`); it gets no
-amplification.
+Accounting (see `dpsco_jax.accounting`): DP-SGD can be accounted with Poisson
+sampling (amplified: `accounting.PoissonSampling`, with
+`batching.PoissonBatches`) or without amplification for any fixed or shuffled
+order (`FixedOrder`, `Shuffled`). DP-FTRL gets no amplification: its batches
+come in a public order (`single_epoch`, `FixedOrder`), or are reshuffled each
+epoch (`Shuffled`: exact when a tree restarts every epoch, an upper bound
+otherwise). Use `dpsgd_mechanism` / `dpftrl_mechanism` to
+account for exactly the noise the transformation adds.
 """
 
 from typing import Any, Callable, Optional
