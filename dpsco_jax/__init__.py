@@ -21,6 +21,7 @@ from dpsco_jax import accounting
 from dpsco_jax import batching
 from dpsco_jax import clipping
 from dpsco_jax import estimators
+from dpsco_jax import guards
 from dpsco_jax import neighboring
 from dpsco_jax import noise
 from dpsco_jax import parallel
@@ -44,5 +45,36 @@ from dpsco_jax.estimators import noisy_gradient
 from dpsco_jax.neighboring import NeighboringRelation
 from dpsco_jax.noise import NoiseMechanism
 from dpsco_jax.noise import NoiseState
+
+__all__ = (
+    'accounting',
+    'batching',
+    'clipping',
+    'estimators',
+    'guards',
+    'neighboring',
+    'noise',
+    'parallel',
+    'calibrate_noise_multiplier',
+    'epsilon_spent',
+    'FixedOrder',
+    'PoissonSampling',
+    'Shuffled',
+    'single_epoch',
+    'dpftrl',
+    'dpftrl_mechanism',
+    'dpsgd',
+    'dpsgd_mechanism',
+    'clipped_grad_difference_sum',
+    'clipped_grad_sum',
+    'clipped_user_grad_sum',
+    'ClippedStatistic',
+    'ClippedSum',
+    'UserBatch',
+    'noisy_gradient',
+    'NeighboringRelation',
+    'NoiseMechanism',
+    'NoiseState',
+)
 
 __version__ = '0.1.0'

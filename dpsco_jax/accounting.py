@@ -51,6 +51,7 @@ import numpy as np
 from scipy import optimize
 from scipy import stats
 
+from dpsco_jax import checks
 from dpsco_jax import neighboring
 from dpsco_jax import noise as noise_lib
 
@@ -112,12 +113,6 @@ def single_epoch(num_steps: int) -> FixedOrder:
   return FixedOrder(num_epochs=1, steps_per_epoch=num_steps)
 
 
-def _check_positive_int(value, name: str) -> int:
-  if isinstance(value, bool) or int(value) != value or value < 1:
-    raise ValueError(f'{name} must be a positive integer, got {value!r}')
-  return int(value)
-
-
 def validate_epsilon_delta(epsilon: Optional[float], delta: float) -> None:
   """Raises ValueError unless epsilon > 0 (when given) and 0 < delta < 1.
 
@@ -134,10 +129,10 @@ def validate_epsilon_delta(epsilon: Optional[float], delta: float) -> None:
 
 def _validate_participation(participation: Participation) -> None:
   if isinstance(participation, (FixedOrder, Shuffled)):
-    _check_positive_int(participation.num_epochs, 'num_epochs')
-    _check_positive_int(participation.steps_per_epoch, 'steps_per_epoch')
+    checks.positive_int(participation.num_epochs, 'num_epochs')
+    checks.positive_int(participation.steps_per_epoch, 'steps_per_epoch')
   elif isinstance(participation, PoissonSampling):
-    _check_positive_int(participation.num_steps, 'num_steps')
+    checks.positive_int(participation.num_steps, 'num_steps')
     q = float(participation.sampling_probability)
     if not 0.0 < q <= 1.0:
       raise ValueError(f'sampling_probability must be in (0, 1], got {q!r}')
@@ -276,7 +271,7 @@ def tree_aggregation_event(noise_multiplier: float, num_steps: int,
   Returns:
     A `dp_accounting.SingleEpochTreeAggregationDpEvent`.
   """
-  num_steps = _check_positive_int(num_steps, 'num_steps')
+  num_steps = checks.positive_int(num_steps, 'num_steps')
   size = restart_every or num_steps
   counts = [size] * (num_steps // size)
   if num_steps % size:

@@ -20,12 +20,7 @@ from typing import Iterator, Optional
 import numpy as np
 
 from dpsco_jax import accounting
-
-
-def _positive_int(value, name: str) -> int:
-  if isinstance(value, bool) or int(value) != value or value < 1:
-    raise ValueError(f'{name} must be a positive integer, got {value!r}')
-  return int(value)
+from dpsco_jax import checks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,9 +40,9 @@ class _EpochBatches:
   num_epochs: int = 1
 
   def __post_init__(self):
-    _positive_int(self.num_examples, 'num_examples')
-    _positive_int(self.batch_size, 'batch_size')
-    _positive_int(self.num_epochs, 'num_epochs')
+    checks.positive_int(self.num_examples, 'num_examples')
+    checks.positive_int(self.batch_size, 'batch_size')
+    checks.positive_int(self.num_epochs, 'num_epochs')
     if self.batch_size > self.num_examples:
       raise ValueError(f'batch_size {self.batch_size} exceeds num_examples '
                        f'{self.num_examples}')
@@ -160,8 +155,8 @@ class PoissonBatches:
   pad_to_multiple: Optional[int] = None
 
   def __post_init__(self):
-    _positive_int(self.num_examples, 'num_examples')
-    _positive_int(self.num_steps, 'num_steps')
+    checks.positive_int(self.num_examples, 'num_examples')
+    checks.positive_int(self.num_steps, 'num_steps')
     if not 0.0 < float(self.sampling_probability) <= 1.0:
       raise ValueError('sampling_probability must be in (0, 1], got '
                        f'{self.sampling_probability!r}')
@@ -170,7 +165,7 @@ class PoissonBatches:
       std = math.sqrt(self.num_examples * q * (1.0 - q))
       object.__setattr__(self, 'pad_to_multiple', 32 * math.ceil(
           (self.expected_batch_size + 4.0 * std) / 32))
-    _positive_int(self.pad_to_multiple, 'pad_to_multiple')
+    checks.positive_int(self.pad_to_multiple, 'pad_to_multiple')
 
   @property
   def expected_batch_size(self) -> float:

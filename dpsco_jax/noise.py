@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dpsco_jax import checks
 from dpsco_jax import guards
 
 PyTree = Any
@@ -85,14 +86,13 @@ class NoiseMechanism(NamedTuple):
   name: str
 
 
-def _validate_steps(value: Optional[int], name: str, required: bool) -> Optional[int]:
+def _validate_steps(value: Optional[int], name: str,
+                    required: bool) -> Optional[int]:
   if value is None:
     if required:
       raise ValueError(f'{name} is required')
     return None
-  if isinstance(value, bool) or int(value) != value or value < 1:
-    raise ValueError(f'{name} must be a positive integer, got {value!r}')
-  return int(value)
+  return checks.positive_int(value, name)
 
 
 def _noise_dtype(leaf) -> jnp.dtype:
