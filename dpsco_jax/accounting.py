@@ -147,9 +147,12 @@ def participation_sensitivity(encoder: np.ndarray,
   One example contributes a vector of norm <= 1 (after dividing by the
   per-step sensitivity) at each step it takes part in. With G = C^T C the
   squared sensitivity is the largest `sum_{s,t} |G[s, t]|` over the steps
-  s, t one example can share. This is exact when those entries of G are
-  non-negative (trees, identity, non-negative factorizations) and an upper
-  bound otherwise. For `Shuffled`, the worst step in each pair of epochs is
+  s, t one example can share. This is exact when those entries of G can be
+  made non-negative by flipping the signs of the example's contributions:
+  non-negative C (trees, identity, non-negative factorizations), strategies
+  whose Gram is zero between steps an example shares (the orthogonality of
+  `strategies.optimize_strategy`), and any C when an example takes part at
+  most twice. Otherwise it is an upper bound, never an underestimate. For `Shuffled`, the worst step in each pair of epochs is
   taken, which is exact when G has no cross-epoch entries (e.g. trees
   restarted every epoch) and an upper bound otherwise.
 

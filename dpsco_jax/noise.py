@@ -37,6 +37,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from scipy import linalg
 
 from dpsco_jax import checks
 from dpsco_jax import guards
@@ -76,6 +77,11 @@ class NoiseMechanism(NamedTuple):
       limit, only for i.i.d. Gaussian noise).
     release: 'per_step' or 'prefix'.
     name: a human-readable description.
+    decoder_matrix: `() -> np.ndarray`, the linear map `N` (float64,
+      `[num_steps, num_coordinates]`) from the unit-variance draws (one per
+      row of the encoder) to the released noise: step t releases
+      `sum_j N[t, j] xi_j`. It gives the mechanism's error on any workload
+      (`dpsco_jax.strategies.workload_errors`).
   """
 
   init: Callable[[PyTree, jax.Array], NoiseState]
@@ -84,6 +90,7 @@ class NoiseMechanism(NamedTuple):
   num_steps: Optional[int]
   release: str
   name: str
+  decoder_matrix: Optional[Callable[[], np.ndarray]] = None
 
 
 def _validate_steps(value: Optional[int], name: str,
@@ -169,7 +176,8 @@ def gaussian(num_steps: Optional[int] = None, *,
 
   return NoiseMechanism(init=init, next=next_noise,
                         encoder_matrix=encoder_matrix, num_steps=num_steps,
-                        release='per_step', name=name)
+                        release='per_step', name=name,
+                        decoder_matrix=encoder_matrix)
 
 
 def tree_num_levels(tree_size: int) -> int:
@@ -215,6 +223,61 @@ def tree_encoder_matrix(num_steps: int, restart_every: Optional[int] = None
         row[start + (j - 1) * width:start + j * width] = 1.0
         rows.append(row)
   return np.stack(rows)
+
+
+def tree_decoder_matrix(num_steps: int, *, release: str = 'per_step',
+                        restart_every: Optional[int] = None,
+                        honaker: bool = False) -> np.ndarray:
+  """The released tree noise as a linear map of the node draws.
+
+  Columns follow the rows of `tree_encoder_matrix`. Prefix release at local
+  step i sums the nodes of the binary decomposition of i (paper 001 Lemma
+  4.3), or, with `honaker=True`, their Honaker estimates (node value
+  `v_k = n_k + (v_left + v_right) / 2`, estimate `v_k / (2 - 2^-k)`); the
+  prefix restarts with every tree. Per-step release is the difference of
+  consecutive prefixes within a tree (a tree's first step releases its first
+  prefix), so finished trees' noise stays in the running sum.
+
+  Args:
+    num_steps: total steps.
+    release: 'per_step' or 'prefix'.
+    restart_every: steps per tree (default: one tree).
+    honaker: decode with Honaker's estimates.
+
+  Returns:
+    `[num_steps, num_nodes]` float64.
+  """
+  num_steps = _validate_steps(num_steps, 'num_steps', required=True)
+  tree_size = min(restart_every or num_steps, num_steps)
+  columns = {}
+  for start in range(0, num_steps, tree_size):
+    size = min(tree_size, num_steps - start)
+    for level in range(tree_num_levels(size)):
+      for index in range(1, (size >> level) + 1):
+        columns[(start, level, index)] = len(columns)
+  decoder = np.zeros((num_steps, len(columns)))
+  for start in range(0, num_steps, tree_size):
+    size = min(tree_size, num_steps - start)
+    estimates = {}
+    for (tree_start, level, index), column in columns.items():
+      if tree_start != start:
+        continue
+      value = np.zeros(len(columns))
+      value[column] = 1.0
+      if honaker and level > 0:
+        value += 0.5 * (estimates[(level - 1, 2 * index - 1)] +
+                        estimates[(level - 1, 2 * index)])
+      estimates[(level, index)] = value
+    weights = [(2.0 - 2.0 ** -level) if honaker else 1.0
+               for level in range(tree_num_levels(size))]
+    previous = np.zeros(len(columns))
+    for i in range(1, size + 1):
+      prefix = sum(estimates[(level, i >> level)] / weights[level]
+                   for level in range(i.bit_length()) if (i >> level) & 1)
+      decoder[start + i - 1] = prefix if release == 'prefix' else (
+          prefix - previous)
+      previous = prefix
+  return decoder
 
 
 def _trailing_zeros(i: jax.Array) -> jax.Array:
@@ -387,7 +450,10 @@ def tree(
   return NoiseMechanism(
       init=init, next=next_noise,
       encoder_matrix=lambda: tree_encoder_matrix(num_steps, tree_size),
-      num_steps=num_steps, release=release, name=name)
+      num_steps=num_steps, release=release, name=name,
+      decoder_matrix=lambda: tree_decoder_matrix(
+          num_steps, release=release, restart_every=tree_size,
+          honaker=honaker))
 
 
 def _check_buffers(buffers: PyTree, template: PyTree,
@@ -449,23 +515,34 @@ def matrix_factorization(
     strategy: np.ndarray,
     *,
     release: str = 'per_step',
+    storage: str = 'buffer',
     sampler: Sampler = jax.random.normal,
 ) -> NoiseMechanism:
   """Matrix-factorization noise `C^-1 z`, streamed one step at a time.
 
   For a lower-triangular strategy `C` (`[T, T]`) the per-step noise is
   `w = C^-1 z` with `z_t` drawn from `fold_in(key, t)` (the same draws as
-  `gaussian`, so `C = I` reproduces it exactly), computed by forward
-  substitution `w_t = (z_t - sum_{0 < j < b} C[t, t-j] w_{t-j}) / C[t, t]`.
-  The state keeps the last `b - 1` noise vectors, b the number of non-zero
-  diagonals of `C`: O(bands x params) for banded strategies, O(T x params)
-  for dense ones. With `release='prefix'` the running sum of `w` (the prefix
-  noise `A C^-1 z`) is released instead. Strategies for DP-MF / DP-MEMF
-  (paper 001 Alg 2) plug in here; the accountant derives the sensitivity
-  from `C` and the participation pattern.
+  `gaussian`, so `C = I` reproduces it exactly). Strategies for DP-MF /
+  DP-MEMF (paper 001 Alg 2; `dpsco_jax.strategies.optimize_strategy`) plug
+  in here; the accountant derives the sensitivity from `C` and the
+  participation pattern. Two ways to stream it, same values up to float32
+  round-off:
+
+  * `storage='buffer'` (default): forward substitution
+    `w_t = (z_t - sum_{0 < j < b} C[t, t-j] w_{t-j}) / C[t, t]`, keeping the
+    last `b - 1` noise vectors in a ring buffer, b the number of non-zero
+    diagonals of `C`: O(bands x params) memory for banded strategies,
+    O(T x params) for dense ones, one draw per step.
+  * `storage='regenerate'`: `w_t = sum_{s <= t} (C^-1)[t, s] z_s`, redrawing
+    every `z_s` from its key: no buffer at all, but t + 1 draws at step t.
+    For memory-bound runs (see `benchmarks/mf_noise.py` for the cost).
+
+  With `release='prefix'` the prefix noise `A C^-1 z` is released instead
+  (the running sum of `w`).
 
   Example:
-    >>> mech = matrix_factorization(np.linalg.cholesky(gram))   # C: [T, T]
+    >>> c = strategies.optimize_strategy(strategies.workload(120), 1)
+    >>> mech = matrix_factorization(c)
     >>> state = mech.init(params, jax.random.key(0))
     >>> noise, state = mech.next(state, params)
 
@@ -473,6 +550,7 @@ def matrix_factorization(
     strategy: `C`, lower-triangular `[T, T]` with a non-zero diagonal; T is
       the capacity.
     release: 'per_step' (`C^-1 z`) or 'prefix' (`A C^-1 z`).
+    storage: 'buffer' or 'regenerate' (see above).
     sampler: `(key, shape, dtype) -> array` unit-variance sampler (tests
       replace it; keep the default in real use).
 
@@ -482,15 +560,40 @@ def matrix_factorization(
   strategy = validate_strategy(strategy)
   if release not in ('per_step', 'prefix'):
     raise ValueError(f"release must be 'per_step' or 'prefix', got {release!r}")
+  if storage not in ('buffer', 'regenerate'):
+    raise ValueError(
+        f"storage must be 'buffer' or 'regenerate', got {storage!r}")
   num_steps = strategy.shape[0]
   bands = _bandwidth(strategy)
+  name = (f'matrix_factorization(T={num_steps}, bands={bands}, '
+          f'release={release}, storage={storage})')
+
+  def decoder_matrix():
+    inverse = linalg.solve_triangular(strategy, np.eye(num_steps), lower=True)
+    return np.cumsum(inverse, axis=0) if release == 'prefix' else inverse
+
+  if storage == 'regenerate':
+    next_noise, init = _regenerated_noise(decoder_matrix(), num_steps, name,
+                                          sampler)
+  else:
+    next_noise, init = _buffered_noise(strategy, bands, release, num_steps,
+                                       name, sampler)
+  return NoiseMechanism(
+      init=init, next=next_noise, encoder_matrix=lambda: strategy.copy(),
+      num_steps=num_steps, release=release, name=name,
+      decoder_matrix=decoder_matrix)
+
+
+def _buffered_noise(strategy: np.ndarray, bands: int, release: str,
+                    num_steps: int, name: str, sampler: Sampler):
+  """`next`/`init` of the forward substitution with a ring buffer."""
   # band[t, j] = C[t, t - j] (zero above the first row), in float32 for the
   # device; row t drives step t.
   band = np.zeros((num_steps, bands))
   for j in range(bands):
     band[j:, j] = np.diagonal(strategy, -j)
   band = jnp.asarray(band, jnp.float32)
-  name = f'matrix_factorization(T={num_steps}, bands={bands}, release={release})'
+  slots = max(bands - 1, 1)
 
   def init(template, key):
     past = jax.tree_util.tree_map(
@@ -505,19 +608,31 @@ def matrix_factorization(
     _check_buffers(state.buffers['past'], template, (bands - 1,))
     if release == 'prefix':
       _check_buffers(state.buffers['prefix'], template, ())
-    row = band[jnp.minimum(state.step, num_steps - 1)]
+    step = jnp.asarray(state.step)
+    row = band[jnp.minimum(step, num_steps - 1)]
+    # Slot m holds w_s for the latest s < t with s = m (mod slots): lag
+    # t - s = ((t - 1 - m) mod slots) + 1. Writing one slot per step (instead
+    # of shifting the whole buffer) keeps the update in place under jit.
+    lags = (step - 1 - jnp.arange(slots)) % slots + 1
+    coefficients = row[lags] if bands > 1 else None
     z = _draw(jax.random.fold_in(state.key, state.step), template, sampler)
 
     def substitute(z_leaf, past_leaf):
-      correction = jnp.tensordot(row[1:].astype(z_leaf.dtype), past_leaf,
+      if coefficients is None:
+        return z_leaf / row[0].astype(z_leaf.dtype)
+      correction = jnp.tensordot(coefficients.astype(z_leaf.dtype), past_leaf,
                                  axes=1)
       return (z_leaf - correction) / row[0].astype(z_leaf.dtype)
 
     noise = jax.tree_util.tree_map(substitute, z, state.buffers['past'])
-    # Newest first; keep only the b - 1 vectors the next rows can reach.
-    buffers = {'past': jax.tree_util.tree_map(
-        lambda past_leaf, w: jnp.concatenate([w[None], past_leaf])[:bands - 1],
-        state.buffers['past'], noise)}
+    if bands > 1:
+      past = jax.tree_util.tree_map(
+          lambda past_leaf, w: jax.lax.dynamic_update_index_in_dim(
+              past_leaf, w.astype(past_leaf.dtype), step % slots, 0),
+          state.buffers['past'], noise)
+    else:
+      past = state.buffers['past']
+    buffers = {'past': past}
     if release == 'prefix':
       buffers['prefix'] = jax.tree_util.tree_map(
           jnp.add, state.buffers['prefix'], noise)
@@ -526,6 +641,30 @@ def matrix_factorization(
     return noise, NoiseState(key=state.key, step=state.step + 1,
                              buffers=buffers)
 
-  return NoiseMechanism(
-      init=init, next=next_noise, encoder_matrix=lambda: strategy.copy(),
-      num_steps=num_steps, release=release, name=name)
+  return next_noise, init
+
+
+def _regenerated_noise(decoder: np.ndarray, num_steps: int, name: str,
+                       sampler: Sampler):
+  """`next`/`init` of `sum_{s <= t} decoder[t, s] z_s`, redrawing every z_s."""
+  decoder = jnp.asarray(decoder, jnp.float32)
+
+  def init(template, key):
+    del template
+    return NoiseState(key=key, step=jnp.zeros((), jnp.int32))
+
+  def next_noise(state, template):
+    step = jnp.asarray(state.step)
+    row = decoder[jnp.minimum(step, num_steps - 1)]
+
+    def accumulate(s, total):
+      z = _draw(jax.random.fold_in(state.key, s), template, sampler)
+      return jax.tree_util.tree_map(
+          lambda t, z_leaf: t + row[s].astype(t.dtype) * z_leaf, total, z)
+
+    noise = jax.lax.fori_loop(0, jnp.minimum(step, num_steps - 1) + 1,
+                              accumulate, _zeros(template))
+    noise = _refuse_past_capacity(state, noise, num_steps, name)
+    return noise, state._replace(step=state.step + 1)
+
+  return next_noise, init

@@ -156,6 +156,36 @@ def test_fixed_order_sensitivity_by_brute_force(k, b, restart):
   assert computed == pytest.approx(brute_force_sensitivity(encoder, sets))
 
 
+def _sign_brute_force(encoder, sets):
+  """Largest ||C x|| over x in {-1, 0, 1} on one example's steps."""
+  best = 0.0
+  for steps in sets:
+    for signs in itertools.product((-1.0, 0.0, 1.0), repeat=len(steps)):
+      best = max(best, np.linalg.norm(encoder[:, steps] @ np.array(signs)))
+  return best
+
+
+@pytest.mark.parametrize('k,b,seed', [(2, 4, 0), (2, 3, 1), (3, 3, 2),
+                                      (4, 2, 3)])
+def test_mixed_sign_strategy_sensitivity(k, b, seed):
+  # A lower-triangular C with entries of both signs: exact for two
+  # participations (align or oppose the two contributions), an upper bound
+  # beyond, never below what any neighbouring pair of datasets achieves.
+  rng = np.random.default_rng(seed)
+  encoder = np.tril(rng.normal(size=(k * b, k * b)))
+  sets = [[i * b + j for i in range(k)] for j in range(b)]
+  computed = accounting.participation_sensitivity(encoder, FixedOrder(k, b))
+  signs = _sign_brute_force(encoder, sets)
+  assert computed >= signs - 1e-9
+  vectors = rng.normal(size=(2000, k, 3))
+  vectors /= np.linalg.norm(vectors, axis=2, keepdims=True)
+  for steps in sets:
+    moved = np.einsum('rs,tsd->trd', encoder[:, steps], vectors)
+    assert np.linalg.norm(moved, axis=(1, 2)).max() <= computed + 1e-9
+  if k == 2:
+    assert computed == pytest.approx(signs)
+
+
 @pytest.mark.parametrize('k,b,restart', [(3, 4, 4), (2, 5, None), (3, 3, 2)])
 def test_shuffled_sensitivity_bounds_every_placement(k, b, restart):
   encoder = noise.tree_encoder_matrix(k * b, restart)

@@ -363,6 +363,50 @@ def test_restarted_tree_encoder_is_block_diagonal():
       noise.tree(12, restart_every=RESTART).encoder_matrix(), matrix)
 
 
+@pytest.mark.parametrize('name', sorted(MECHANISMS))
+def test_decoder_gives_the_exact_variance_of_every_step(name):
+  make = MECHANISMS[name][0]
+  mech = make(STEPS) if name == 'gaussian' else make()
+  decoder = mech.decoder_matrix()
+  assert decoder.shape == (STEPS, mech.encoder_matrix().shape[0])
+  np.testing.assert_allclose(np.sum(decoder ** 2, axis=1),
+                             [MECHANISMS[name][1](t) for t in range(STEPS)],
+                             rtol=1e-12)
+
+
+@pytest.mark.parametrize('honaker', [False, True])
+@pytest.mark.parametrize('restart_every', [None, RESTART])
+def test_tree_prefix_decoder_is_unbiased(honaker, restart_every):
+  # Decoding the noiseless node sums must give back the prefix sums of the
+  # current tree: D C = A within each tree.
+  mech = noise.tree(STEPS, release='prefix', honaker=honaker,
+                    restart_every=restart_every)
+  tree_size = restart_every or STEPS
+  steps = np.arange(STEPS)
+  same_tree = np.equal.outer(steps // tree_size, steps // tree_size)
+  expected = np.tril(np.ones((STEPS, STEPS))) * same_tree
+  np.testing.assert_allclose(mech.decoder_matrix() @ mech.encoder_matrix(),
+                             expected, atol=1e-12)
+
+
+def test_honaker_decoder_matches_the_independent_reconstruction():
+  decoder = noise.tree(STEPS, release='prefix', honaker=True).decoder_matrix()
+  np.testing.assert_allclose(decoder, _honaker_prefix_rows(STEPS), atol=1e-12)
+
+
+@pytest.mark.parametrize('release', ['per_step', 'prefix'])
+@pytest.mark.parametrize('restart_every', [None, RESTART])
+def test_standard_tree_decoder_reproduces_the_ones_sampler(release,
+                                                           restart_every):
+  num_steps = 17
+  decoded = noise.tree(num_steps, release=release,
+                       restart_every=restart_every).decoder_matrix().sum(axis=1)
+  drawn = _draws(noise.tree(num_steps, release=release, sampler=_ones,
+                            restart_every=restart_every), SMALL, num_steps)
+  np.testing.assert_array_equal(drawn, np.broadcast_to(decoded[:, None],
+                                                       drawn.shape))
+
+
 @pytest.mark.parametrize('template', [
     {'w': np.zeros(4, np.float32)},
     {'v': np.zeros(3, np.float32)},

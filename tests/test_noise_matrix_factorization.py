@@ -44,22 +44,46 @@ def gaussian_draws(template, steps, seed=0):
   return rows.astype(np.float64)
 
 
-def test_identity_strategy_is_the_gaussian_mechanism():
-  got, _ = stream(noise.matrix_factorization(np.eye(6)), TEMPLATE, 6)
+STORAGES = ['buffer', 'regenerate']
+
+
+@pytest.mark.parametrize('storage', STORAGES)
+def test_identity_strategy_is_the_gaussian_mechanism(storage):
+  got, _ = stream(noise.matrix_factorization(np.eye(6), storage=storage),
+                  TEMPLATE, 6)
   np.testing.assert_array_equal(got, gaussian_draws(TEMPLATE, 6))
 
 
-@pytest.mark.parametrize('steps,bands', [(12, None), (15, 3), (9, 1)])
+@pytest.mark.parametrize('steps,bands', [(12, None), (15, 3), (9, 1), (9, 2)])
 @pytest.mark.parametrize('release', ['per_step', 'prefix'])
-def test_streaming_equals_explicit_inverse_times_z(steps, bands, release):
+@pytest.mark.parametrize('storage', STORAGES)
+def test_streaming_equals_explicit_inverse_times_z(steps, bands, release,
+                                                   storage):
   strategy = random_strategy(steps, bands)
-  got, _ = stream(noise.matrix_factorization(strategy, release=release),
-                  TEMPLATE, steps)
-  explicit = scipy.linalg.solve_triangular(
-      strategy, gaussian_draws(TEMPLATE, steps), lower=True)
+  mechanism = noise.matrix_factorization(strategy, release=release,
+                                         storage=storage)
+  got, _ = stream(mechanism, TEMPLATE, steps)
+  z = gaussian_draws(TEMPLATE, steps)
+  explicit = scipy.linalg.solve_triangular(strategy, z, lower=True)
   if release == 'prefix':
     explicit = np.cumsum(explicit, axis=0)
   np.testing.assert_allclose(got, explicit, rtol=1e-4, atol=1e-5)
+  # The decoder the error report uses is the same linear map.
+  np.testing.assert_allclose(mechanism.decoder_matrix() @ z, explicit,
+                             rtol=1e-10, atol=1e-10)
+
+
+def test_dense_optimized_strategy_streams_exactly_over_600_steps():
+  # Long dense streams accumulate float32 round-off in the substitution; an
+  # optimized 600-step C must still match C^-1 z closely.
+  from dpsco_jax import strategies  # pylint: disable=g-import-not-at-top
+  strategy = strategies.optimize_strategy(
+      strategies.workload(600), 6, max_iterations=30, cache_dir=None)
+  template = {'w': np.zeros((7,), np.float32)}
+  got, _ = stream(noise.matrix_factorization(strategy), template, 600)
+  explicit = scipy.linalg.solve_triangular(
+      strategy, gaussian_draws(template, 600), lower=True)
+  np.testing.assert_allclose(got, explicit, rtol=1e-3, atol=1e-3)
 
 
 def test_banded_state_keeps_only_bands_minus_one_vectors():
@@ -85,13 +109,27 @@ def test_noise_scale_matches_inverse_gram():
   assert stats.kstest(normalized / 1.5, 'norm').pvalue < 0.01
 
 
-def test_refuses_past_its_size():
-  mechanism = noise.matrix_factorization(random_strategy(3))
+@pytest.mark.parametrize('storage', STORAGES)
+def test_refuses_past_its_size(storage):
+  mechanism = noise.matrix_factorization(random_strategy(3), storage=storage)
   state = mechanism.init(TEMPLATE, jax.random.key(0))
   for _ in range(3):
     _, state = mechanism.next(state, TEMPLATE)
   with pytest.raises(ValueError, match='capacity'):
     mechanism.next(state, TEMPLATE)
+
+
+@pytest.mark.parametrize('storage', STORAGES)
+def test_jitted_step_past_its_size_is_poisoned_and_raises(storage):
+  mechanism = noise.matrix_factorization(random_strategy(3), storage=storage)
+  state = mechanism.init(TEMPLATE, jax.random.key(0))
+  next_noise = jax.jit(mechanism.next)
+  for _ in range(3):
+    _, state = next_noise(state, TEMPLATE)
+  # Inside jit the error comes from a host callback, wrapped by the runtime.
+  with pytest.raises(Exception) as info:
+    jax.block_until_ready(next_noise(state, TEMPLATE))
+  assert 'capacity' in str(info.value)
 
 
 @pytest.mark.parametrize('strategy,match', [
@@ -110,6 +148,11 @@ def test_state_params_mismatch_is_refused():
   state = mechanism.init({'w': np.zeros((2,), np.float32)}, jax.random.key(0))
   with pytest.raises(ValueError, match='does not match'):
     mechanism.next(state, TEMPLATE)
+
+
+def test_unknown_storage_is_refused():
+  with pytest.raises(ValueError, match='storage'):
+    noise.matrix_factorization(np.eye(3), storage='disk')
 
 
 def test_accounting_uses_the_strategy():

@@ -1,0 +1,531 @@
+"""Matrix-factorization strategies: workloads, optimization and their errors.
+
+A matrix-factorization mechanism releases `W (x + C^-1 z)` for a workload `W`
+(what the optimizer does with the gradients), a lower-triangular strategy `C`
+and Gaussian `z`; its error is `||W C^-1||` and its privacy is that of the
+Gaussian mechanism `C x + z`, whose sensitivity depends on how often one
+example takes part (`dpsco_jax.accounting.participation_sensitivity`).
+
+This module builds the workloads of paper 001 §5 (prefix sums "ones", and the
+"true" workloads with momentum and SRG decay), optimizes a strategy for a
+workload under multi-epoch fixed-order (k, b)-participation (the Gram-matrix
+formulation of multi-epoch matrix factorization, Choquette-Choo et al. 2023,
+which paper 001 Algorithm 2 uses), and measures the error of any mechanism
+at equal sensitivity, for the comparison of identity, trees and optimized
+strategies. All computations are float64 NumPy/SciPy on the host: strategies
+are computed once, before training, and cached on disk.
+"""
+
+import hashlib
+import math
+import os
+import tempfile
+import time
+from typing import Optional, Union
+
+from absl import logging
+import numpy as np
+from scipy import linalg
+
+from dpsco_jax import accounting
+from dpsco_jax import checks
+from dpsco_jax import noise as noise_lib
+
+# Bumped whenever the optimizer changes what it returns, so stale cache
+# entries are never reused.
+_CACHE_VERSION = 1
+CACHE_ENV_VAR = 'DPSCO_JAX_CACHE'
+
+
+def prefix_workload(num_steps: int) -> np.ndarray:
+  """`A`: the all-ones lower-triangular prefix-sum matrix ("ones" workload).
+
+  Args:
+    num_steps: T.
+
+  Returns:
+    `[T, T]` float64 with `A[t, s] = 1` for `s <= t`.
+  """
+  return np.tri(checks.positive_int(num_steps, 'num_steps'))
+
+
+def _geometric_toeplitz(num_steps: int, ratio: float) -> np.ndarray:
+  """Lower-triangular Toeplitz `R[t, s] = ratio^(t - s)` for `s <= t`."""
+  lags = np.subtract.outer(np.arange(num_steps), np.arange(num_steps))
+  with np.errstate(divide='ignore', invalid='ignore'):
+    # 0^0 = 1 on the diagonal; lags < 0 are masked out.
+    values = np.where(lags >= 0, np.float64(ratio) ** np.maximum(lags, 0), 0.0)
+  return values
+
+
+def momentum_matrix(num_steps: int, momentum: float) -> np.ndarray:
+  """`M`: heavy-ball momentum as a matrix, `M[t, s] = momentum^(t - s)`.
+
+  SGD with momentum (`m_t = momentum m_{t-1} + g_t`, `x_{t+1} = x_t - lr m_t`)
+  gives `x_{t+1} = x_0 - lr (A M g)_t` (paper 001 §5, "true" workload).
+
+  Args:
+    num_steps: T.
+    momentum: the momentum coefficient in [0, 1).
+
+  Returns:
+    `[T, T]` float64, lower-triangular Toeplitz.
+  """
+  num_steps = checks.positive_int(num_steps, 'num_steps')
+  momentum = float(momentum)
+  if not 0.0 <= momentum < 1.0:
+    raise ValueError(f'momentum must be in [0, 1), got {momentum!r}')
+  return _geometric_toeplitz(num_steps, momentum)
+
+
+def decay_matrix(num_steps: int, decay: float) -> np.ndarray:
+  """`L`: the SRG decay of DP-SRG-MEMF as a matrix, `L[t, s] = decay^(t - s)`.
+
+  Paper 001 Algorithm 3 with constant `c_t = decay` (and `c_0 = 0`):
+  `Grad_t = decay Grad_{t-1} + Delta_t` is `Grad = L Delta`.
+
+  Args:
+    num_steps: T.
+    decay: c in [0, 1).
+
+  Returns:
+    `[T, T]` float64, lower-triangular Toeplitz.
+  """
+  num_steps = checks.positive_int(num_steps, 'num_steps')
+  decay = float(decay)
+  if not 0.0 <= decay < 1.0:
+    raise ValueError(f'decay must be in [0, 1), got {decay!r}')
+  return _geometric_toeplitz(num_steps, decay)
+
+
+def workload(num_steps: int, kind: str = 'ones', *, momentum: float = 0.0,
+             decay: float = 0.0) -> np.ndarray:
+  """The workloads of paper 001 §5.
+
+  * 'ones': `A`, the prefix sums of the gradients;
+  * 'true': `M A L`, the iterates of SGD with `momentum` fed by the SRG
+    recursion with `decay` (`M A` for DP-MEMF, decay 0; `M A L` for
+    DP-SRG-MEMF). The three matrices are lower-triangular Toeplitz, so they
+    commute.
+
+  Example:
+    >>> w = workload(600, 'true', momentum=0.9)        # DP-MEMF
+    >>> w = workload(600, 'true', momentum=0.9, decay=math.exp(-2.5))
+
+  Args:
+    num_steps: T.
+    kind: 'ones' or 'true'.
+    momentum: momentum of the optimizer ('true' only).
+    decay: the SRG decay c ('true' only).
+
+  Returns:
+    `[T, T]` float64 workload.
+  """
+  if kind == 'ones':
+    if momentum or decay:
+      raise ValueError("the 'ones' workload takes no momentum or decay; use "
+                       "kind='true'")
+    return prefix_workload(num_steps)
+  if kind == 'true':
+    return (momentum_matrix(num_steps, momentum) @ prefix_workload(num_steps)
+            @ decay_matrix(num_steps, decay))
+  raise ValueError(f"kind must be 'ones' or 'true', got {kind!r}")
+
+
+def orthogonality_mask(num_steps: int, num_epochs: int = 1) -> np.ndarray:
+  """Entries of the Gram matrix `X = C^T C` left free by the optimizer.
+
+  Under (k, b)-participation an example takes part at steps `j, b + j, ...`;
+  forcing `X[s, t] = 0` for two distinct such steps (`s = t mod b`) makes the
+  sensitivity depend only on the diagonal of X, exactly, whatever the signs
+  of C (Choquette-Choo et al. 2023).
+
+  Args:
+    num_steps: T = k b.
+    num_epochs: k.
+
+  Returns:
+    `[T, T]` bool, False where X is forced to zero.
+  """
+  steps_per_epoch = _steps_per_epoch(num_steps, num_epochs)
+  index = np.arange(num_steps)
+  same_class = np.equal.outer(index % steps_per_epoch,
+                              index % steps_per_epoch)
+  return ~same_class | np.eye(num_steps, dtype=bool)
+
+
+def _steps_per_epoch(num_steps: int, num_epochs: int) -> int:
+  num_steps = checks.positive_int(num_steps, 'num_steps')
+  num_epochs = checks.positive_int(num_epochs, 'num_epochs')
+  if num_steps % num_epochs:
+    raise ValueError(f'{num_steps} steps do not split into {num_epochs} '
+                     'equal epochs')
+  return num_steps // num_epochs
+
+
+def strategy_from_gram(gram: np.ndarray) -> np.ndarray:
+  """The lower-triangular `C` with `C^T C = gram` (a reversed Cholesky).
+
+  With J the reversal permutation and `J X J = L L^T` (L lower-triangular),
+  `C = J L^T J` is lower-triangular and `C^T C = J L L^T J = X`. A plain
+  Cholesky factor would be upper-triangular once transposed, i.e. not
+  streamable.
+
+  Args:
+    gram: symmetric positive-definite `[T, T]`.
+
+  Returns:
+    Lower-triangular `[T, T]` float64 `C`.
+  """
+  gram = np.asarray(gram, np.float64)
+  lower = linalg.cholesky(gram[::-1, ::-1], lower=True)
+  return np.ascontiguousarray(lower.T[::-1, ::-1])
+
+
+def _band_mask(num_steps: int, bands: int) -> np.ndarray:
+  lags = np.abs(np.subtract.outer(np.arange(num_steps), np.arange(num_steps)))
+  return lags < bands
+
+
+# Iterations over which the relative improvement is judged.
+_WINDOW = 10
+
+
+class _GramObjective:
+  """`tr(W^T W X^-1)` over the free entries of a feasible Gram matrix X.
+
+  Feasible X: symmetric, zero outside `mask`, and for every residue class of
+  steps one example shares, the diagonal sums to 1 (squared sensitivity 1).
+  The optimizer works on the vector of free entries (upper triangle inside
+  the mask, off-diagonal entries scaled by sqrt(2) so that the Euclidean
+  inner product is the Frobenius one): half the memory traffic of full
+  matrices, and the constraints are linear in it.
+  """
+
+  def __init__(self, workload_matrix: np.ndarray, mask: np.ndarray,
+               num_epochs: int):
+    num_steps = workload_matrix.shape[0]
+    self.workload_t = np.asfortranarray(workload_matrix.T)
+    self.num_steps = num_steps
+    self.num_epochs = num_epochs
+    rows, cols = np.nonzero(np.triu(mask, 1))
+    self.rows, self.cols = rows, cols
+    self.num_off = len(rows)
+
+  def to_vector(self, gram: np.ndarray) -> np.ndarray:
+    return np.concatenate([math.sqrt(2.0) * gram[self.rows, self.cols],
+                           np.diag(gram)])
+
+  def to_matrix(self, vector: np.ndarray) -> np.ndarray:
+    gram = np.zeros((self.num_steps, self.num_steps))
+    off = vector[:self.num_off] / math.sqrt(2.0)
+    gram[self.rows, self.cols] = off
+    gram[self.cols, self.rows] = off
+    np.fill_diagonal(gram, vector[self.num_off:])
+    return gram
+
+  def value_and_grad(self, vector: np.ndarray):
+    """The loss and its projected gradient, or (inf, None) if X is not PD."""
+    try:
+      factor = linalg.cho_factor(self.to_matrix(vector), lower=True,
+                                 check_finite=False)
+    except linalg.LinAlgError:
+      return math.inf, None
+    # H = X^-1 W^T: loss = tr(W H), gradient = -H H^T.
+    solved = linalg.cho_solve(factor, self.workload_t, check_finite=False)
+    value = float(np.einsum('ij,ij->', self.workload_t, solved))
+    if not np.isfinite(value) or value <= 0:
+      return math.inf, None
+    grad = self.to_vector(-(solved @ solved.T))
+    # An off-diagonal entry v = sqrt(2) X_ij moves X_ij and X_ji, so its
+    # derivative is sqrt(2) G_ij: exactly what to_vector gives.
+    diagonal = grad[self.num_off:].reshape(self.num_epochs, -1)
+    # Keep each residue class's diagonal sum fixed (the sensitivity).
+    diagonal -= diagonal.mean(axis=0, keepdims=True)
+    return value, grad
+
+
+def _lbfgs(objective: _GramObjective, start: np.ndarray, *,
+           max_iterations: int, tolerance: float, history: int = 10
+           ) -> tuple[np.ndarray, int]:
+  """Projected L-BFGS with a backtracking line search that stays PD.
+
+  The constraints are linear, so projecting every gradient onto their
+  subspace keeps every L-BFGS direction feasible; the line search halves the
+  step until X is positive-definite and the Armijo condition holds.
+
+  Args:
+    objective: the loss over the free entries.
+    start: a feasible, positive-definite starting vector.
+    max_iterations: iteration cap.
+    tolerance: stop when `_WINDOW` iterations improve the loss by less than
+      this relative amount.
+    history: number of L-BFGS correction pairs.
+
+  Returns:
+    The optimized vector and the number of iterations.
+  """
+  x = start
+  value, grad = objective.value_and_grad(x)
+  if grad is None:
+    raise ValueError('the starting Gram matrix is not positive-definite')
+  steps, changes, inverse_curvatures = [], [], []
+  values = [value]
+  iteration = 0
+  for iteration in range(1, max_iterations + 1):
+    # Two-loop recursion, in place to limit memory traffic.
+    direction = -grad
+    alphas = []
+    for s, y, rho in zip(reversed(steps), reversed(changes),
+                         reversed(inverse_curvatures)):
+      alpha = rho * np.dot(s, direction)
+      direction -= alpha * y
+      alphas.append(alpha)
+    if steps:
+      direction *= np.dot(steps[-1], changes[-1]) / np.dot(changes[-1],
+                                                           changes[-1])
+    else:
+      direction *= np.abs(x).max() / max(np.abs(grad).max(), 1e-300)
+    for s, y, rho, alpha in zip(steps, changes, inverse_curvatures,
+                                reversed(alphas)):
+      direction += (alpha - rho * np.dot(y, direction)) * s
+    slope = np.dot(grad, direction)
+    if slope >= 0:  # Not a descent direction: restart from the gradient.
+      steps, changes, inverse_curvatures = [], [], []
+      direction = -grad * (np.abs(x).max() / max(np.abs(grad).max(), 1e-300))
+      slope = np.dot(grad, direction)
+    size = 1.0
+    while True:
+      candidate = x + size * direction
+      new_value, new_grad = objective.value_and_grad(candidate)
+      if new_grad is not None and new_value <= value + 1e-4 * size * slope:
+        break
+      size *= 0.5
+      if size < 1e-20:
+        return x, iteration
+    s, y = candidate - x, new_grad - grad
+    curvature = np.dot(s, y)
+    if curvature > 1e-12 * np.dot(y, y):
+      steps.append(s)
+      changes.append(y)
+      inverse_curvatures.append(1.0 / curvature)
+      if len(steps) > history:
+        del steps[0], changes[0], inverse_curvatures[0]
+    x, value, grad = candidate, new_value, new_grad
+    values.append(value)
+    # Single iterations can stall while the next ones still make progress:
+    # judge the improvement over a window of iterations.
+    if (len(values) > _WINDOW and
+        values[-_WINDOW - 1] - value < tolerance * value):
+      break
+  return x, iteration
+
+
+def _toeplitz_square_root_start(workload_matrix: np.ndarray, num_epochs: int,
+                                bands: int) -> Optional[np.ndarray]:
+  """A feasible starting Gram matrix from the banded square root of W.
+
+  For a lower-triangular Toeplitz workload the Toeplitz square root `R`
+  (`R R = W`) is a good single-participation strategy (banded square-root
+  factorization, Kalinin & Lampert 2024); truncated to at most b bands it
+  satisfies the orthogonality mask, and rescaling its columns sets every
+  diagonal entry of X to 1/k. Starting there instead of from the identity
+  cuts the initial loss by 5-10x on the paper's workloads.
+
+  Returns:
+    The starting Gram matrix, or None when W is not lower-triangular
+    Toeplitz with a positive corner (start from the identity then).
+  """
+  num_steps = workload_matrix.shape[0]
+  column = workload_matrix[:, 0]
+  if column[0] <= 0 or not np.allclose(
+      workload_matrix, linalg.toeplitz(column, np.zeros(num_steps))):
+    return None
+  root = np.zeros(num_steps)
+  root[0] = math.sqrt(column[0])
+  for t in range(1, num_steps):
+    root[t] = (column[t] - np.dot(root[1:t], root[t - 1:0:-1])) / (2 * root[0])
+  strategy = np.where(_band_mask(num_steps, bands),
+                      linalg.toeplitz(root, np.zeros(num_steps)), 0.0)
+  gram = strategy.T @ strategy
+  scale = 1.0 / np.sqrt(num_epochs * np.diag(gram))
+  return gram * np.outer(scale, scale)
+
+
+def _cache_path(cache_dir: str, key_parts: tuple) -> str:
+  digest = hashlib.sha256()
+  for part in key_parts:
+    if isinstance(part, np.ndarray):
+      digest.update(str(part.shape).encode())
+      digest.update(np.ascontiguousarray(part, np.float64).tobytes())
+    else:
+      digest.update(repr(part).encode())
+  return os.path.join(cache_dir, f'strategy-{digest.hexdigest()[:32]}.npy')
+
+
+def default_cache_dir() -> str:
+  """Where optimized strategies are cached: `$DPSCO_JAX_CACHE/strategies`.
+
+  Returns:
+    The directory (default `~/.cache/dpsco_jax/strategies`).
+  """
+  root = os.environ.get(CACHE_ENV_VAR) or os.path.join(
+      os.path.expanduser('~'), '.cache', 'dpsco_jax')
+  return os.path.join(root, 'strategies')
+
+
+def optimize_strategy(
+    workload_matrix: np.ndarray,
+    num_epochs: int = 1,
+    *,
+    bands: Optional[int] = None,
+    max_iterations: int = 5000,
+    tolerance: float = 1e-4,
+    cache_dir: Union[str, None, bool] = True,
+) -> np.ndarray:
+  """A strategy `C` minimizing `||W C^-1||_F` under (k, b)-participation.
+
+  Optimizes the Gram matrix `X = C^T C` (Choquette-Choo et al. 2023, used by
+  paper 001 Algorithm 2 / §5): minimize `tr(W^T W X^-1) = ||W C^-1||_F^2`
+  subject to `X[s, t] = 0` for distinct steps one example shares
+  (`orthogonality_mask`) and, for every batch position j,
+  `sum_i X[i b + j, i b + j] = 1`, by projected L-BFGS in float64 (from the
+  banded Toeplitz square root of W when W is Toeplitz, else from
+  `X = I / k`); then `C = strategy_from_gram(X)`. With the mask, the
+  sensitivity under `FixedOrder(k, b)` is exactly 1 whatever the signs of C,
+  so `max_j ||sum_i C[:, i b + j]||_2 = 1` (the constraint of Algorithm 2).
+  With `bands`, X (hence C) is also banded (banded matrix factorization,
+  streaming state of `bands - 1` noise vectors); `bands <= b` keeps the mask
+  automatic.
+
+  Results are cached on disk (`default_cache_dir()`, or `cache_dir`), keyed
+  by the workload, k, bands and the optimizer settings.
+
+  Example:
+    >>> w = workload(600, 'true', momentum=0.9)
+    >>> c = optimize_strategy(w, num_epochs=6)          # b = 100
+    >>> mech = noise.matrix_factorization(c)
+
+  Args:
+    workload_matrix: `W`, `[T, T]` (e.g. from `workload`).
+    num_epochs: k; the participation is `FixedOrder(k, T / k)`.
+    bands: number of non-zero diagonals of C (None: dense).
+    max_iterations: L-BFGS iteration cap.
+    tolerance: stop when ten iterations improve the loss by less than this
+      relative amount.
+    cache_dir: a directory, True for `default_cache_dir()`, or None/False to
+      disable the cache.
+
+  Returns:
+    Lower-triangular float64 `C` `[T, T]` with sensitivity 1 under
+    `FixedOrder(k, T / k)`.
+  """
+  workload_matrix = np.asarray(workload_matrix, np.float64)
+  if (workload_matrix.ndim != 2 or
+      workload_matrix.shape[0] != workload_matrix.shape[1]):
+    raise ValueError('the workload must be a square matrix, got shape '
+                     f'{workload_matrix.shape}')
+  if not np.all(np.isfinite(workload_matrix)):
+    raise ValueError('the workload has non-finite entries')
+  num_steps = workload_matrix.shape[0]
+  steps_per_epoch = _steps_per_epoch(num_steps, num_epochs)
+  if bands is not None:
+    bands = checks.positive_int(bands, 'bands')
+  checks.positive_int(max_iterations, 'max_iterations')
+  if not tolerance > 0:
+    raise ValueError(f'tolerance must be positive, got {tolerance!r}')
+
+  path = None
+  if cache_dir is True:
+    cache_dir = default_cache_dir()
+  if cache_dir:
+    path = _cache_path(cache_dir, (_CACHE_VERSION, workload_matrix, num_epochs,
+                                   bands, max_iterations, tolerance))
+    if os.path.exists(path):
+      cached = np.load(path)
+      if _is_feasible(cached, num_epochs, bands):
+        return cached
+      logging.warning('ignoring an infeasible cached strategy at %s', path)
+
+  mask = orthogonality_mask(num_steps, num_epochs)
+  if bands is not None:
+    mask &= _band_mask(num_steps, bands)
+  objective = _GramObjective(workload_matrix, mask, num_epochs)
+  start_time = time.perf_counter()
+  start = _toeplitz_square_root_start(
+      workload_matrix, num_epochs, min(bands or num_steps, steps_per_epoch))
+  if start is None:
+    start = np.eye(num_steps) / num_epochs
+  optimum, iterations = _lbfgs(objective, objective.to_vector(start),
+                               max_iterations=max_iterations,
+                               tolerance=tolerance)
+  gram = objective.to_matrix(optimum)
+  # Remove the round-off drift of the linear constraints before factoring.
+  gram = np.where(mask, (gram + gram.T) / 2, 0.0)
+  diagonal = np.diag(gram).reshape(num_epochs, steps_per_epoch)
+  np.fill_diagonal(gram, (diagonal / diagonal.sum(axis=0)).ravel())
+  strategy = strategy_from_gram(gram)
+  if bands is not None:
+    strategy = np.where(_band_mask(num_steps, bands), strategy, 0.0)
+  strategy /= accounting.participation_sensitivity(
+      strategy, accounting.FixedOrder(num_epochs, steps_per_epoch))
+  logging.info('optimized a %dx%d strategy (k=%d, bands=%s) in %d L-BFGS '
+               'iterations, %.1f s', num_steps, num_steps, num_epochs, bands,
+               iterations, time.perf_counter() - start_time)
+  if path is not None:
+    os.makedirs(cache_dir, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=cache_dir, suffix='.npy',
+                                     delete=False) as handle:
+      np.save(handle, strategy)
+    os.replace(handle.name, path)
+  return strategy
+
+
+def _is_feasible(strategy: np.ndarray, num_epochs: int,
+                 bands: Optional[int]) -> bool:
+  try:
+    noise_lib.validate_strategy(strategy)
+  except ValueError:
+    return False
+  num_steps = strategy.shape[0]
+  if bands is not None and np.any(strategy[~_band_mask(num_steps, bands)]):
+    return False
+  sensitivity = accounting.participation_sensitivity(
+      strategy, accounting.FixedOrder(num_epochs, num_steps // num_epochs))
+  return sensitivity <= 1.0 + 1e-9
+
+
+def workload_errors(workload_matrix: np.ndarray,
+                    mechanism: noise_lib.NoiseMechanism,
+                    participation: accounting.Participation
+                    ) -> tuple[float, float]:
+  """Errors of a mechanism on a workload, at unit sensitivity.
+
+  The mechanism's per-step noise is `N xi` (`mechanism.decoder_matrix()`),
+  so the workload sees `W N xi`. At equal privacy the noise multiplier
+  scales with the sensitivity under `participation`, so both errors are
+  multiplied by it: the numbers compare mechanisms at equal privacy.
+
+  Example:
+    >>> w = workload(120, 'ones')
+    >>> workload_errors(w, noise.tree(120), accounting.single_epoch(120))
+
+  Args:
+    workload_matrix: W `[T, T]`.
+    mechanism: a mechanism with a per-step release over T steps.
+    participation: how one example takes part (`FixedOrder(k, b)`).
+
+  Returns:
+    `(||W N||_F, max_t ||(W N)_t||_2)` times the sensitivity: the total and
+    the worst-step root-squared error for a unit noise multiplier.
+  """
+  if mechanism.release != 'per_step':
+    raise ValueError('workload_errors expects the per-step release: the '
+                     'workload applies the prefix sums itself')
+  if mechanism.decoder_matrix is None:
+    raise ValueError(f'{mechanism.name} does not expose its decoder matrix')
+  sensitivity = accounting.mechanism_sensitivity(mechanism, participation)
+  product = np.asarray(workload_matrix, np.float64) @ mechanism.decoder_matrix()
+  rows = np.sqrt(np.sum(product ** 2, axis=1))
+  return (float(sensitivity * np.sqrt(np.sum(rows ** 2))),
+          float(sensitivity * rows.max()))
