@@ -7,14 +7,17 @@ The curated public API. Modules, one concern each:
 * `dpsco_jax.noise`: noise mechanisms (i.i.d. Gaussian, binary tree with
   residual or prefix release, Honaker, restarts, matrix factorization)
   behind one interface;
+* `dpsco_jax.strategies`: matrix-factorization workloads, strategy
+  optimization and the error of any mechanism on a workload;
 * `dpsco_jax.accounting`: epsilon spent and noise calibration
   (`dp_accounting` PLD/RDP, the papers' zCDP and GDP closed forms);
 * `dpsco_jax.estimators`: private gradient estimators as optax
   transformations;
-* `dpsco_jax.algorithms`: the algorithms (DP-SGD, DP-FTRL, ...);
+* `dpsco_jax.algorithms`: the algorithms (DP-SGD, DP-FTRL, DP-MEMF, ...);
 * `dpsco_jax.parallel`: cross-device sums and the replicated-key check;
 * `dpsco_jax.guards`: refusals that hold inside compiled steps;
-* `dpsco_jax.batching`: batch formation matching the accounting.
+* `dpsco_jax.batching`: batch formation matching the accounting, and the
+  in-step check of a fixed batch order.
 """
 
 from dpsco_jax import accounting
@@ -25,6 +28,7 @@ from dpsco_jax import guards
 from dpsco_jax import neighboring
 from dpsco_jax import noise
 from dpsco_jax import parallel
+from dpsco_jax import strategies
 from dpsco_jax.accounting import calibrate_noise_multiplier
 from dpsco_jax.accounting import epsilon_spent
 from dpsco_jax.accounting import FixedOrder
@@ -35,6 +39,9 @@ from dpsco_jax.algorithms.baselines import dpftrl
 from dpsco_jax.algorithms.baselines import dpftrl_mechanism
 from dpsco_jax.algorithms.baselines import dpsgd
 from dpsco_jax.algorithms.baselines import dpsgd_mechanism
+from dpsco_jax.algorithms.mf import dpmemf
+from dpsco_jax.algorithms.mf import dpmemf_mechanism
+from dpsco_jax.batching import fixed_order_guard
 from dpsco_jax.clipping import clipped_grad_difference_sum
 from dpsco_jax.clipping import clipped_grad_sum
 from dpsco_jax.clipping import clipped_user_grad_sum
@@ -45,6 +52,8 @@ from dpsco_jax.estimators import noisy_gradient
 from dpsco_jax.neighboring import NeighboringRelation
 from dpsco_jax.noise import NoiseMechanism
 from dpsco_jax.noise import NoiseState
+from dpsco_jax.strategies import optimize_strategy
+from dpsco_jax.strategies import workload
 
 __all__ = (
     'accounting',
@@ -55,6 +64,7 @@ __all__ = (
     'neighboring',
     'noise',
     'parallel',
+    'strategies',
     'calibrate_noise_multiplier',
     'epsilon_spent',
     'FixedOrder',
@@ -65,6 +75,9 @@ __all__ = (
     'dpftrl_mechanism',
     'dpsgd',
     'dpsgd_mechanism',
+    'dpmemf',
+    'dpmemf_mechanism',
+    'fixed_order_guard',
     'clipped_grad_difference_sum',
     'clipped_grad_sum',
     'clipped_user_grad_sum',
@@ -75,6 +88,8 @@ __all__ = (
     'NeighboringRelation',
     'NoiseMechanism',
     'NoiseState',
+    'optimize_strategy',
+    'workload',
 )
 
 __version__ = '0.1.0'

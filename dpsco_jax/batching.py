@@ -11,16 +11,24 @@ is computed for the batches it actually used:
 * `PoissonBatches` -> `accounting.PoissonSampling`: every example joins every
   batch independently with probability q; batches are padded to a multiple
   of a fixed size with a mask, so only a few shapes are ever compiled.
+
+`fixed_order_guard` checks, inside the training step, that batches really
+come in the fixed order a `FixedOrder` accounting claims.
 """
 
 import dataclasses
 import math
-from typing import Iterator, Optional
+from typing import Iterator, NamedTuple, Optional
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 
 from dpsco_jax import accounting
 from dpsco_jax import checks
+from dpsco_jax import guards
+from dpsco_jax import parallel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,3 +195,139 @@ class PoissonBatches:
       indices[:len(chosen)] = chosen
       mask = np.arange(size) < len(chosen)
       yield indices, mask
+
+
+class FixedOrderGuardState(NamedTuple):
+  """State of `fixed_order_guard`.
+
+  Attributes:
+    step: steps seen so far.
+    fingerprints: `[steps_per_epoch, 2]` uint32, an order-invariant hash of
+      the example ids of each batch position in the first epoch. The ids
+      are indices into the training set: not noised, do not publish.
+  """
+
+  step: jax.Array
+  fingerprints: jax.Array
+
+
+def _mix(ids: jax.Array, seed: int) -> jax.Array:
+  """A 32-bit avalanche hash of each id (the MurmurHash3 finalizer)."""
+  x = ids.astype(jnp.uint32) ^ jnp.uint32(seed)
+  x = (x ^ (x >> 16)) * jnp.uint32(0x85EBCA6B)
+  x = (x ^ (x >> 13)) * jnp.uint32(0xC2B2AE35)
+  return x ^ (x >> 16)
+
+
+def batch_fingerprint(example_ids: jax.Array,
+                      mask: Optional[jax.Array] = None,
+                      axis_name: Optional[str] = None) -> jax.Array:
+  """An order-invariant 64-bit fingerprint of a batch's set of example ids.
+
+  Two independent 32-bit hashes of every id, summed (mod 2^32) over the ids
+  the mask keeps and over devices: equal sets give equal fingerprints in any
+  order or device layout, different sets almost never do.
+
+  Args:
+    example_ids: integer ids of the batch's examples (this device's shard).
+    mask: optional bool mask, False on padding.
+    axis_name: the device axis, or None.
+
+  Returns:
+    `[2]` uint32.
+  """
+  example_ids = jnp.ravel(jnp.asarray(example_ids))
+  if not jnp.issubdtype(example_ids.dtype, jnp.integer):
+    raise ValueError(f'example_ids must be integers, got {example_ids.dtype}')
+  keep = (jnp.ones(example_ids.shape, bool) if mask is None else
+          jnp.ravel(jnp.asarray(mask, bool)))
+  if keep.shape != example_ids.shape:
+    raise ValueError(f'batch_mask has {keep.size} entries for '
+                     f'{example_ids.size} example ids')
+  hashes = jnp.stack([_mix(example_ids, 0x9E3779B9),
+                      _mix(example_ids, 0x7F4A7C15)], axis=-1)
+  local = jnp.sum(jnp.where(keep[:, None], hashes, jnp.uint32(0)), axis=0,
+                  dtype=jnp.uint32)
+  return parallel.psum(local, axis_name)
+
+
+def fixed_order_guard(
+    steps_per_epoch: int,
+    *,
+    axis_name: Optional[str] = None,
+) -> optax.GradientTransformationExtraArgs:
+  """Refuses steps whose batch differs from the same position one epoch ago.
+
+  `FixedOrder(k, b)` accounting (DP-MF, DP-MEMF: paper 001 Algorithms 2-3,
+  notes pitfall 15) assumes that the example in batch j takes part exactly
+  at steps `j, b + j, ..., (k-1) b + j`. A pipeline that reshuffles between
+  epochs breaks that: an example can then meet strategy columns whose
+  cross terms the sensitivity never counted. The guard fingerprints each
+  batch's set of example ids in the first epoch and, in every later epoch,
+  refuses (`dpsco_jax.guards.refuse`: ValueError when eager, NaN-poisoned
+  updates and a host-callback error under jit) a batch whose set differs.
+  The order of examples within a batch does not matter.
+
+  Place it after the private estimator in the chain, so it guards the
+  updates that estimator produced.
+
+  Example:
+    >>> tx = optax.chain(
+    ...     noisy_gradient(loss_fn, ..., mechanism=noise.matrix_factorization(c)),
+    ...     fixed_order_guard(steps_per_epoch=100),
+    ...     optax.sgd(0.1, momentum=0.9))
+    >>> updates, state = tx.update(None, state, params, batch=batch,
+    ...                            example_ids=indices)
+
+  Args:
+    steps_per_epoch: b, the batches per epoch.
+    axis_name: the device axis when each device holds a shard of the batch
+      (and of its ids).
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs`: `update(updates, state,
+    params=None, *, example_ids, batch_mask=None)`.
+  """
+  steps_per_epoch = checks.positive_int(steps_per_epoch, 'steps_per_epoch')
+
+  def init_fn(params):
+    del params
+    return FixedOrderGuardState(
+        step=jnp.zeros((), jnp.int32),
+        fingerprints=jnp.zeros((steps_per_epoch, 2), jnp.uint32))
+
+  def update_fn(updates, state, params=None, *, example_ids=None,
+                batch_mask=None, **extra_args):
+    del params, extra_args
+    if updates is None:
+      raise ValueError('fixed_order_guard guards the updates of a private '
+                       'estimator: place it after the estimator in the chain')
+    if example_ids is None:
+      raise ValueError(
+          'the fixed-order check needs the ids of the batch examples: '
+          'update(..., example_ids=indices) (e.g. the indices yielded by '
+          'batching.FixedOrderBatches); its accounting assumes the same '
+          'batches in the same order every epoch')
+    fingerprint = batch_fingerprint(example_ids, batch_mask, axis_name)
+    position = state.step % steps_per_epoch
+    first_epoch = state.step < steps_per_epoch
+    stored = state.fingerprints[position]
+    changed = jnp.logical_and(~first_epoch, jnp.any(fingerprint != stored))
+    fingerprints = jnp.where(
+        first_epoch, state.fingerprints.at[position].set(fingerprint),
+        state.fingerprints)
+    where = 'a step'
+    if not isinstance(changed, jax.core.Tracer):
+      changed = bool(changed)
+      where = f'step {int(state.step)}'
+    message = (
+        f'the batch at {where} is not the batch at the same position of the '
+        f'first epoch (position = step mod {steps_per_epoch}): FixedOrder '
+        'accounting assumes the same batches in the same order every epoch, '
+        'and a pipeline that reshuffles between epochs invalidates it. Use '
+        'batching.FixedOrderBatches, or account for the run as Shuffled.')
+    updates = guards.refuse(changed, updates, message)
+    return updates, FixedOrderGuardState(step=state.step + 1,
+                                         fingerprints=fingerprints)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

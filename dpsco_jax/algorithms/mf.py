@@ -1,0 +1,137 @@
+"""DP-MEMF: multi-epoch matrix-factorization DP (paper 001 Algorithm 2).
+
+Each step adds the clipped per-example gradient sum and the matrix-
+factorization noise `(C^-1 Z)_t`, then divides by the batch size, and feeds
+the result to any optax optimizer (the paper: SGD with momentum 0.9):
+
+    c = strategies.optimize_strategy(
+        strategies.workload(k * b, 'true', momentum=0.9), num_epochs=k)
+    z = accounting.calibrate_noise_multiplier(
+        dpmemf_mechanism(c), accounting.FixedOrder(k, b), epsilon, delta,
+        method='zcdp')                       # or the tighter default 'pld'
+    tx = optax.chain(
+        dpmemf(loss_fn, l2_clip=1.0, noise_multiplier=z, strategy=c,
+               steps_per_epoch=b, key=0),
+        optax.sgd(lr, momentum=0.9))
+
+Corrections to the printed Algorithm 2 (notes §1.5, pitfall 13): the step
+index is `t = i b + j` for epoch i and batch j (not `i k + j`), and the noise
+is scaled by the sensitivity: the update is
+`(1/B) (sum_d clip(grad l(x_t; d), Ccl) + Ccl z (C^-1 xi)_t)` with
+`xi ~ N(0, I)`; the paper's `Z ~ N(0, 1/(2 rho))` is `z = 1/sqrt(2 rho)`
+for a strategy of sensitivity 1, which `calibrate_noise_multiplier(...,
+method='zcdp')` returns.
+
+Accounting assumes `FixedOrder(k, b)`: the same batches in the same public
+order every epoch, no amplification. `dpmemf` checks it (see
+`batching.fixed_order_guard`) from the example ids passed to each update.
+"""
+
+from typing import Any, Callable, Optional
+
+import jax
+import numpy as np
+import optax
+
+from dpsco_jax import batching
+from dpsco_jax import checks
+from dpsco_jax import estimators
+from dpsco_jax import neighboring
+from dpsco_jax import noise
+
+PyTree = Any
+
+
+def dpmemf_mechanism(strategy: np.ndarray,
+                     storage: str = 'buffer') -> noise.NoiseMechanism:
+  """The noise mechanism `dpmemf` builds: per-step `C^-1 z`.
+
+  Account for a run with this very mechanism, e.g.
+  `accounting.epsilon_spent(dpmemf_mechanism(c), z, FixedOrder(k, b),
+  delta, method='zcdp')`.
+
+  Args:
+    strategy: the lower-triangular strategy C, `[k b, k b]`.
+    storage: 'buffer' or 'regenerate' (`noise.matrix_factorization`).
+
+  Returns:
+    `noise.matrix_factorization(strategy, release='per_step', ...)`.
+  """
+  return noise.matrix_factorization(strategy, release='per_step',
+                                    storage=storage)
+
+
+def dpmemf(
+    loss_fn: Callable[[PyTree, PyTree], jax.Array],
+    *,
+    l2_clip: float,
+    noise_multiplier: float,
+    strategy: np.ndarray,
+    steps_per_epoch: int,
+    key: estimators.KeyLike,
+    check_order: bool = True,
+    storage: str = 'buffer',
+    neighboring_relation: neighboring.NeighboringRelation = (
+        neighboring.NeighboringRelation.ADD_OR_REMOVE),
+    normalize_by: Optional[float] = None,
+    microbatch_size: Optional[int] = None,
+    axis_name: Optional[str] = None,
+) -> optax.GradientTransformationExtraArgs:
+  """DP-MEMF's private gradient (paper 001 Algorithm 2, corrected).
+
+  Outputs `(sum_d clip(grad l(x_t; d)) + z Delta (C^-1 xi)_t) / B` at step
+  `t = i b + j` with `Delta = l2_clip` (twice that under replace-one); chain
+  an optax optimizer after it. The run refuses to go past the `k b` steps of
+  the strategy, and, with `check_order=True`, refuses a batch whose examples
+  differ from those at the same position of the first epoch.
+
+  Example:
+    >>> c = strategies.optimize_strategy(strategies.workload(600), 6)
+    >>> tx = optax.chain(
+    ...     dpmemf(loss_fn, l2_clip=1.0, noise_multiplier=2.72, strategy=c,
+    ...            steps_per_epoch=100, key=0),
+    ...     optax.sgd(0.5, momentum=0.9))
+    >>> state = tx.init(params)
+    >>> for indices in batching.FixedOrderBatches(50_000, 500, num_epochs=6):
+    ...   updates, state = tx.update(None, state, params,
+    ...                              batch=data[indices], example_ids=indices)
+
+  Args:
+    loss_fn: `loss_fn(params, example) -> scalar` for ONE example.
+    l2_clip: per-example clip norm (Ccl).
+    noise_multiplier: noise std over one step's sensitivity (calibrate it
+      with `accounting.calibrate_noise_multiplier(dpmemf_mechanism(C),
+      FixedOrder(k, b), ...)`).
+    strategy: the lower-triangular C, `[k b, k b]` (e.g. from
+      `strategies.optimize_strategy`).
+    steps_per_epoch: b; the strategy's size must be a multiple of it.
+    key: PRNG key or int seed for the noise (replicated across devices).
+    check_order: verify the fixed batch order from `example_ids`. Only turn
+      it off when the pipeline is known to repeat its batches.
+    storage: how the MF noise is streamed (`noise.matrix_factorization`).
+    neighboring_relation: the relation the noise is calibrated for.
+    normalize_by: public batch size (required with a padding mask).
+    microbatch_size: optional cap on per-example gradients held at once.
+    axis_name: the `pmap`/`shard_map` axis name on several devices.
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs`; call
+    `update(None, state, params, batch=batch, example_ids=ids,
+    batch_mask=None)` (`example_ids` only needed with `check_order`).
+  """
+  mechanism = dpmemf_mechanism(strategy, storage)
+  steps_per_epoch = checks.positive_int(steps_per_epoch, 'steps_per_epoch')
+  if mechanism.num_steps % steps_per_epoch:
+    raise ValueError(
+        f'the strategy covers {mechanism.num_steps} steps, not a whole number '
+        f'of epochs of {steps_per_epoch} steps')
+  estimator = estimators.noisy_gradient(
+      loss_fn, l2_clip=l2_clip, noise_multiplier=noise_multiplier,
+      mechanism=mechanism, key=key, neighboring_relation=neighboring_relation,
+      normalize_by=normalize_by, microbatch_size=microbatch_size,
+      axis_name=axis_name)
+  if not check_order:
+    return estimator
+  return optax.chain(
+      estimator,
+      batching.fixed_order_guard(steps_per_epoch, axis_name=axis_name))
