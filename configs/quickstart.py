@@ -23,7 +23,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.clip = 1.0
   config.learning_rate = 0.5
   config.momentum = 0.9
-  # Fixed-order batches (DP-FTRL and the non-private reference). The 1,437
+  # Fixed-order batches (DP-FTRL, DP-MEMF and the non-private reference). The 1,437
   # training examples are 6 batches of 239 (+3 never used): a round 256
   # would leave 157 examples (11%) out of every epoch.
   config.batch_size = 239
@@ -34,5 +34,5 @@ def get_config() -> ml_collections.ConfigDict:
   # Evaluate (train loss, test accuracy) every this many steps and at the end.
   config.eval_every = 10
   # A tuple so that it can be overridden on the command line.
-  config.algorithms = ('dpsgd', 'dpftrl', 'nonprivate')
+  config.algorithms = ('dpsgd', 'dpftrl', 'dpmemf', 'nonprivate')
   return config

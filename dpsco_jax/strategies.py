@@ -473,12 +473,20 @@ def optimize_strategy(
                'iterations, %.1f s', num_steps, num_steps, num_epochs, bands,
                iterations, time.perf_counter() - start_time)
   if path is not None:
-    os.makedirs(cache_dir, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=cache_dir, suffix='.npy',
+    _store(path, strategy)
+  return strategy
+
+
+def _store(path: str, strategy: np.ndarray) -> None:
+  """Writes a cache entry atomically; a read-only cache is not an error."""
+  try:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=os.path.dirname(path), suffix='.npy',
                                      delete=False) as handle:
       np.save(handle, strategy)
     os.replace(handle.name, path)
-  return strategy
+  except OSError as error:
+    logging.warning('could not cache the strategy at %s: %s', path, error)
 
 
 def _is_feasible(strategy: np.ndarray, num_epochs: int,

@@ -1,4 +1,4 @@
-"""Quickstart: DP-SGD and DP-FTRL against non-private SGD on digits.
+"""Quickstart: DP-SGD, DP-FTRL and DP-MEMF against non-private SGD on digits.
 
 Trains multiclass logistic regression (64 pixels -> 10 classes, with bias,
 zero init) on scikit-learn's bundled digits with
@@ -8,6 +8,10 @@ zero init) on scikit-learn's bundled digits with
 * `dpftrl`: DP-FTRL on batches in a fixed public order repeated every epoch
   (`batching.FixedOrderBatches`), one binary tree per epoch, accounted as
   `accounting.FixedOrder` (no amplification);
+* `dpmemf`: DP-MEMF (paper 001 Algorithm 2) on the same fixed-order batches,
+  with a strategy optimized for the momentum workload of the run
+  (`strategies.optimize_strategy`), accounted as `accounting.FixedOrder`
+  and checked in every step (`batching.fixed_order_guard`);
 * `nonprivate`: the same optimizer on the plain mean gradient of the same
   fixed-order batches.
 
@@ -48,6 +52,7 @@ import dpsco_jax
 from dpsco_jax import accounting
 from dpsco_jax import batching
 from dpsco_jax import noise
+from dpsco_jax import strategies
 from experiments import datasets
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -55,7 +60,7 @@ _CONFIG = config_flags.DEFINE_config_file(
 _OUTPUT_DIR = flags.DEFINE_string(
     'output_dir', 'results/quickstart', 'Where to write CSVs and the plot.')
 
-ALGORITHMS = ('dpsgd', 'dpftrl', 'nonprivate')
+ALGORITHMS = ('dpsgd', 'dpftrl', 'dpmemf', 'nonprivate')
 METRICS_COLUMNS = ('algorithm', 'step', 'train_loss', 'test_accuracy')
 SUMMARY_COLUMNS = ('algorithm', 'num_steps', 'noise_multiplier',
                    'target_epsilon', 'epsilon_spent', 'delta',
@@ -146,9 +151,10 @@ def private_step(tx: optax.GradientTransformationExtraArgs) -> StepFn:
   """A jitted step of a private transformation (it computes the gradients)."""
 
   @jax.jit
-  def step(params, opt_state, batch, mask):
+  def step(params, opt_state, batch, mask, indices):
+    # The example ids let a fixed-order algorithm check the batch order.
     updates, opt_state = tx.update(None, opt_state, params, batch=batch,
-                                   batch_mask=mask)
+                                   batch_mask=mask, example_ids=indices)
     return optax.apply_updates(params, updates), opt_state
 
   return step
@@ -158,8 +164,8 @@ def nonprivate_step(tx: optax.GradientTransformation) -> StepFn:
   """A jitted step of plain optax on the mean gradient of the batch."""
 
   @jax.jit
-  def step(params, opt_state, batch, mask):
-    del mask  # Fixed-order batches are never padded.
+  def step(params, opt_state, batch, mask, indices):
+    del mask, indices  # Fixed-order batches are never padded.
     grads = jax.grad(mean_loss)(params, batch)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
@@ -248,6 +254,29 @@ def setup_dpftrl(config: ml_collections.ConfigDict,
                sampler.num_steps, privacy)
 
 
+def setup_dpmemf(config: ml_collections.ConfigDict,
+                 num_examples: int) -> Setup:
+  """DP-MEMF on fixed-order batches, strategy optimized for the run."""
+  sampler = fixed_order_batches(config, num_examples)
+  # The "true" workload: what SGD with this momentum does with the noise.
+  strategy = strategies.optimize_strategy(
+      strategies.workload(sampler.num_steps, 'true',
+                          momentum=config.momentum),
+      sampler.num_epochs)
+  # Account for exactly the mechanism `dpmemf` builds.
+  privacy = calibrate(dpsco_jax.dpmemf_mechanism(strategy),
+                      sampler.participation, config)
+  tx = optax.chain(
+      dpsco_jax.dpmemf(
+          example_loss, l2_clip=config.clip,
+          noise_multiplier=privacy.noise_multiplier, strategy=strategy,
+          steps_per_epoch=sampler.steps_per_epoch,
+          key=jax.random.key(seed_for(config.seed, 'dpmemf/noise'))),
+      optimizer(config))
+  return Setup(tx, private_step(tx), lambda: unpadded(sampler),
+               sampler.num_steps, privacy)
+
+
 def setup_nonprivate(config: ml_collections.ConfigDict,
                      num_examples: int) -> Setup:
   """Plain optax SGD on the same fixed-order batches as DP-FTRL."""
@@ -258,7 +287,7 @@ def setup_nonprivate(config: ml_collections.ConfigDict,
 
 
 SETUPS = {'dpsgd': setup_dpsgd, 'dpftrl': setup_dpftrl,
-          'nonprivate': setup_nonprivate}
+          'dpmemf': setup_dpmemf, 'nonprivate': setup_nonprivate}
 
 
 def train(name: str, setup: Setup, train_data: Split, test_data: Split,
@@ -285,7 +314,7 @@ def train(name: str, setup: Setup, train_data: Split, test_data: Split,
     # Gather on the host, then one transfer per step.
     batch, mask = jax.device_put(({'x': train_data['x'][indices],
                                    'y': train_data['y'][indices]}, mask))
-    params, opt_state = setup.step(params, opt_state, batch, mask)
+    params, opt_state = setup.step(params, opt_state, batch, mask, indices)
     if step % eval_every == 0 or step == setup.num_steps:
       accuracy = record(step, params)
   return accuracy, records

@@ -6,6 +6,7 @@ module imports jax.
 
 import os
 import sys
+import tempfile
 
 _FLAG = '--xla_force_host_platform_device_count=8'
 if _FLAG not in os.environ.get('XLA_FLAGS', ''):
@@ -14,3 +15,7 @@ if _FLAG not in os.environ.get('XLA_FLAGS', ''):
 # `experiments` and `configs` are top-level folders of the repository, not
 # part of the installed package.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# Optimized strategies are cached on disk; keep the tests' entries out of the
+# user's cache.
+os.environ['DPSCO_JAX_CACHE'] = tempfile.mkdtemp(prefix='dpsco_jax_cache_')

@@ -9,7 +9,7 @@ import pytest
 from configs import quickstart as quickstart_config
 from experiments import quickstart
 
-PRIVATE = ('dpsgd', 'dpftrl')
+PRIVATE = ('dpsgd', 'dpftrl', 'dpmemf')
 
 
 def _read_csv(path):
@@ -76,6 +76,7 @@ def test_step_counts_follow_the_samplers(finished_run):
   # Fixed order: every full batch of the 1,437 training examples, each epoch.
   fixed_order_steps = config.num_epochs * (1437 // config.batch_size)
   assert by_name['dpftrl']['num_steps'] == fixed_order_steps
+  assert by_name['dpmemf']['num_steps'] == fixed_order_steps
   assert by_name['nonprivate']['num_steps'] == fixed_order_steps
   # Poisson: as many expected epochs.
   assert by_name['dpsgd']['num_steps'] == round(
