@@ -398,8 +398,19 @@ def optimize_strategy(
   streaming state of `bands - 1` noise vectors); `bands <= b` keeps the mask
   automatic.
 
+  C is not constrained to be entrywise non-negative (Algorithm 2 assumes it
+  is, so that its column-sum constraint is the sensitivity): for k > 1 the
+  optimum has small negative entries (about -0.09 for k = 6, b = 100). The
+  orthogonality makes the column-sum norm equal the exact sensitivity all
+  the same, and the accountant recomputes it from C
+  (`accounting.participation_sensitivity`).
+
   Results are cached on disk (`default_cache_dir()`, or `cache_dir`), keyed
-  by the workload, k, bands and the optimizer settings.
+  by the workload, k, bands and the optimizer settings. Cost: one Cholesky
+  solve per iteration; the 600x600 strategies of paper 001 take 100 to
+  1,000 iterations (`benchmarks/mf_noise.py`). On a machine shared with
+  other jobs, `OPENBLAS_NUM_THREADS=1` avoids a large slowdown from
+  oversubscribed BLAS threads.
 
   Example:
     >>> w = workload(600, 'true', momentum=0.9)
