@@ -49,13 +49,16 @@ def prefix_workload(num_steps: int) -> np.ndarray:
   return np.tri(checks.positive_int(num_steps, 'num_steps'))
 
 
-def _geometric_toeplitz(num_steps: int, ratio: float) -> np.ndarray:
+def _geometric_toeplitz(num_steps: int, ratio: float,
+                        name: str) -> np.ndarray:
   """Lower-triangular Toeplitz `R[t, s] = ratio^(t - s)` for `s <= t`."""
+  num_steps = checks.positive_int(num_steps, 'num_steps')
+  ratio = float(ratio)
+  if not 0.0 <= ratio < 1.0:
+    raise ValueError(f'{name} must be in [0, 1), got {ratio!r}')
   lags = np.subtract.outer(np.arange(num_steps), np.arange(num_steps))
-  with np.errstate(divide='ignore', invalid='ignore'):
-    # 0^0 = 1 on the diagonal; lags < 0 are masked out.
-    values = np.where(lags >= 0, np.float64(ratio) ** np.maximum(lags, 0), 0.0)
-  return values
+  # 0^0 = 1 on the diagonal; lags < 0 are masked out.
+  return np.where(lags >= 0, ratio ** np.maximum(lags, 0), 0.0)
 
 
 def momentum_matrix(num_steps: int, momentum: float) -> np.ndarray:
@@ -71,11 +74,7 @@ def momentum_matrix(num_steps: int, momentum: float) -> np.ndarray:
   Returns:
     `[T, T]` float64, lower-triangular Toeplitz.
   """
-  num_steps = checks.positive_int(num_steps, 'num_steps')
-  momentum = float(momentum)
-  if not 0.0 <= momentum < 1.0:
-    raise ValueError(f'momentum must be in [0, 1), got {momentum!r}')
-  return _geometric_toeplitz(num_steps, momentum)
+  return _geometric_toeplitz(num_steps, momentum, 'momentum')
 
 
 def decay_matrix(num_steps: int, decay: float) -> np.ndarray:
@@ -91,11 +90,7 @@ def decay_matrix(num_steps: int, decay: float) -> np.ndarray:
   Returns:
     `[T, T]` float64, lower-triangular Toeplitz.
   """
-  num_steps = checks.positive_int(num_steps, 'num_steps')
-  decay = float(decay)
-  if not 0.0 <= decay < 1.0:
-    raise ValueError(f'decay must be in [0, 1), got {decay!r}')
-  return _geometric_toeplitz(num_steps, decay)
+  return _geometric_toeplitz(num_steps, decay, 'decay')
 
 
 def workload(num_steps: int, kind: str = 'ones', *, momentum: float = 0.0,
