@@ -448,10 +448,14 @@ def optimize_strategy(
     path = _cache_path(cache_dir, (_CACHE_VERSION, workload_matrix, num_epochs,
                                    bands, max_iterations, tolerance))
     if os.path.exists(path):
-      cached = np.load(path)
-      if _is_feasible(cached, num_epochs, bands):
+      try:
+        cached = np.load(path)
+      except (OSError, ValueError):
+        cached = None
+      if cached is not None and _is_feasible(cached, num_epochs, bands):
         return cached
-      logging.warning('ignoring an infeasible cached strategy at %s', path)
+      logging.warning('ignoring an unreadable or infeasible cached strategy '
+                      'at %s', path)
 
   mask = orthogonality_mask(num_steps, num_epochs)
   if bands is not None:

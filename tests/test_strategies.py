@@ -165,6 +165,9 @@ def test_infeasible_cache_entry_is_recomputed(tmp_path):
   np.save(tmp_path / entry, 2.0 * first)  # sensitivity 2: weaker privacy
   again = strategies.optimize_strategy(w, 2, cache_dir=str(tmp_path))
   np.testing.assert_allclose(again, first)
+  (tmp_path / entry).write_bytes(b'not a strategy')
+  again = strategies.optimize_strategy(w, 2, cache_dir=str(tmp_path))
+  np.testing.assert_allclose(again, first)
 
 
 def test_default_cache_dir_follows_the_environment(monkeypatch, tmp_path):
