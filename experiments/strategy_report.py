@@ -36,12 +36,19 @@ from dpsco_jax import noise
 from dpsco_jax import strategies
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list('settings', ['1x120', '6x100'],
-                  'Settings as EPOCHSxSTEPS_PER_EPOCH.')
-flags.DEFINE_list('bands', ['2', '8', '32'], 'Band counts of banded strategies.')
-flags.DEFINE_float('momentum', 0.9, "Momentum of the 'true' workload.")
-flags.DEFINE_string('output_dir', 'results/strategy_report',
-                    'Where the CSV and markdown tables go.')
+
+
+def _define_flags() -> None:
+  # Defined only when run as a program, so that importing this module (tests)
+  # does not clash with other experiments' flags.
+  flags.DEFINE_list('settings', ['1x120', '6x100'],
+                    'Settings as EPOCHSxSTEPS_PER_EPOCH.')
+  flags.DEFINE_list('bands', ['2', '8', '32'],
+                    'Band counts of banded strategies.')
+  flags.DEFINE_float('momentum', 0.9, "Momentum of the 'true' workload.")
+  flags.DEFINE_string('output_dir', 'results/strategy_report',
+                      'Where the CSV and markdown tables go.')
+
 
 WORKLOADS = ('ones', 'true')
 HEADER = ('setting', 'workload', 'mechanism', 'sensitivity', 'frobenius_error',
@@ -161,4 +168,5 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == '__main__':
+  _define_flags()
   app.run(main)
