@@ -244,8 +244,7 @@ def diff2_estimator(
   from the replicated key per round, after the cross-client sum.
 
   Example:
-    >>> z = diff2_accounting.calibrate_diff2(2000, 20, epsilon=3.0,
-    ...                                       delta=1e-5)
+    >>> z = diff2_accounting.calibrate(2000, 20, epsilon=3.0, delta=1e-5)
     >>> tx = optax.chain(
     ...     diff2_estimator(loss_fn, grad_clip=1.0, diff_clip_factor=3.0,
     ...                     restart_interval=20, num_rounds=2000,
@@ -431,7 +430,7 @@ def dp_gd(
   the paper's baseline (§6), accounted as R Gaussian mechanisms.
 
   Example:
-    >>> z = diff2_accounting.calibrate_diff2(2000, 1, 3.0, 1e-5).restart
+    >>> z = diff2_accounting.calibrate(2000, 1, 3.0, 1e-5).restart
     >>> tx = dp_gd(loss_fn, learning_rate=0.5, grad_clip=1.0,
     ...            noise_multiplier=z, num_rounds=2000, key=0,
     ...            axis_name='clients')
