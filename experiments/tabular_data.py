@@ -65,7 +65,9 @@ def _read_csv(path: str) -> Tuple[list, np.ndarray]:
     first = f.readline().strip()
     # Some copies were saved as a Python bytes literal: b'...\n'.
     wrapped = first.startswith("b'")
-    header = (first[2:] if wrapped else first).split(',')
+    # Some copies pad names with spaces (gt_2015.csv has 'AFDP ').
+    header = [name.strip() for name in
+              (first[2:] if wrapped else first).split(',')]
     rows = [line.strip().split(',') for line in f
             if line.strip() and not (wrapped and line.strip() == "'")]
   return header, np.array(rows, dtype=object)
