@@ -27,7 +27,7 @@ import csv
 import math
 import os
 import time
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Sequence
 
 from absl import app
 from absl import flags

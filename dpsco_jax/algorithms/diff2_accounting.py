@@ -48,7 +48,6 @@ import math
 from typing import NamedTuple, Optional, Sequence, Union
 
 import dp_accounting
-import numpy as np
 from scipy import optimize
 from scipy import special
 
