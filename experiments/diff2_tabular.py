@@ -47,11 +47,6 @@ import dpsco_jax
 from dpsco_jax.algorithms import diff2_accounting
 from experiments import tabular_data
 
-_CONFIG = config_flags.DEFINE_config_file(
-    'config', None, 'Path to the config file (configs/diff2_tabular.py).')
-_OUTPUT_DIR = flags.DEFINE_string(
-    'output_dir', 'results/diff2_tabular', 'Where to write CSVs and plots.')
-
 AXIS = 'clients'
 METRICS = ('train_loss', 'grad_norm_sq', 'test_loss')
 # Which metric picks the hyperparameters of each reported metric.
@@ -272,7 +267,7 @@ def paired_p_value(diff2: np.ndarray, dpgd: np.ndarray) -> float:
 def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError('Too many command-line arguments.')
-  config, output_dir = _CONFIG.value, _OUTPUT_DIR.value
+  config, output_dir = flags.FLAGS.config, flags.FLAGS.output_dir
   os.makedirs(output_dir, exist_ok=True)
   total_start = time.perf_counter()
   curve_rows, summary_rows = [], []
@@ -369,6 +364,16 @@ def markdown_table(rows: List[Dict[str, Any]]) -> str:
   return '\n'.join(lines) + '\n'
 
 
-if __name__ == '__main__':
+def define_flags() -> None:
+  """The command-line flags; defined only when run as a program, so that
+  importing this module next to other experiments defines no flags."""
+  config_flags.DEFINE_config_file(
+      'config', None, 'Path to the config file (configs/diff2_tabular.py).')
+  flags.DEFINE_string('output_dir', 'results/diff2_tabular',
+                      'Where to write CSVs and plots.')
   flags.mark_flags_as_required(['config'])
+
+
+if __name__ == '__main__':
+  define_flags()
   app.run(main)
