@@ -37,11 +37,12 @@ def get_config() -> ml_collections.ConfigDict:
   # Grids (learning rates are vmapped; each clip / interval point compiles
   # and runs R rounds for every learning rate and seed). The paper's full
   # grid is 10 x 25 x 4 DIFF2 points per seed: far beyond a 2-core CPU, so
-  # these are a slice of it (T/R in {0.01, 0.1} = T in {20, 200}).
+  # these are a slice of it: T/R = 0.01 (T = 20), the middle of the paper's
+  # grid, C_1 = 1, C_2 = 3.
   config.learning_rates = (0.5, 0.25, 0.125)
   config.gd_learning_rates = (0.5, 0.25, 0.125)
   config.grad_clips = (1.0,)
   config.diff_clip_factors = (3.0,)
-  config.restart_fractions = (0.01, 0.1)
+  config.restart_fractions = (0.01,)
   config.algorithms = ('gd', 'dp_gd', 'diff2_gd')
   return config

@@ -8,10 +8,10 @@ dp_accounting. Every grid point runs all seeds (vmapped, with the learning
 rates); for each seed and metric the hyperparameters with the smallest
 minimum over rounds are kept (train loss and squared gradient norm by their
 own criterion, test loss by train loss: the paper's protocol, App. A),
-among runs that pass the paper's rejection rule (no NaN; patience 5 on train
-loss rising above 1.05 x its running minimum, checked every 20 rounds).
-Selection uses the training data, so it is not a private result, as in the
-paper.
+among runs whose train loss stays finite. The paper's patience rule (train
+loss above 1.05 x its running minimum at 5 checks) is only reported: after
+the fact it rejects nearly every noisy private curve. Selection uses the
+training data, so it is not a private result, as in the paper.
 
     python -m experiments.diff2_tabular --config=configs/diff2_tabular.py \
         --output_dir=results/diff2_tabular
@@ -20,7 +20,8 @@ Writes `curves.csv` (mean and std over seeds per round), `summary.csv`
 (per dataset, epsilon, algorithm and metric: minimum within R rounds and
 final value, mean and std over seeds, chosen hyperparameters, and the
 one-sided paired t-test DIFF2-GD < DP-GD on the per-seed minima, df =
-seeds - 1), `summary.md` and one figure per dataset and epsilon.
+seeds - 1), `summary.md`, one figure per dataset and epsilon, and
+`runs_<dataset>.npz` (every run's metrics, to re-select offline).
 """
 
 import csv
@@ -149,9 +150,20 @@ def make_runner(algorithm: str, hyper: Dict[str, Any],
   return jax.jit(jax.vmap(over_seeds, in_axes=(0, None, None, None, None)))
 
 
+def diverged(train_loss: np.ndarray) -> bool:
+  """A run is discarded when its train loss is ever NaN or infinite."""
+  return not np.all(np.isfinite(train_loss))
+
+
 def rejected(train_loss: np.ndarray) -> bool:
-  """The paper's early rejection (NaN, or patience 5 on a rising loss)."""
-  if not np.all(np.isfinite(train_loss)):
+  """The paper's early rejection (NaN, or patience 5 on a rising loss).
+
+  Not used for selection: applied after the fact to whole 2000-round curves
+  it rejects nearly every private run, whose loss plateaus with noise (the
+  paper used it to stop a descending learning-rate search early). Kept to
+  report how many runs it would have rejected.
+  """
+  if diverged(train_loss):
     return True
   patience, best = 0, np.inf
   for value in train_loss:
@@ -217,8 +229,12 @@ def grid(algorithm: str, epsilon: float, config) -> List[Dict[str, Any]]:
   return points
 
 
-def run_algorithm(algorithm, epsilon, data, config):
-  """All grid points; returns per-seed selected curves and choices."""
+def run_algorithm(algorithm, epsilon, data, config, raw):
+  """All grid points; returns per-seed selected curves and choices.
+
+  Every run's metrics are also stored in `raw[(algorithm, epsilon)]` as
+  `(hyperparameters, [seeds, evals, 3])` pairs.
+  """
   params, clients, tests, keys, _, _ = data
   lrs = config.gd_learning_rates if algorithm == 'gd' else (
       config.learning_rates)
@@ -235,6 +251,7 @@ def run_algorithm(algorithm, epsilon, data, config):
                  algorithm, epsilon,
                  {k: v for k, v in hyper.items() if k != 'noise_multipliers'},
                  len(lrs), len(config.seeds), time.perf_counter() - start)
+  raw[(algorithm, epsilon)] = candidates
   selected = {}
   for metric in METRICS:
     criterion = METRICS.index(SELECTED_BY[metric])
@@ -242,7 +259,7 @@ def run_algorithm(algorithm, epsilon, data, config):
     for s in range(len(config.seeds)):
       best, best_value = None, np.inf
       for label, m in candidates:
-        if rejected(m[s, :, 0]):
+        if diverged(m[s, :, 0]):
           continue
         value = np.min(m[s, :, criterion])
         if value < best_value:
@@ -277,13 +294,15 @@ def main(argv: Sequence[str]) -> None:
     sizes, dim = data[4], data[5]
     logging.info('%s: d = %d attributes, client sizes %s', name, dim,
                  sorted(set(sizes.tolist())))
-    nonprivate = (run_algorithm('gd', None, data, config)
+    raw = {}
+    nonprivate = (run_algorithm('gd', None, data, config, raw)
                   if 'gd' in config.algorithms else None)
     for epsilon in config.epsilons:
       # Non-private GD does not depend on epsilon: run once per data set.
       results = {a: nonprivate if a == 'gd' else
-                 run_algorithm(a, epsilon, data, config)
+                 run_algorithm(a, epsilon, data, config, raw)
                  for a in config.algorithms}
+      save_raw(os.path.join(output_dir, f'runs_{name}.npz'), raw)
       figure, axes = plt.subplots(1, 3, figsize=(15, 4))
       for k, metric in enumerate(METRICS):
         minima = {}
@@ -297,6 +316,9 @@ def main(argv: Sequence[str]) -> None:
           axes[k].plot(rounds, mean, label=algorithm)
           axes[k].fill_between(rounds, mean - std, mean + std, alpha=0.25)
           minima[algorithm] = np.min(curves, axis=1)
+          runs = raw[(algorithm, None if algorithm == 'gd' else epsilon)]
+          per_seed = [m[s, :, 0] for _, m in runs
+                      for s in range(len(config.seeds))]
           summary_rows.append({
               'dataset': name, 'epsilon': epsilon, 'algorithm': algorithm,
               'metric': metric,
@@ -304,6 +326,10 @@ def main(argv: Sequence[str]) -> None:
               'min_std': float(np.std(minima[algorithm])),
               'final_mean': float(np.mean(curves[:, -1])),
               'final_std': float(np.std(curves[:, -1])),
+              'runs': len(per_seed),
+              'runs_diverged': sum(diverged(c) for c in per_seed),
+              'runs_patience_rule_would_reject': sum(
+                  rejected(c) for c in per_seed),
               'choices': '; '.join(str(c) for c in choices)})
         if 'diff2_gd' in minima and 'dp_gd' in minima:
           p = paired_p_value(minima['diff2_gd'], minima['dp_gd'])
@@ -325,6 +351,18 @@ def main(argv: Sequence[str]) -> None:
       write_outputs(output_dir, curve_rows, summary_rows)
   write_outputs(output_dir, curve_rows, summary_rows)
   logging.info('total wall time %.1f s', time.perf_counter() - total_start)
+
+
+def save_raw(path: str, raw: Dict[Any, list]) -> None:
+  """Every run's metrics (all grid points and seeds), to re-select offline."""
+  arrays, labels = {}, []
+  for (algorithm, epsilon), candidates in raw.items():
+    for label, metrics in candidates:
+      key = f'run{len(labels)}'
+      arrays[key] = metrics
+      labels.append(repr({'algorithm': algorithm, 'epsilon': epsilon,
+                          **label}))
+  np.savez_compressed(path, labels=np.array(labels), **arrays)
 
 
 def write_outputs(output_dir, curve_rows, summary_rows):
