@@ -13,7 +13,8 @@ The curated public API. Modules, one concern each:
   (`dp_accounting` PLD/RDP, the papers' zCDP and GDP closed forms);
 * `dpsco_jax.estimators`: private gradient estimators as optax
   transformations;
-* `dpsco_jax.algorithms`: the algorithms (DP-SGD, DP-FTRL, DP-MEMF, ...);
+* `dpsco_jax.algorithms`: the algorithms (DP-SGD, DP-FTRL, DP-MEMF, DIFF2
+  across clients, ...) and their accounting (`algorithms.diff2_accounting`);
 * `dpsco_jax.parallel`: cross-device sums and the replicated-key check;
 * `dpsco_jax.guards`: refusals that hold inside compiled steps;
 * `dpsco_jax.batching`: batch formation matching the accounting, and the
@@ -42,6 +43,16 @@ from dpsco_jax.algorithms.baselines import dpsgd_mechanism
 from dpsco_jax.algorithms.mf import dpmemf
 from dpsco_jax.algorithms.mf import dpmemf_mechanism
 from dpsco_jax.batching import fixed_order_guard
+from dpsco_jax.algorithms import diff2_accounting
+from dpsco_jax.algorithms.diff2 import bvr_keys
+from dpsco_jax.algorithms.diff2 import Diff2BvrState
+from dpsco_jax.algorithms.diff2 import diff2_bvr_local_sgd
+from dpsco_jax.algorithms.diff2 import diff2_estimator
+from dpsco_jax.algorithms.diff2 import diff2_gd
+from dpsco_jax.algorithms.diff2 import diff2_mechanism
+from dpsco_jax.algorithms.diff2 import Diff2NoiseMultipliers
+from dpsco_jax.algorithms.diff2 import Diff2State
+from dpsco_jax.algorithms.diff2 import dp_gd
 from dpsco_jax.clipping import clipped_grad_difference_sum
 from dpsco_jax.clipping import clipped_grad_sum
 from dpsco_jax.clipping import clipped_user_grad_sum
@@ -78,6 +89,16 @@ __all__ = (
     'dpmemf',
     'dpmemf_mechanism',
     'fixed_order_guard',
+    'diff2_accounting',
+    'bvr_keys',
+    'Diff2BvrState',
+    'diff2_bvr_local_sgd',
+    'diff2_estimator',
+    'diff2_gd',
+    'diff2_mechanism',
+    'Diff2NoiseMultipliers',
+    'Diff2State',
+    'dp_gd',
     'clipped_grad_difference_sum',
     'clipped_grad_sum',
     'clipped_user_grad_sum',

@@ -41,6 +41,9 @@ def per_device(tree: PyTree, axis_name: Optional[str]) -> PyTree:
   devices BEFORE clipping, breaking the per-example bound. Casting params to
   device-varying first keeps each device's gradients its own; the clipped
   sums are then added explicitly with `psum`. Under `pmap` it is a no-op.
+  Under `jax.vmap(..., axis_name=...)` (clients simulated on one device) it
+  is the identity too: a vmapped function never sums gradients over the
+  mapped axis, and `pcast` is undefined there.
 
   Args:
     tree: a pytree of replicated arrays (e.g. params).
@@ -51,8 +54,19 @@ def per_device(tree: PyTree, axis_name: Optional[str]) -> PyTree:
   """
   if axis_name is None:
     return tree
-  return jax.tree_util.tree_map(
-      lambda x: jax.lax.pcast(x, axis_name, to='varying'), tree)
+
+  def one(x):
+    if not _is_manual_axis(x, axis_name):
+      return x
+    return jax.lax.pcast(x, axis_name, to='varying')
+
+  return jax.tree_util.tree_map(one, tree)
+
+
+def _is_manual_axis(x: Any, axis_name: str) -> bool:
+  """Whether `axis_name` is a pmap / shard_map (manual) axis of `x`'s trace."""
+  mesh = getattr(getattr(jax.typeof(x), 'sharding', None), 'mesh', None)
+  return axis_name in getattr(mesh, 'manual_axes', ())
 
 
 def axis_size(axis_name: Optional[str]) -> int:

@@ -1,0 +1,652 @@
+"""DIFF2: private gradient DIFFERENCES across clients (paper 003).
+
+Murata & Suzuki, *DIFF2: Differential private optimization via gradient
+differences for nonconvex distributed learning* (ICML 2023). P clients each
+hold a local data set; a server keeps a running estimator of the global
+gradient `f = (1/P) sum_p f_p` (clients weighted equally, `f_p` the mean loss
+of client p) and restarts it every T rounds (Algorithm 1):
+
+* restart rounds (`t % T == 0`, t = r - 1 counted from 0): every client sends
+  the mean over its data of per-example gradients clipped to `C_1`
+  (ClippedMean, Algorithm 2) and the server sets
+  `v_t = (1/P) sum_p d_p + N(0, (sigma_1 C_1)^2 I)`;
+* other rounds: clients send the mean of per-example DIFFERENCES
+  `grad l(x_t, z) - grad l(x_{t-1}, z)` clipped to the public, iterate-dependent
+  radius `C_{2,t} = C_2 ||x_t - x_{t-1}||`, and
+  `v_t = (1/P) sum_p d_p + v_{t-1} + N(0, (sigma_2 C_{2,t})^2 I)`.
+
+`diff2_estimator` releases `v_t`. Chained with `optax.sgd(lr)` it is DIFF2-GD
+(Algorithm 3, `diff2_gd`); with T = 1 it is DP-GD (`dp_gd`, paper §6).
+`diff2_bvr_local_sgd` adds the BVR-L-SGD routine (Algorithm 4): after the
+server's step one round-robin client runs K - 1 local variance-reduced steps
+on minibatches of size b drawn without replacement, with its own noise.
+
+Clients. Each client is one slot of the named axis given as `axis_name`:
+a device under `jax.pmap` / `jax.shard_map`, or a vmapped slot under
+`jax.vmap(step, in_axes=(None, None, 0, 0), axis_name=...)` to simulate P
+clients on one device. The same transformation runs under all three; the
+`batch` seen by `update` is that client's WHOLE local data set (full-batch
+GD), padded to a common size with `batch_mask` marking the real rows.
+
+How the noise meets the data (privacy):
+
+* Each client's clipped SUM `S_p` is weighted by `n_min / n_p <= 1`, where
+  `n_p` is its number of real rows and `n_min` the smallest over clients; the
+  weighted sums are summed across clients (`parallel.psum`), ONE noise draw
+  from the replicated key is added (`estimators.privatize_sum`), and only
+  then is the result divided by `n_min P`. The output is
+  `(1/P) sum_p S_p / n_p + noise`: the per-client means of the paper, with
+  noise calibrated to the sum. Replacing one example of any client moves the
+  weighted sum by at most `2 C` (replace-one), whatever the example (NaN and
+  Inf contributions are dropped by `dpsco_jax.clipping`), so the released
+  `v_t` moves by at most `2 C / (n_min P)`.
+* The local sizes `n_p` are public under replace-one (and zero-out)
+  neighbours, which is why those are the only relations accepted: under
+  add/remove, dividing by a client's size would release it.
+* The difference clip `C_2 ||x_t - x_{t-1}||` depends only on released
+  iterates. It is applied as a FIXED clip `C_2` to differences divided by the
+  movement, and the noisy result is multiplied back by the movement: the
+  same numbers as clipping to `C_{2,t}`, with a sensitivity that never
+  depends on the iterates. When the iterate did not move, the differences,
+  the noise and the increment are all exactly zero (no 0/0).
+* Noise multipliers are in the library's convention (noise std over the
+  replace-one sensitivity of the clipped sum): `z = sigma n_min P / 2` in
+  terms of the paper's `sigma` (see `diff2_accounting`). The accounting does
+  not depend on `n_p`, `P` or the clips.
+* A run refuses to go past `num_rounds` (and the local noise past
+  `num_rounds * (K - 1)` draws), the numbers its noise was calibrated for.
+
+Released values: `v_t` and the iterates. The state's `count`,
+`prev_params` and `estimate` are public (functions of released values);
+its noise states and the minibatch sampling key are SECRET (they determine
+the noise and the minibatches): checkpoint them privately, never publish
+them.
+
+References:
+  T. Murata, T. Suzuki. DIFF2: Differential private optimization via gradient
+  differences for nonconvex distributed learning. ICML 2023. Algorithms 1-4,
+  Proposition 4.1 (accounting), Proposition E.2 (BVR accounting).
+"""
+
+from typing import Any, Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from dpsco_jax import checks
+from dpsco_jax import clipping
+from dpsco_jax import estimators
+from dpsco_jax import guards
+from dpsco_jax import neighboring
+from dpsco_jax import noise as noise_lib
+from dpsco_jax import parallel
+
+PyTree = Any
+LossFn = Callable[[PyTree, PyTree], jax.Array]
+
+_RELATIONS = (neighboring.NeighboringRelation.REPLACE_ONE,
+              neighboring.NeighboringRelation.ZERO_OUT)
+_EMPTY_CLIENT_MESSAGE = (
+    'DIFF2: a client has no real examples (its batch_mask is all False); '
+    'every client needs at least one example, and the noise is scaled to the '
+    'smallest client')
+_SMALL_CLIENT_MESSAGE = (
+    'DIFF2-BVR-L-SGD: a client holds fewer real examples than '
+    'local_batch_size; minibatches are drawn without replacement from the '
+    'real rows')
+
+
+class Diff2NoiseMultipliers(NamedTuple):
+  """Noise multipliers of DIFF2 (std over the replace-one sensitivity).
+
+  Calibrate them with `dpsco_jax.algorithms.diff2_accounting`.
+
+  Attributes:
+    restart: z_1, restart rounds (clipped gradients, clip `C_1`).
+    difference: z_2, difference rounds (clip `C_2 ||x_t - x_{t-1}||`).
+    local: z_3, the local steps of DIFF2-BVR-L-SGD (unused by DIFF2-GD).
+  """
+
+  restart: float
+  difference: float
+  local: float = 0.0
+
+
+class Diff2State(NamedTuple):
+  """State of `diff2_estimator`.
+
+  Attributes:
+    count: int32 round counter t (rounds done so far); public.
+    prev_params: the iterate of the previous round, `x_{t-1}` (at t = 0 the
+      initial params; unused there because round 0 is a restart). Public: a
+      released iterate.
+    estimate: the last released estimator `v_{t-1}` (float32, or wider),
+      zero before the first round. Public: it is the private output.
+    noise: the server noise state. SECRET: its key determines the noise.
+  """
+
+  count: jax.Array
+  prev_params: PyTree
+  estimate: PyTree
+  noise: noise_lib.NoiseState
+
+
+class Diff2BvrState(NamedTuple):
+  """State of `diff2_bvr_local_sgd`.
+
+  Attributes:
+    server: the `Diff2State` of the server estimator (public parts as there).
+    local_noise: the noise state of the local steps. SECRET.
+    sampling_key: key of the local minibatch sampling. SECRET: amplification
+      by subsampling holds only while the minibatches stay hidden.
+  """
+
+  server: Diff2State
+  local_noise: noise_lib.NoiseState
+  sampling_key: jax.Array
+
+
+def diff2_mechanism(num_rounds: int) -> noise_lib.NoiseMechanism:
+  """The server noise mechanism of DIFF2: one i.i.d. Gaussian draw per round.
+
+  Example:
+    >>> mechanism = diff2_mechanism(2000)   # refuses a 2001st round
+
+  Args:
+    num_rounds: R, the rounds the noise was calibrated for.
+
+  Returns:
+    `noise.gaussian(num_rounds)`.
+  """
+  return noise_lib.gaussian(checks.positive_int(num_rounds, 'num_rounds'))
+
+
+def _validate_relation(relation: neighboring.NeighboringRelation
+                       ) -> neighboring.NeighboringRelation:
+  relation = neighboring.NeighboringRelation(relation)
+  if relation not in _RELATIONS:
+    raise ValueError(
+        'DIFF2 divides by each client\'s data set size, which is public only '
+        'under replace-one (or zero-out) neighbours; got '
+        f'{relation.value}')
+  return relation
+
+
+def _validate_multipliers(noise_multipliers: Any) -> Diff2NoiseMultipliers:
+  if not isinstance(noise_multipliers, Diff2NoiseMultipliers):
+    if noise_multipliers is None:
+      raise ValueError('noise_multipliers are required (Diff2NoiseMultipliers'
+                       '(restart=z1, difference=z2)); calibrate them with '
+                       'dpsco_jax.algorithms.diff2_accounting')
+    noise_multipliers = Diff2NoiseMultipliers(*noise_multipliers)
+  return Diff2NoiseMultipliers(
+      *(estimators.validate_noise_multiplier(z) for z in noise_multipliers))
+
+
+def _float32_norm(tree: PyTree) -> jax.Array:
+  """Global l2 norm in float32 (or wider), over all leaves."""
+  leaves = jax.tree_util.tree_leaves(tree)
+  return jnp.sqrt(sum(jnp.sum(jnp.square(
+      x.astype(jnp.promote_types(x.dtype, jnp.float32)))) for x in leaves))
+
+
+def _movement(params: PyTree, prev_params: PyTree) -> tuple[jax.Array,
+                                                            jax.Array]:
+  """`||params - prev_params||` and its safe inverse (0 when it is 0).
+
+  Both iterates are released, so the movement is public.
+  """
+  movement = _float32_norm(jax.tree_util.tree_map(
+      lambda p, q: p.astype(jnp.float32) - q.astype(jnp.float32), params,
+      prev_params))
+  moved = movement > 0
+  inverse = jnp.where(moved, 1.0 / jnp.where(moved, movement, 1.0), 0.0)
+  return movement, inverse
+
+
+def _local_size(batch: PyTree, batch_mask: Optional[jax.Array]) -> jax.Array:
+  """This client's number of real rows (public under replace-one)."""
+  if batch_mask is None:
+    return jnp.int32(clipping.batch_size_of(batch))
+  return jnp.sum(jnp.asarray(batch_mask).astype(bool), dtype=jnp.int32)
+
+
+def _zeros_like_f32(params: PyTree) -> PyTree:
+  return jax.tree_util.tree_map(
+      lambda p: jnp.zeros(jnp.shape(p), jnp.promote_types(
+          jnp.result_type(p), jnp.float32)), params)
+
+
+def diff2_estimator(
+    loss_fn: LossFn,
+    *,
+    grad_clip: float,
+    diff_clip_factor: float,
+    restart_interval: int,
+    num_rounds: int,
+    noise_multipliers: Diff2NoiseMultipliers,
+    key: estimators.KeyLike,
+    neighboring_relation: neighboring.NeighboringRelation = (
+        neighboring.NeighboringRelation.REPLACE_ONE),
+    microbatch_size: Optional[int] = None,
+    axis_name: Optional[str] = None,
+) -> optax.GradientTransformationExtraArgs:
+  """DIFF2's private running gradient estimator `v_t` (paper 003, Alg. 1).
+
+  Round t (from 0) is a restart when `t % restart_interval == 0`: the
+  estimator is RESET to the clients' mean clipped gradient (clip
+  `grad_clip`) plus noise `z_1`. Otherwise it adds the clients' mean
+  clipped gradient difference between the current and the previous params
+  (clip `diff_clip_factor * ||params - prev_params||`) plus noise `z_2`
+  scaled by the same movement to the previous estimate. Clients are the
+  slots of `axis_name` (see the module docstring); the noise is ONE draw
+  from the replicated key per round, after the cross-client sum.
+
+  Example:
+    >>> z = diff2_accounting.calibrate(2000, 20, epsilon=3.0, delta=1e-5)
+    >>> tx = optax.chain(
+    ...     diff2_estimator(loss_fn, grad_clip=1.0, diff_clip_factor=3.0,
+    ...                     restart_interval=20, num_rounds=2000,
+    ...                     noise_multipliers=z, key=0, axis_name='clients'),
+    ...     optax.sgd(0.25))
+    >>> step = jax.vmap(client_step, in_axes=(None, None, 0, 0),
+    ...                 out_axes=None, axis_name='clients')
+
+  Args:
+    loss_fn: `loss_fn(params, example) -> scalar` for ONE example.
+    grad_clip: `C_1`, the per-example gradient clip of restart rounds.
+    diff_clip_factor: `C_2`; per-example differences are clipped to
+      `C_2 ||x_t - x_{t-1}||` (a guess of the per-example smoothness L).
+    restart_interval: T; T = 1 gives DP-GD.
+    num_rounds: R, the rounds the noise was calibrated for; round R + 1 is
+      refused.
+    noise_multipliers: `Diff2NoiseMultipliers(restart=z1, difference=z2)`.
+    key: PRNG key or int seed for the server noise, the same on every client.
+    neighboring_relation: REPLACE_ONE (the paper's) or ZERO_OUT.
+    microbatch_size: optional cap on per-example gradients held at once.
+    axis_name: the client axis (pmap / shard_map / vmap), None for one
+      client.
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs`; call
+    `update(None, state, params, batch=local_data, batch_mask=None)`. The
+    output `v_t` has the params' structure and dtypes.
+
+  Raises:
+    ValueError: for a bad clip, interval, round count, multiplier, key or
+      relation (at construction); a missing batch or params, a client with
+      no real rows, or a round past `num_rounds` (at update).
+
+  References:
+    Murata & Suzuki (2023), Algorithms 1-2, Lemma C.1 (sensitivity).
+  """
+  grad_statistic = clipping.clipped_grad_sum(
+      loss_fn, grad_clip, microbatch_size=microbatch_size)
+  # Differences are divided by the public movement before clipping, so the
+  # statistic's clip is the constant C_2 (see the module docstring).
+  diff_statistic = clipping.clipped_grad_difference_sum(
+      loss_fn, clipping.validate_clip(diff_clip_factor, 'diff_clip_factor'),
+      microbatch_size=microbatch_size)
+  restart_interval = checks.positive_int(restart_interval, 'restart_interval')
+  mechanism = diff2_mechanism(num_rounds)
+  relation = _validate_relation(neighboring_relation)
+  multipliers = _validate_multipliers(noise_multipliers)
+  restart_stddev = multipliers.restart * grad_statistic.sensitivity(relation)
+  diff_stddev = multipliers.difference * diff_statistic.sensitivity(relation)
+  key = estimators.as_key(key)
+
+  def init_fn(params):
+    estimators._check_params(params)  # pylint: disable=protected-access
+    return Diff2State(count=jnp.zeros((), jnp.int32), prev_params=params,
+                      estimate=_zeros_like_f32(params),
+                      noise=mechanism.init(params, key))
+
+  def update_fn(updates, state, params=None, *, batch=None, batch_mask=None,
+                **extra_args):
+    del updates, extra_args
+    estimators._check_params(params)  # pylint: disable=protected-access
+    if batch is None:
+      raise ValueError('the batch (this client\'s local data) is required: '
+                       'update(None, state, params, batch=batch)')
+    is_restart = state.count % restart_interval == 0
+    movement, inverse = _movement(params, state.prev_params)
+    local_params = parallel.per_device(params, axis_name)
+    local_prev = parallel.per_device(state.prev_params, axis_name)
+
+    def restart_sum():
+      return grad_statistic(batch, local_params, mask=batch_mask)
+
+    def difference_sum():
+      return diff_statistic(batch, local_params, local_prev, inverse, inverse,
+                            mask=batch_mask)
+
+    # A cond, not a select: restart rounds skip the second gradient.
+    clipped = jax.lax.cond(is_restart, restart_sum, difference_sum)
+    local_size = clipped.count
+    smallest = jax.lax.pmin(local_size, axis_name) if axis_name else local_size
+    # Weights n_min / n_p <= 1 keep each example's weight in the sum <= 1,
+    # so the sum's sensitivity stays the statistic's.
+    weight = (smallest.astype(jnp.float32) /
+              jnp.maximum(local_size, 1).astype(jnp.float32))
+    clipped = clipped._replace(sum=jax.tree_util.tree_map(
+        lambda s: s * weight.astype(s.dtype), clipped.sum))
+    divisor = (jnp.maximum(smallest, 1).astype(jnp.float32) *
+               parallel.axis_size(axis_name))
+    stddev = jnp.where(is_restart, restart_stddev, diff_stddev)
+    private, noise_state = estimators.privatize_sum(
+        clipped, state.noise, mechanism, stddev, normalize_by=divisor,
+        axis_name=axis_name)
+    scale = jnp.where(is_restart, 1.0, movement)
+    estimate = jax.tree_util.tree_map(
+        lambda v, previous: scale.astype(v.dtype) * v + jnp.where(
+            is_restart, jnp.zeros_like(previous), previous).astype(v.dtype),
+        private, state.estimate)
+    estimate = guards.refuse(smallest < 1, estimate, _EMPTY_CLIENT_MESSAGE)
+    new_state = Diff2State(count=state.count + 1, prev_params=params,
+                           estimate=estimate, noise=noise_state)
+    return estimators._cast_like(estimate, params), new_state  # pylint: disable=protected-access
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def diff2_gd(
+    loss_fn: LossFn,
+    *,
+    learning_rate: float,
+    grad_clip: float,
+    diff_clip_factor: float,
+    restart_interval: int,
+    num_rounds: int,
+    noise_multipliers: Diff2NoiseMultipliers,
+    key: estimators.KeyLike,
+    neighboring_relation: neighboring.NeighboringRelation = (
+        neighboring.NeighboringRelation.REPLACE_ONE),
+    microbatch_size: Optional[int] = None,
+    axis_name: Optional[str] = None,
+) -> optax.GradientTransformationExtraArgs:
+  """DIFF2-GD (paper 003, Alg. 1 with the GD routine, Alg. 3).
+
+  `x_{t+1} = x_t - learning_rate * v_t` with `v_t` from `diff2_estimator`.
+  Any other optimizer chained after `diff2_estimator` is equally private
+  (post-processing); this is the one the paper analyses (Theorem 4.3).
+
+  Example:
+    >>> tx = diff2_gd(loss_fn, learning_rate=0.25, grad_clip=1.0,
+    ...               diff_clip_factor=3.0, restart_interval=20,
+    ...               num_rounds=2000, noise_multipliers=z, key=0,
+    ...               axis_name='clients')
+    >>> updates, state = tx.update(None, state, params, batch=local_data,
+    ...                            batch_mask=local_mask)
+
+  Args:
+    loss_fn: `loss_fn(params, example) -> scalar` for ONE example.
+    learning_rate: eta.
+    grad_clip: see `diff2_estimator`.
+    diff_clip_factor: see `diff2_estimator`.
+    restart_interval: see `diff2_estimator`.
+    num_rounds: see `diff2_estimator`.
+    noise_multipliers: see `diff2_estimator`.
+    key: see `diff2_estimator`.
+    neighboring_relation: see `diff2_estimator`.
+    microbatch_size: see `diff2_estimator`.
+    axis_name: see `diff2_estimator`.
+
+  Returns:
+    `optax.chain(diff2_estimator(...), optax.sgd(learning_rate))`.
+
+  Raises:
+    ValueError: as `diff2_estimator`.
+
+  References:
+    Murata & Suzuki (2023), Algorithm 3, Proposition 4.1, Theorem 4.3.
+  """
+  return optax.chain(
+      diff2_estimator(
+          loss_fn, grad_clip=grad_clip, diff_clip_factor=diff_clip_factor,
+          restart_interval=restart_interval, num_rounds=num_rounds,
+          noise_multipliers=noise_multipliers, key=key,
+          neighboring_relation=neighboring_relation,
+          microbatch_size=microbatch_size, axis_name=axis_name),
+      optax.sgd(learning_rate))
+
+
+def dp_gd(
+    loss_fn: LossFn,
+    *,
+    learning_rate: float,
+    grad_clip: float,
+    noise_multiplier: float,
+    num_rounds: int,
+    key: estimators.KeyLike,
+    neighboring_relation: neighboring.NeighboringRelation = (
+        neighboring.NeighboringRelation.REPLACE_ONE),
+    microbatch_size: Optional[int] = None,
+    axis_name: Optional[str] = None,
+) -> optax.GradientTransformationExtraArgs:
+  """DP-GD across clients: DIFF2-GD with a restart every round (T = 1).
+
+  `x_{t+1} = x_t - lr ((1/P) sum_p ClippedMean_p + N(0, (sigma C_1)^2 I))`,
+  the paper's baseline (§6), accounted as R Gaussian mechanisms.
+
+  Example:
+    >>> z = diff2_accounting.calibrate(2000, 1, 3.0, 1e-5).restart
+    >>> tx = dp_gd(loss_fn, learning_rate=0.5, grad_clip=1.0,
+    ...            noise_multiplier=z, num_rounds=2000, key=0,
+    ...            axis_name='clients')
+
+  Args:
+    loss_fn: `loss_fn(params, example) -> scalar` for ONE example.
+    learning_rate: eta.
+    grad_clip: `C_1`.
+    noise_multiplier: noise std over the replace-one sensitivity `2 C_1`.
+    num_rounds: R; round R + 1 is refused.
+    key: PRNG key or int seed of the server noise (same on every client).
+    neighboring_relation: see `diff2_estimator`.
+    microbatch_size: see `diff2_estimator`.
+    axis_name: the client axis, None for one client.
+
+  Returns:
+    `diff2_gd(..., restart_interval=1)`.
+
+  Raises:
+    ValueError: as `diff2_estimator`.
+
+  References:
+    Murata & Suzuki (2023), §4 (DP-GD is T = 1) and §6.
+  """
+  return diff2_gd(
+      loss_fn, learning_rate=learning_rate, grad_clip=grad_clip,
+      # Never used with T = 1: every round is a restart.
+      diff_clip_factor=1.0, restart_interval=1, num_rounds=num_rounds,
+      noise_multipliers=Diff2NoiseMultipliers(noise_multiplier, 0.0),
+      key=key, neighboring_relation=neighboring_relation,
+      microbatch_size=microbatch_size, axis_name=axis_name)
+
+
+def bvr_keys(key: estimators.KeyLike) -> tuple[jax.Array, jax.Array,
+                                                jax.Array]:
+  """The three purpose keys `diff2_bvr_local_sgd` derives from its key.
+
+  Example:
+    >>> server_key, local_noise_key, sampling_key = bvr_keys(0)
+
+  Args:
+    key: the key (or int seed) given to `diff2_bvr_local_sgd`.
+
+  Returns:
+    `(server noise key, local noise key, minibatch sampling key)`: a split,
+    so no two purposes share a key.
+  """
+  server, local, sampling = jax.random.split(estimators.as_key(key), 3)
+  return server, local, sampling
+
+
+def diff2_bvr_local_sgd(
+    loss_fn: LossFn,
+    *,
+    learning_rate: float,
+    grad_clip: float,
+    diff_clip_factor: float,
+    restart_interval: int,
+    num_rounds: int,
+    noise_multipliers: Diff2NoiseMultipliers,
+    key: estimators.KeyLike,
+    local_steps: int,
+    local_batch_size: int,
+    local_clip_factor: Optional[float] = None,
+    neighboring_relation: neighboring.NeighboringRelation = (
+        neighboring.NeighboringRelation.REPLACE_ONE),
+    microbatch_size: Optional[int] = None,
+    axis_name: Optional[str] = None,
+) -> optax.GradientTransformationExtraArgs:
+  """DIFF2-BVR-L-SGD (paper 003, Alg. 1 with the BVR-L-SGD routine, Alg. 4).
+
+  Round t: the server estimator `v_t` (as `diff2_estimator`) gives
+  `x_{1} = x_t - lr v_t`. Then client `p = (t + 1) mod P` (the paper's
+  `p_r = 1 + (r mod P)` with r = t + 1) runs K - 1 local steps, k = 2..K:
+  a minibatch of `local_batch_size` real rows drawn without replacement,
+  their clipped differences `grad l(x_{k-1}) - grad l(x_{k-2})` (clip
+  `C_3 ||x_{k-1} - x_{k-2}||`), `v_k = mean + v_{k-1} + N(0, (sigma_3
+  C_{3,k})^2 I)` (noise on the minibatch SUM, then divided by b), and
+  `x_k = x_{k-1} - lr v_k`. The local estimator is discarded after the
+  round; the next round's server difference spans the whole local
+  trajectory. The update returned is `x_K - x_t` (apply it as is: the
+  learning rate is inside). Every client runs the local loop on its own data
+  and only the active client's result is kept (a select, then a cross-client
+  sum), so the computation has no data-dependent control flow.
+
+  Not implemented: the randomly chosen output iterate `x_{k^-1}` (the
+  paper's utility device; plot the iterates instead).
+
+  Example:
+    >>> tx = diff2_bvr_local_sgd(
+    ...     loss_fn, learning_rate=0.1, grad_clip=1.0, diff_clip_factor=3.0,
+    ...     restart_interval=20, num_rounds=500, noise_multipliers=z, key=0,
+    ...     local_steps=5, local_batch_size=64, axis_name='clients')
+
+  Args:
+    loss_fn: `loss_fn(params, example) -> scalar` for ONE example.
+    learning_rate: eta (server and local steps).
+    grad_clip: see `diff2_estimator`.
+    diff_clip_factor: see `diff2_estimator`.
+    restart_interval: see `diff2_estimator`.
+    num_rounds: see `diff2_estimator`; the local noise is built for
+      `num_rounds * (local_steps - 1)` draws.
+    noise_multipliers: `Diff2NoiseMultipliers(z1, z2, local=z3)`; z3 is
+      the local noise std over the replace-one sensitivity `2 C_3` of the
+      minibatch sum.
+    key: PRNG key or int seed; split by `bvr_keys` into the server noise,
+      local noise and sampling keys.
+    local_steps: K >= 1 (K = 1 is DIFF2-GD).
+    local_batch_size: b, at most the smallest client's size.
+    local_clip_factor: `C_3` (default `C_2`, as in Theorem 5.3).
+    neighboring_relation: see `diff2_estimator`.
+    microbatch_size: see `diff2_estimator`.
+    axis_name: the client axis, None for one client.
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs`; call
+    `update(None, state, params, batch=local_data, batch_mask=None)`.
+
+  Raises:
+    ValueError: as `diff2_estimator`, and for a bad K, b or `C_3`; at update,
+      a client with fewer than b real rows.
+
+  References:
+    Murata & Suzuki (2023), Algorithm 4, Proposition E.2, Theorem 5.3.
+  """
+  server_key, local_key, sampling_key = bvr_keys(key)
+  server = diff2_estimator(
+      loss_fn, grad_clip=grad_clip, diff_clip_factor=diff_clip_factor,
+      restart_interval=restart_interval, num_rounds=num_rounds,
+      noise_multipliers=noise_multipliers, key=server_key,
+      neighboring_relation=neighboring_relation,
+      microbatch_size=microbatch_size, axis_name=axis_name)
+  num_local = checks.positive_int(local_steps, 'local_steps') - 1
+  local_batch_size = checks.positive_int(local_batch_size, 'local_batch_size')
+  local_clip = clipping.validate_clip(
+      diff_clip_factor if local_clip_factor is None else local_clip_factor,
+      'local_clip_factor')
+  local_statistic = clipping.clipped_grad_difference_sum(
+      loss_fn, local_clip, microbatch_size=microbatch_size)
+  relation = _validate_relation(neighboring_relation)
+  local_stddev = (_validate_multipliers(noise_multipliers).local *
+                  local_statistic.sensitivity(relation))
+  local_mechanism = (noise_lib.gaussian(num_rounds * num_local)
+                     if num_local else None)
+  learning_rate = float(learning_rate)
+
+  def init_fn(params):
+    local_noise = (local_mechanism.init(params, local_key) if num_local else
+                   noise_lib.NoiseState(key=local_key,
+                                        step=jnp.zeros((), jnp.int32)))
+    return Diff2BvrState(server=server.init(params), local_noise=local_noise,
+                         sampling_key=sampling_key)
+
+  def update_fn(updates, state, params=None, *, batch=None, batch_mask=None,
+                **extra_args):
+    del updates, extra_args
+    count = state.server.count
+    v, server_state = server.update(None, state.server, params, batch=batch,
+                                    batch_mask=batch_mask)
+    v = jax.tree_util.tree_map(lambda x: x.astype(jnp.promote_types(
+        x.dtype, jnp.float32)), v)
+    # x_1 = x_t - lr v_t, written as optax.sgd writes it, so that K = 1 is
+    # exactly DIFF2-GD.
+    first = jax.tree_util.tree_map(lambda g: -learning_rate * g, v)
+    if not num_local:
+      return estimators._cast_like(first, params), state._replace(  # pylint: disable=protected-access
+          server=server_state)
+    local_size = _local_size(batch, batch_mask)
+    smallest = jax.lax.pmin(local_size, axis_name) if axis_name else local_size
+    size = clipping.batch_size_of(batch)
+    mask = (jnp.ones((size,), bool) if batch_mask is None else
+            jnp.asarray(batch_mask).astype(bool))
+    round_key = jax.random.fold_in(state.sampling_key, count)
+    x_start = parallel.per_device(params, axis_name)
+    x_start = jax.tree_util.tree_map(lambda p, v_: p.astype(v_.dtype), x_start,
+                                     v)
+    x_first = jax.tree_util.tree_map(jnp.add, x_start, first)
+    first = parallel.per_device(first, axis_name)
+    v = parallel.per_device(v, axis_name)
+
+    def step(carry, k):
+      x_cur, x_prev, v_prev, displacement, noise_state = carry
+      movement, inverse = _movement(x_cur, x_prev)
+      # b uniform real rows without replacement: the b smallest of i.i.d.
+      # uniforms, padding rows pushed past every real row.
+      scores = jax.random.uniform(jax.random.fold_in(round_key, k), (size,))
+      _, rows = jax.lax.top_k(-jnp.where(mask, scores, 2.0), local_batch_size)
+      minibatch = jax.tree_util.tree_map(lambda x: x[rows], batch)
+      clipped = local_statistic(minibatch, x_cur, x_prev, inverse, inverse)
+      # One client adds this noise: no aggregation, axis_name=None.
+      private, noise_state = estimators.privatize_sum(
+          clipped, noise_state, local_mechanism, local_stddev,
+          normalize_by=float(local_batch_size))
+      v_k = jax.tree_util.tree_map(lambda a, b: movement * a + b, private,
+                                   v_prev)
+      step_update = jax.tree_util.tree_map(lambda g: -learning_rate * g, v_k)
+      x_next = jax.tree_util.tree_map(jnp.add, x_cur, step_update)
+      displacement = jax.tree_util.tree_map(jnp.add, displacement,
+                                            step_update)
+      return (x_next, x_cur, v_k, displacement, noise_state), None
+
+    carry = (x_first, x_start, v, first, state.local_noise)
+    (_, _, _, displacement, local_noise), _ = jax.lax.scan(
+        step, carry, jnp.arange(2, num_local + 2))
+    if axis_name is None:
+      total = displacement
+    else:
+      active = (count + 1) % parallel.axis_size(axis_name)
+      is_active = jax.lax.axis_index(axis_name) == active
+      total = parallel.psum(jax.tree_util.tree_map(
+          lambda u: jnp.where(is_active, u, jnp.zeros_like(u)), displacement),
+          axis_name)
+    total = guards.refuse(smallest < local_batch_size, total,
+                          _SMALL_CLIENT_MESSAGE)
+    return estimators._cast_like(total, params), Diff2BvrState(  # pylint: disable=protected-access
+        server=server_state, local_noise=local_noise,
+        sampling_key=state.sampling_key)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,0 +1,430 @@
+"""Privacy accounting of DIFF2-GD, DP-GD and DIFF2-BVR-L-SGD (paper 003).
+
+Every round of DIFF2 releases `v_t`, a Gaussian mechanism on a weighted
+clipped sum whose replace-one sensitivity the noise multiplier already
+contains (`dpsco_jax.algorithms.diff2`): a restart round is a
+`Gaussian(z_1)`, a difference round a `Gaussian(z_2)`, whatever the clips,
+the client sizes or the iterates. Each example takes part in all R rounds
+(full local data, no sampling); an example of client p also takes part in the
+local steps of DIFF2-BVR-L-SGD when p is the active client, at most
+`ceil(R / P)` rounds of `K - 1` steps, each a Gaussian(z_3) on a minibatch of
+b rows drawn without replacement from `n_p >= n_min` rows.
+
+Methods (`method=`):
+
+* 'pld' (default without local steps): `dp_accounting`'s privacy-loss
+  distribution of the composed Gaussians (nearly exact);
+* 'rdp': `dp_accounting`'s Renyi accountant, best order, replace-one
+  neighbours (its subsampling-without-replacement bound is Wang, Balle and
+  Kasiviswanathan 2019, Theorem 27); the only dp_accounting method with
+  local steps;
+* 'paper': the paper's closed forms, Proposition 4.1 (and E.2 with local
+  steps, using the subsampling bound B.7 = WBK19 Theorem 9 exactly). To
+  calibrate, it fixes the order `alpha = 1 + ceil(2 log(1/delta) / epsilon)`
+  and splits the RDP budget `epsilon / 2` with the constant `u`:
+  `z_1^2 = u alpha ceil(R/T) / epsilon`,
+  `z_2^2 = u/(u-1) alpha (R - ceil(R/T)) / epsilon` (the paper's
+  `sigma = 2 z / (n_min P)`; T = 1 is DP-GD with `z^2 = alpha R / epsilon`).
+  Its epsilon for given multipliers is the same RDP bound at the best
+  integer order.
+
+Calibration with 'pld' / 'rdp' keeps the paper's split (the ratios between
+z_1, z_2 and z_3 of the 'paper' calibration) and scales all multipliers by
+the smallest common factor that meets (epsilon, delta): less noise than the
+closed forms for the same guarantee.
+
+Convention: noise multiplier = noise std over the replace-one sensitivity of
+the clipped sum, so `z = sigma n_min P / 2` for the server rounds and
+`z_3 = sigma_3 b / 2` for the local steps, with the paper's sigmas.
+
+References:
+  T. Murata, T. Suzuki. DIFF2. ICML 2023, Proposition 4.1, Proposition E.2,
+  Lemmas B.4, B.6, B.7.
+  Y.-X. Wang, B. Balle, S. Kasiviswanathan. Subsampled Renyi differential
+  privacy and analytical moments accountant. AISTATS 2019.
+"""
+
+import math
+from typing import NamedTuple, Optional, Sequence, Union
+
+import dp_accounting
+from scipy import optimize
+from scipy import special
+
+from dpsco_jax import accounting
+from dpsco_jax import checks
+from dpsco_jax.algorithms.diff2 import Diff2NoiseMultipliers
+
+METHODS = ('pld', 'rdp', 'paper')
+# Integer orders for the 'paper' method's epsilon (B.7 needs integers).
+_PAPER_ORDERS = tuple(range(2, 257))
+BudgetSplit = Union[float, Sequence[float]]
+
+
+class LocalSteps(NamedTuple):
+  """The local steps of DIFF2-BVR-L-SGD, as the accountant needs them.
+
+  Attributes:
+    local_steps: K (K - 1 noisy local steps per round).
+    local_batch_size: b, drawn without replacement.
+    min_client_size: n_min, the smallest client (largest sampling ratio).
+    num_clients: P (each client is active in `ceil(R / P)` rounds).
+  """
+
+  local_steps: int
+  local_batch_size: int
+  min_client_size: int
+  num_clients: int
+
+
+def num_restarts(num_rounds: int, restart_interval: int) -> int:
+  """Restart rounds among R rounds: `ceil(R / T)` (rounds 0, T, 2T, ...).
+
+  Example:
+    >>> num_restarts(2000, 20)
+    100
+
+  Args:
+    num_rounds: R.
+    restart_interval: T.
+
+  Returns:
+    The number of restart rounds.
+  """
+  num_rounds = checks.positive_int(num_rounds, 'num_rounds')
+  restart_interval = checks.positive_int(restart_interval, 'restart_interval')
+  return -(-num_rounds // restart_interval)
+
+
+def paper_order(epsilon: float, delta: float) -> int:
+  """The paper's fixed RDP order `1 + ceil(2 log(1/delta) / epsilon)`.
+
+  It makes the conversion term `log(1/delta) / (alpha - 1) <= epsilon / 2`
+  (Proposition 4.1).
+
+  Example:
+    >>> paper_order(3.0, 1e-5)
+    9
+
+  Args:
+    epsilon: target epsilon.
+    delta: target delta.
+
+  Returns:
+    alpha.
+  """
+  accounting.validate_epsilon_delta(epsilon, delta)
+  return 1 + math.ceil(2 * math.log(1 / delta) / epsilon)
+
+
+def paper_sigma(noise_multiplier: float, min_client_size: int,
+                num_clients: int) -> float:
+  """The paper's sigma of a server round: `2 z / (n_min P)`.
+
+  Example:
+    >>> paper_sigma(77.46, 1651, 10)   # DP-GD, California Housing, eps 3
+    0.00938...
+
+  Args:
+    noise_multiplier: z (std over the replace-one sensitivity of the sum).
+    min_client_size: n_min.
+    num_clients: P.
+
+  Returns:
+    sigma, with per-coordinate noise std `sigma C` on `v_t`.
+  """
+  return 2.0 * float(noise_multiplier) / (
+      checks.positive_int(min_client_size, 'min_client_size') *
+      checks.positive_int(num_clients, 'num_clients'))
+
+
+def _validate(num_rounds, restart_interval, noise_multipliers, local):
+  num_restarts(num_rounds, restart_interval)
+  if local is not None:
+    local = LocalSteps(*local)
+    checks.positive_int(local.local_steps, 'local_steps')
+    checks.positive_int(local.local_batch_size, 'local_batch_size')
+    checks.positive_int(local.num_clients, 'num_clients')
+    if checks.positive_int(local.min_client_size, 'min_client_size') < (
+        local.local_batch_size):
+      raise ValueError('local_batch_size must not exceed min_client_size')
+    if local.local_steps == 1:
+      local = None  # K = 1 has no local steps.
+  if noise_multipliers is not None:
+    noise_multipliers = Diff2NoiseMultipliers(*noise_multipliers)
+    for z in noise_multipliers:
+      if not (float(z) >= 0 and math.isfinite(float(z))):
+        raise ValueError(f'noise multipliers must be finite and >= 0, got '
+                         f'{noise_multipliers}')
+  return local, noise_multipliers
+
+
+def _counts(num_rounds, restart_interval, local):
+  restarts = num_restarts(num_rounds, restart_interval)
+  local_releases = 0
+  if local is not None:
+    local_releases = (local.local_steps - 1) * -(-num_rounds //
+                                                 local.num_clients)
+  return restarts, num_rounds - restarts, local_releases
+
+
+def diff2_dp_event(
+    num_rounds: int,
+    restart_interval: int,
+    noise_multipliers: Diff2NoiseMultipliers,
+    local: Optional[LocalSteps] = None,
+) -> dp_accounting.DpEvent:
+  """The `dp_accounting` event of a whole DIFF2 run, for one example.
+
+  Example:
+    >>> event = diff2_dp_event(2000, 20, Diff2NoiseMultipliers(19.4, 169.))
+
+  Args:
+    num_rounds: R.
+    restart_interval: T.
+    noise_multipliers: (z_1, z_2[, z_3]).
+    local: the local steps of DIFF2-BVR-L-SGD, or None.
+
+  Returns:
+    A composition of Gaussian events (and subsampled-without-replacement
+    Gaussian events for the local steps).
+
+  Raises:
+    ValueError: for bad inputs.
+  """
+  local, z = _validate(num_rounds, restart_interval, noise_multipliers, local)
+  restarts, differences, local_releases = _counts(num_rounds,
+                                                  restart_interval, local)
+  events = [dp_accounting.SelfComposedDpEvent(
+      dp_accounting.GaussianDpEvent(z.restart), restarts)]
+  if differences:
+    events.append(dp_accounting.SelfComposedDpEvent(
+        dp_accounting.GaussianDpEvent(z.difference), differences))
+  if local_releases:
+    events.append(dp_accounting.SelfComposedDpEvent(
+        dp_accounting.SampledWithoutReplacementDpEvent(
+            local.min_client_size, local.local_batch_size,
+            dp_accounting.GaussianDpEvent(z.local)), local_releases))
+  return dp_accounting.ComposedDpEvent(events)
+
+
+def paper_subsampled_rdp(order: int, sampling_ratio: float,
+                         noise_multiplier: float) -> float:
+  """RDP of a Gaussian on a without-replacement subsample, paper Lemma B.7.
+
+  With `eps(j) = j / (2 z^2)` (the Gaussian's RDP, Lemma B.6) and, for the
+  Gaussian, `eps(inf) = inf` so each `min{2, .}` is 2:
+  `1/(a-1) log(1 + g^2 C(a,2) min{4(e^eps(2) - 1), 2 e^eps(2)}
+  + sum_{j=3}^a g^j C(a,j) e^{(j-1) eps(j)} 2)`, computed in log space.
+
+  Example:
+    >>> paper_subsampled_rdp(9, 0.01, 5.0)
+
+  Args:
+    order: integer alpha >= 2.
+    sampling_ratio: gamma = b / n.
+    noise_multiplier: z (std over the replace-one sensitivity of the sum).
+
+  Returns:
+    The RDP bound at `order` (inf without noise).
+  """
+  order = int(order)
+  if order < 2:
+    raise ValueError(f'order must be an integer >= 2, got {order}')
+  if noise_multiplier == 0:
+    return math.inf
+  gamma = float(sampling_ratio)
+  eps = lambda j: j / (2.0 * noise_multiplier ** 2)
+  log_gamma = math.log(gamma)
+  log_binom = lambda j: (special.gammaln(order + 1) - special.gammaln(j + 1) -
+                         special.gammaln(order - j + 1))
+  second = min(math.log(4.0) + math.log(math.expm1(eps(2))),
+               math.log(2.0) + eps(2))
+  terms = [0.0, 2 * log_gamma + log_binom(2) + second]
+  terms += [j * log_gamma + log_binom(j) + (j - 1) * eps(j) + math.log(2.0)
+            for j in range(3, order + 1)]
+  return float(special.logsumexp(terms)) / (order - 1)
+
+
+def _paper_rdp(order, num_rounds, restart_interval, z, local):
+  restarts, differences, local_releases = _counts(num_rounds,
+                                                  restart_interval, local)
+  total = 0.0
+  for count, multiplier in ((restarts, z.restart),
+                            (differences, z.difference)):
+    if count:
+      total += (math.inf if multiplier == 0 else
+                count * order / (2.0 * multiplier ** 2))
+  if local_releases:
+    total += local_releases * paper_subsampled_rdp(
+        order, local.local_batch_size / local.min_client_size, z.local)
+  return total
+
+
+def epsilon_spent(
+    num_rounds: int,
+    restart_interval: int,
+    noise_multipliers: Diff2NoiseMultipliers,
+    delta: float,
+    *,
+    method: Optional[str] = None,
+    local: Optional[LocalSteps] = None,
+) -> float:
+  """The epsilon of a DIFF2 run at `delta` (replace-one, item level).
+
+  Example:
+    >>> epsilon_spent(2000, 20, Diff2NoiseMultipliers(19.36, 168.82), 1e-5,
+    ...               method='paper')   # <= 3
+
+  Args:
+    num_rounds: R.
+    restart_interval: T (1 for DP-GD).
+    noise_multipliers: (z_1, z_2[, z_3]).
+    delta: target delta.
+    method: 'pld', 'rdp' or 'paper' (module docstring); default 'pld', or
+      'rdp' with local steps.
+    local: the local steps of DIFF2-BVR-L-SGD, or None.
+
+  Returns:
+    epsilon (inf when a used multiplier is 0).
+
+  Raises:
+    ValueError: for bad inputs, or 'pld' with local steps.
+  """
+  accounting.validate_epsilon_delta(None, delta)
+  local, z = _validate(num_rounds, restart_interval, noise_multipliers, local)
+  method = method or ('pld' if local is None else 'rdp')
+  if method not in METHODS:
+    raise ValueError(f'method must be one of {METHODS}, got {method!r}')
+  if method == 'paper':
+    # Lemma B.4 at the best integer order.
+    return min(_paper_rdp(a, num_rounds, restart_interval, z, local) +
+               math.log(1 / delta) / (a - 1) for a in _PAPER_ORDERS)
+  event = diff2_dp_event(num_rounds, restart_interval, z, local)
+  if method == 'pld':
+    if local is not None:
+      raise ValueError("'pld' cannot account the local steps' sampling "
+                       "without replacement; use 'rdp' or 'paper'")
+    accountant = dp_accounting.pld.PLDAccountant()
+  else:
+    accountant = dp_accounting.rdp.RdpAccountant(
+        neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
+  return float(accountant.compose(event).get_epsilon(delta))
+
+
+def _split(budget_split: BudgetSplit, local) -> tuple[float, float, float]:
+  """Fractions of the RDP budget for restarts, differences, local steps."""
+  if local is None:
+    u = float(budget_split if not isinstance(budget_split, (tuple, list))
+              else budget_split[0])
+    if not u > 1:
+      raise ValueError(f'budget_split u must be > 1, got {budget_split!r}')
+    return 1 / u, 1 - 1 / u, 0.0
+  if not isinstance(budget_split, (tuple, list)) or len(budget_split) != 2:
+    raise ValueError('with local steps, budget_split is the pair (u_1, u_2) '
+                     'of Proposition E.2')
+  u1, u2 = map(float, budget_split)
+  if not (u1 > 1 and u2 > 1 and 1 / u1 + 1 / u2 < 1):
+    raise ValueError(f'need u_1, u_2 > 1 and 1/u_1 + 1/u_2 < 1, got '
+                     f'{budget_split!r}')
+  return 1 / u1, 1 / u2, 1 - 1 / u1 - 1 / u2
+
+
+def _paper_multipliers(num_rounds, restart_interval, epsilon, delta,
+                       budget_split, local) -> Diff2NoiseMultipliers:
+  order = paper_order(epsilon, delta)
+  restarts, differences, local_releases = _counts(num_rounds,
+                                                  restart_interval, local)
+  share_restart, share_difference, share_local = _split(budget_split, local)
+  if not differences:
+    # DP-GD (T = 1): the whole budget goes to the restarts (u -> 1).
+    share_restart, share_local = 1.0 - share_local, share_local
+  # Each part gets its share of the RDP budget epsilon / 2:
+  # count * alpha / (2 z^2) = share * epsilon / 2.
+  multiplier = lambda count, share: math.sqrt(count * order /
+                                              (share * epsilon))
+  z1 = multiplier(restarts, share_restart)
+  z2 = multiplier(differences, share_difference) if differences else 0.0
+  z3 = 0.0
+  if local_releases:
+    gamma = local.local_batch_size / local.min_client_size
+    target = share_local * epsilon / 2
+    gap = lambda z: local_releases * paper_subsampled_rdp(order, gamma,
+                                                          z) - target
+    upper = 1.0
+    while gap(upper) > 0:
+      upper *= 2.0
+    z3 = optimize.brentq(gap, upper / 2 if upper > 1 else 1e-3, upper,
+                         xtol=1e-9 * upper)
+    while gap(z3) > 0:
+      z3 *= 1 + 1e-9
+  return Diff2NoiseMultipliers(z1, z2, z3)
+
+
+def calibrate(
+    num_rounds: int,
+    restart_interval: int,
+    epsilon: float,
+    delta: float,
+    *,
+    method: Optional[str] = None,
+    budget_split: Optional[BudgetSplit] = None,
+    local: Optional[LocalSteps] = None,
+) -> Diff2NoiseMultipliers:
+  """Noise multipliers that make a DIFF2 run (epsilon, delta)-DP.
+
+  Example:
+    >>> calibrate(2000, 20, 3.0, 1e-5, method='paper')   # the paper's
+    Diff2NoiseMultipliers(restart=19.36..., difference=168.8..., local=0.0)
+    >>> calibrate(2000, 20, 3.0, 1e-5)                   # PLD, less noise
+
+  Args:
+    num_rounds: R, fixed before training (the noise depends on it).
+    restart_interval: T (1 for DP-GD).
+    epsilon: target epsilon.
+    delta: target delta.
+    method: 'pld', 'rdp' or 'paper' (module docstring); default 'pld', or
+      'rdp' with local steps.
+    budget_split: u > 1 of Proposition 4.1 (default 1.25, the paper's
+      experiments): the restarts get 1/u of the RDP budget, the difference
+      rounds the rest. With local steps the pair (u_1, u_2) of Proposition
+      E.2 (default (3, 3): a third each for restarts, differences and local
+      steps).
+    local: the local steps of DIFF2-BVR-L-SGD, or None.
+
+  Returns:
+    `Diff2NoiseMultipliers` (z_2 = 0 when T = 1, z_3 = 0 without local
+    steps).
+
+  Raises:
+    ValueError: for bad inputs.
+  """
+  accounting.validate_epsilon_delta(epsilon, delta)
+  local, _ = _validate(num_rounds, restart_interval, None, local)
+  method = method or ('pld' if local is None else 'rdp')
+  if method not in METHODS:
+    raise ValueError(f'method must be one of {METHODS}, got {method!r}')
+  if budget_split is None:
+    budget_split = 1.25 if local is None else (3.0, 3.0)
+  paper = _paper_multipliers(num_rounds, restart_interval, float(epsilon),
+                             float(delta), budget_split, local)
+  if method == 'paper':
+    return paper
+
+  def gap(log_scale: float) -> float:
+    scaled = Diff2NoiseMultipliers(*(math.exp(log_scale) * z for z in paper))
+    return epsilon_spent(num_rounds, restart_interval, scaled, delta,
+                         method=method, local=local) - epsilon
+
+  # The paper's multipliers meet the target (their bound is looser), so the
+  # common scale is at most 1.
+  upper = 0.0
+  while gap(upper) > 0:
+    upper += math.log(2.0)
+  lower = upper - math.log(2.0)
+  while gap(lower) <= 0:
+    lower -= math.log(2.0)
+  log_scale = optimize.brentq(gap, lower, upper, xtol=1e-7)
+  while gap(log_scale) > 0:
+    log_scale += 1e-7
+  return Diff2NoiseMultipliers(*(math.exp(log_scale) * z for z in paper))

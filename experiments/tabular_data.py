@@ -1,0 +1,245 @@
+"""Tabular regression data of the DIFF2 experiments (paper 003, §6, App. A).
+
+Loaders take any path, so users point them at their own copies:
+
+* `load_california_housing(path)`: the StatLib `housing.csv` (20,640 block
+  groups), turned into scikit-learn's 8 attributes (MedInc, HouseAge,
+  AveRooms, AveBedrms, Population, AveOccup, Latitude, Longitude), target
+  median_house_value / 100000;
+* `load_gas_turbine(path)`: the UCI Gas Turbine CO and NOx Emission data
+  (`gt_2011.csv` ... `gt_2015.csv`, 36,733 rows), 9 attributes, target CO
+  (NOX is dropped, as in the paper);
+* `synthetic_regression(...)`: a planted low-dimensional nonlinear
+  regression with N >> d, the regime where DIFF2's bound beats DP-GD's.
+
+`prepare(x, y, seed)` applies the paper's preprocessing: standardize every
+attribute, divide the target by its maximum absolute value (both over the
+whole data set, as the paper does; these statistics are not privatized,
+like in the paper), random 80/20 train/test split; `split_clients` deals the
+training rows into P IID clients of (nearly) equal size, padded to a common
+size with a mask.
+"""
+
+import glob
+import os
+from typing import Dict, NamedTuple, Tuple
+
+import numpy as np
+
+Split = Dict[str, np.ndarray]
+
+_CALIFORNIA_HELP = (
+    'California Housing: expected the StatLib CSV `housing.csv` (columns '
+    'longitude, latitude, housing_median_age, total_rooms, total_bedrooms, '
+    'population, households, median_income, median_house_value, '
+    'ocean_proximity). Get it from https://github.com/ageron/handson-ml2 '
+    '(datasets/housing/housing.tgz) or any StatLib mirror, and pass its path '
+    '(or its folder).')
+_GAS_HELP = (
+    'Gas Turbine CO and NOx Emission: expected the UCI files gt_2011.csv ... '
+    'gt_2015.csv (columns AT, AP, AH, AFDP, GTEP, TIT, TAT, TEY, CDP, CO, '
+    'NOX) in one folder. Download them from '
+    'https://archive.ics.uci.edu/dataset/551 and pass the folder.')
+
+
+class ClientData(NamedTuple):
+  """Training rows dealt to P clients, padded to a common size.
+
+  Attributes:
+    x: float32 `[P, n_max, d]`.
+    y: float32 `[P, n_max]`.
+    mask: bool `[P, n_max]`, True for real rows.
+    sizes: int `[P]`, real rows per client.
+  """
+
+  x: np.ndarray
+  y: np.ndarray
+  mask: np.ndarray
+  sizes: np.ndarray
+
+
+def _read_csv(path: str) -> Tuple[list, np.ndarray]:
+  """Header and string cells of a small CSV (no pandas dependency)."""
+  # utf-8-sig: some copies start with a byte-order mark.
+  with open(path, encoding='utf-8-sig') as f:
+    first = f.readline().strip()
+    # Some copies were saved as a Python bytes literal: b'...\n'.
+    wrapped = first.startswith("b'")
+    # Some copies pad names with spaces (gt_2015.csv has 'AFDP ').
+    header = [name.strip() for name in
+              (first[2:] if wrapped else first).split(',')]
+    rows = [line.strip().split(',') for line in f
+            if line.strip() and not (wrapped and line.strip() == "'")]
+  return header, np.array(rows, dtype=object)
+
+
+def load_california_housing(path: str) -> Tuple[np.ndarray, np.ndarray]:
+  """scikit-learn's 8 California Housing attributes from the StatLib CSV.
+
+  The 207 missing `total_bedrooms` are imputed as `total_rooms` times the
+  median bedrooms-per-room ratio of the other rows (scikit-learn's copy,
+  derived from the original census file, has no missing values).
+
+  Example:
+    >>> x, y = load_california_housing('../shared/data/california_housing')
+    >>> x.shape                                   # (20640, 8)
+
+  Args:
+    path: `housing.csv` or the folder holding it.
+
+  Returns:
+    `(x float64 [20640, 8], y float64 [20640])`, y in units of $100,000.
+
+  Raises:
+    FileNotFoundError: with instructions, if the file is missing.
+    ValueError: if the columns are not the expected ones.
+  """
+  if os.path.isdir(path):
+    path = os.path.join(path, 'housing.csv')
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f'{path} not found. {_CALIFORNIA_HELP}')
+  header, cells = _read_csv(path)
+  needed = ('longitude', 'latitude', 'housing_median_age', 'total_rooms',
+            'total_bedrooms', 'population', 'households', 'median_income',
+            'median_house_value')
+  missing = [c for c in needed if c not in header]
+  if missing:
+    raise ValueError(f'{path} lacks columns {missing}. {_CALIFORNIA_HELP}')
+  column = {c: np.array([float(v) if v != '' else np.nan
+                         for v in cells[:, header.index(c)]]) for c in needed}
+  rooms, bedrooms = column['total_rooms'], column['total_bedrooms']
+  ratio = np.nanmedian(bedrooms / rooms)
+  bedrooms = np.where(np.isnan(bedrooms), rooms * ratio, bedrooms)
+  households = column['households']
+  x = np.stack([column['median_income'], column['housing_median_age'],
+                rooms / households, bedrooms / households,
+                column['population'], column['population'] / households,
+                column['latitude'], column['longitude']], axis=1)
+  return x, column['median_house_value'] / 1e5
+
+
+def load_gas_turbine(path: str) -> Tuple[np.ndarray, np.ndarray]:
+  """Gas Turbine CO emission: 9 attributes, target CO (NOX dropped).
+
+  Example:
+    >>> x, y = load_gas_turbine('../shared/data/gas_turbine')
+    >>> x.shape                                   # (36733, 9)
+
+  Args:
+    path: the folder holding `gt_*.csv` (or one such file).
+
+  Returns:
+    `(x float64 [n, 9], y float64 [n])`.
+
+  Raises:
+    FileNotFoundError: with instructions, if no file is found.
+    ValueError: if the columns are not the expected ones.
+  """
+  files = (sorted(glob.glob(os.path.join(path, 'gt_*.csv')))
+           if os.path.isdir(path) else [path] if os.path.isfile(path) else [])
+  if not files:
+    raise FileNotFoundError(f'no gt_*.csv under {path}. {_GAS_HELP}')
+  features = ('AT', 'AP', 'AH', 'AFDP', 'GTEP', 'TIT', 'TAT', 'TEY', 'CDP')
+  xs, ys = [], []
+  for name in files:
+    header, cells = _read_csv(name)
+    if any(c not in header for c in features + ('CO',)):
+      raise ValueError(f'{name} lacks the expected columns. {_GAS_HELP}')
+    xs.append(np.stack([cells[:, header.index(c)].astype(float)
+                        for c in features], axis=1))
+    ys.append(cells[:, header.index('CO')].astype(float))
+  return np.concatenate(xs), np.concatenate(ys)
+
+
+def synthetic_regression(num_examples: int = 20000, dim: int = 4,
+                         noise: float = 0.1,
+                         seed: int = 0) -> Tuple[np.ndarray, np.ndarray]:
+  """A planted nonlinear regression in low dimension (N >> d).
+
+  `y = tanh(x . w) + 0.5 sin(x . u) + noise * N(0, 1)` with Gaussian x.
+
+  Example:
+    >>> x, y = synthetic_regression(20000, 4)
+
+  Args:
+    num_examples: N.
+    dim: d.
+    noise: label noise std.
+    seed: the data seed (fixed across runs: one data set).
+
+  Returns:
+    `(x [N, d], y [N])`.
+  """
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(num_examples, dim))
+  w, u = rng.normal(size=dim), rng.normal(size=dim)
+  y = np.tanh(x @ w) + 0.5 * np.sin(x @ u) + noise * rng.normal(
+      size=num_examples)
+  return x, y
+
+
+def prepare(x: np.ndarray, y: np.ndarray, seed: int,
+            test_fraction: float = 0.2) -> Tuple[Split, Split]:
+  """The paper's preprocessing and a seeded random train/test split.
+
+  Example:
+    >>> train, test = prepare(*load_gas_turbine(path), seed=0)
+
+  Args:
+    x: attributes `[n, d]`.
+    y: targets `[n]`.
+    seed: the split seed.
+    test_fraction: held-out fraction (the paper's 0.2).
+
+  Returns:
+    `(train, test)`, dicts with float32 `'x' [n, d]` and `'y' [n]`.
+
+  Raises:
+    ValueError: for a bad fraction or a constant attribute.
+  """
+  if not 0.0 < test_fraction < 1.0:
+    raise ValueError(f'test_fraction must be in (0, 1), got {test_fraction}')
+  std = x.std(axis=0)
+  if np.any(std == 0):
+    raise ValueError('an attribute is constant: it cannot be standardized')
+  x = (x - x.mean(axis=0)) / std
+  y = y / np.max(np.abs(y))
+  order = np.random.default_rng(seed).permutation(len(y))
+  num_test = int(round(test_fraction * len(y)))
+  test, train = order[:num_test], order[num_test:]
+  as_split = lambda rows: {'x': x[rows].astype(np.float32),
+                           'y': y[rows].astype(np.float32)}
+  return as_split(train), as_split(test)
+
+
+def split_clients(train: Split, num_clients: int, seed: int) -> ClientData:
+  """Deals the training rows at random into P IID clients (sizes differ <= 1).
+
+  Example:
+    >>> clients = split_clients(train, 10, seed=0)
+    >>> clients.x.shape, clients.sizes            # [10, n_max, d], sizes
+
+  Args:
+    train: the training split.
+    num_clients: P.
+    seed: the dealing seed.
+
+  Returns:
+    A `ClientData` (padding rows are zeros, masked out).
+
+  Raises:
+    ValueError: if there are fewer rows than clients.
+  """
+  n = len(train['y'])
+  if not 1 <= num_clients <= n:
+    raise ValueError(f'need 1 <= num_clients <= {n}, got {num_clients}')
+  parts = np.array_split(np.random.default_rng(seed).permutation(n),
+                         num_clients)
+  width = max(len(p) for p in parts)
+  x = np.zeros((num_clients, width) + train['x'].shape[1:], np.float32)
+  y = np.zeros((num_clients, width), np.float32)
+  mask = np.zeros((num_clients, width), bool)
+  for p, rows in enumerate(parts):
+    x[p, :len(rows)], y[p, :len(rows)] = train['x'][rows], train['y'][rows]
+    mask[p, :len(rows)] = True
+  return ClientData(x, y, mask, np.array([len(p) for p in parts]))
