@@ -4,7 +4,9 @@ XLA reads the flag when the backend starts, so it is set before any test
 module imports jax.
 """
 
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 
@@ -19,3 +21,5 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Optimized strategies are cached on disk; keep the tests' entries out of the
 # user's cache.
 os.environ['DPSCO_JAX_CACHE'] = tempfile.mkdtemp(prefix='dpsco_jax_cache_')
+atexit.register(shutil.rmtree, os.environ['DPSCO_JAX_CACHE'],
+                ignore_errors=True)
