@@ -26,6 +26,7 @@ from typing import Optional, Union
 from absl import logging
 import numpy as np
 from scipy import linalg
+import threadpoolctl
 
 from dpsco_jax import accounting
 from dpsco_jax import checks
@@ -402,10 +403,9 @@ def optimize_strategy(
 
   Results are cached on disk (`default_cache_dir()`, or `cache_dir`), keyed
   by the workload, k, bands and the optimizer settings. Cost: one Cholesky
-  solve per iteration; the 600x600 strategies of paper 001 take 100 to
-  1,000 iterations (`benchmarks/mf_noise.py`). On a machine shared with
-  other jobs, `OPENBLAS_NUM_THREADS=1` avoids a large slowdown from
-  oversubscribed BLAS threads.
+  solve per iteration, on one BLAS thread (measured faster than two); the
+  600x600 strategies of paper 001 take 100 to 1,000 iterations
+  (`benchmarks/mf_noise.py`).
 
   Example:
     >>> w = workload(600, 'true', momentum=0.9)
@@ -466,9 +466,13 @@ def optimize_strategy(
       workload_matrix, num_epochs, min(bands or num_steps, steps_per_epoch))
   if start is None:
     start = np.eye(num_steps) / num_epochs
-  optimum, iterations = _lbfgs(objective, objective.to_vector(start),
-                               max_iterations=max_iterations,
-                               tolerance=tolerance)
+  # One BLAS thread: the Cholesky solves of a few hundred rows run about 2x
+  # faster than with two threads on a 2-core CPU (benchmarks/mf_noise.py),
+  # and far faster when other jobs share the cores.
+  with threadpoolctl.threadpool_limits(limits=1, user_api='blas'):
+    optimum, iterations = _lbfgs(objective, objective.to_vector(start),
+                                 max_iterations=max_iterations,
+                                 tolerance=tolerance)
   gram = objective.to_matrix(optimum)
   # Remove the round-off drift of the linear constraints before factoring.
   gram = np.where(mask, (gram + gram.T) / 2, 0.0)
