@@ -72,12 +72,19 @@ def validate_clip(l2_clip: float, name: str = 'l2_clip') -> float:
     l2_clip: the clip norm.
     name: the argument name used in the error message.
 
+  A traced clip norm (a hyperparameter swept with `jax.vmap` over one
+  compiled program) is returned unchanged: its value is unknown while
+  tracing, so the caller checks the grid on the host (the sweeps do). The
+  noise multiplier never depends on it: the noise scales with the clip.
+
   Returns:
-    `float(l2_clip)`.
+    `float(l2_clip)`, or the tracer itself.
 
   Raises:
     ValueError: if the clip norm is not a positive finite number.
   """
+  if isinstance(l2_clip, jax.core.Tracer):
+    return l2_clip
   try:
     value = float(l2_clip)
   except (TypeError, ValueError) as e:

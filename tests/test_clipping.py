@@ -92,14 +92,14 @@ def _rows(batch, indices):
   return jax.tree_util.tree_map(lambda x: x[np.asarray(indices)], batch)
 
 
-def _reference(contribution_fn, batch, indices):
+def _reference(contribution_fn, batch, indices, clip=CLIP):
   """Loop reference: sum of contributions scaled by min(1, C/||g||)."""
   total, num_clipped = 0.0, 0
   for index in indices:
     contribution = _flat(contribution_fn(_row(batch, index)))
     norm = np.linalg.norm(contribution)
-    total = total + contribution * min(1.0, CLIP / norm)
-    num_clipped += int(norm > CLIP)
+    total = total + contribution * min(1.0, clip / norm)
+    num_clipped += int(norm > clip)
   return total, num_clipped
 
 
@@ -405,3 +405,21 @@ def test_jitted_statistic_is_pure():
   for a, b in zip(jax.tree_util.tree_leaves(first),
                   jax.tree_util.tree_leaves(second)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_traced_clip_norm_vmaps_over_a_grid_of_clips():
+  # A sweep vmaps one compiled program over clip norms: each lane must equal
+  # the statistic built with that clip as a Python float.
+  params, batch = _logistic_problem()
+  clips = jnp.asarray([0.05, 0.5, 5.0])
+
+  def clipped_at(clip):
+    return clipping.clipped_grad_sum(_logistic_loss, clip)(batch, params).sum
+
+  swept = jax.jit(jax.vmap(clipped_at))(clips)
+  for i, clip in enumerate([0.05, 0.5, 5.0]):
+    expected, _ = _reference(lambda ex: _logistic_grad(params, ex), batch,
+                             range(NUM_EXAMPLES), clip=clip)
+    np.testing.assert_allclose(
+        _flat(jax.tree_util.tree_map(lambda leaf: leaf[i], swept)), expected,
+        rtol=1e-5, atol=1e-6)
