@@ -13,8 +13,8 @@ The curated public API. Modules, one concern each:
   (`dp_accounting` PLD/RDP, the papers' zCDP and GDP closed forms);
 * `dpsco_jax.estimators`: private gradient estimators as optax
   transformations;
-* `dpsco_jax.algorithms`: the algorithms (DP-SGD, DP-FTRL, DP-MEMF, DIFF2
-  across clients, ...) and their accounting (`algorithms.diff2_accounting`);
+* `dpsco_jax.algorithms`: the algorithms (DP-SGD, DP-FTRL, DP-MEMF,
+  Accelerated-DP-SRGD and DP-SRG-MEMF, DIFF2 across clients, ...) and their accounting (`algorithms.diff2_accounting`);
 * `dpsco_jax.parallel`: cross-device sums and the replicated-key check;
 * `dpsco_jax.guards`: refusals that hold inside compiled steps;
 * `dpsco_jax.batching`: batch formation matching the accounting, and the
@@ -42,6 +42,19 @@ from dpsco_jax.algorithms.baselines import dpsgd
 from dpsco_jax.algorithms.baselines import dpsgd_mechanism
 from dpsco_jax.algorithms.mf import dpmemf
 from dpsco_jax.algorithms.mf import dpmemf_mechanism
+from dpsco_jax.algorithms.srg import accelerated_dp_srgd
+from dpsco_jax.algorithms.srg import AcceleratedSrgdState
+from dpsco_jax.algorithms.srg import dp_srg_memf
+from dpsco_jax.algorithms.srg import final_params
+from dpsco_jax.algorithms.srg import nesterov_coupling
+from dpsco_jax.algorithms.srg import project_l2_ball
+from dpsco_jax.algorithms.srg import srg_gradient
+from dpsco_jax.algorithms.srg import srg_mechanism
+from dpsco_jax.algorithms.srg import SrgdParameters
+from dpsco_jax.algorithms.srg import srgd_preset
+from dpsco_jax.algorithms.srg import SrgGradientState
+from dpsco_jax.algorithms.srg import SrgMemfState
+from dpsco_jax.algorithms.srg import unaccelerated_dp_srg
 from dpsco_jax.batching import fixed_order_guard
 from dpsco_jax.algorithms import diff2_accounting
 from dpsco_jax.algorithms.diff2 import bvr_keys
@@ -88,6 +101,19 @@ __all__ = (
     'dpsgd_mechanism',
     'dpmemf',
     'dpmemf_mechanism',
+    'accelerated_dp_srgd',
+    'AcceleratedSrgdState',
+    'dp_srg_memf',
+    'final_params',
+    'nesterov_coupling',
+    'project_l2_ball',
+    'srg_gradient',
+    'srg_mechanism',
+    'SrgdParameters',
+    'srgd_preset',
+    'SrgGradientState',
+    'SrgMemfState',
+    'unaccelerated_dp_srg',
     'fixed_order_guard',
     'diff2_accounting',
     'bvr_keys',

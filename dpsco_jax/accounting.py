@@ -198,7 +198,7 @@ def _encoder_for(mechanism: noise_lib.NoiseMechanism,
 
 
 def _is_iid(mechanism: noise_lib.NoiseMechanism, steps: int) -> bool:
-  if mechanism.num_steps is None:
+  if mechanism.num_steps is None or mechanism.name == 'gaussian':
     return mechanism.release == 'per_step'
   encoder = mechanism.encoder_matrix()
   return (mechanism.release == 'per_step' and encoder.shape == (steps, steps)
@@ -216,6 +216,18 @@ def mechanism_sensitivity(mechanism: noise_lib.NoiseMechanism,
   Returns:
     The run's l2 sensitivity in units of one step's sensitivity.
   """
+  _validate_participation(participation)
+  if (not isinstance(participation, PoissonSampling) and
+      participation.num_epochs == 1):
+    # One participation per example: the largest column norm of C, exactly.
+    # Mechanisms that know it spare building C (T x T for a long i.i.d. run).
+    if (mechanism.num_steps is not None and
+        mechanism.num_steps != participation.num_steps):
+      _encoder_for(mechanism, participation)  # raises the mismatch error
+    if mechanism.single_participation_sensitivity is not None:
+      return float(mechanism.single_participation_sensitivity())
+    encoder = np.asarray(_encoder_for(mechanism, participation), np.float64)
+    return float(np.sqrt(np.max(np.sum(encoder ** 2, axis=0))))
   return participation_sensitivity(_encoder_for(mechanism, participation),
                                    participation)
 

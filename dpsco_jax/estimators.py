@@ -87,6 +87,45 @@ def validate_noise_multiplier(noise_multiplier: float) -> float:
   return value
 
 
+def add_noise(
+    total: PyTree,
+    noise_state: noise_lib.NoiseState,
+    mechanism: noise_lib.NoiseMechanism,
+    stddev: Union[float, jax.Array],
+    *,
+    normalize_by: Union[float, jax.Array] = 1.0,
+    axis_name: Optional[str] = None,
+) -> tuple[PyTree, noise_lib.NoiseState]:
+  """Adds the mechanism's next noise ONCE to an already summed statistic.
+
+  `total` must be the same on every device (a `psum` result, or a running
+  sum of such results, as the recursive-gradient estimators keep): the noise
+  is drawn from the replicated key, so every device adds the same draw.
+
+  Args:
+    total: the global clipped statistic (replicated across devices).
+    noise_state: the mechanism state; its key must be replicated.
+    mechanism: the noise mechanism.
+    stddev: noise standard deviation on `total` (noise multiplier times the
+      statistic's sensitivity, times any public scale applied to `total`).
+    normalize_by: public divisor applied after the noise.
+    axis_name: the device axis, or None.
+
+  Returns:
+    `((total + stddev * noise) / normalize_by, new noise state)`, in
+    float32 (or wider).
+  """
+  not_replicated = parallel.check_replicated(noise_state.key, axis_name)
+  noise, noise_state = mechanism.next(noise_state, total)
+  private = jax.tree_util.tree_map(
+      lambda s, n: (s + stddev * n.astype(s.dtype)) / normalize_by, total,
+      noise)
+  if not_replicated is not None:
+    private = guards.refuse(not_replicated, private,
+                            parallel.NOT_REPLICATED_MESSAGE)
+  return private, noise_state
+
+
 def privatize_sum(
     clipped: clipping.ClippedSum,
     noise_state: noise_lib.NoiseState,
@@ -98,7 +137,8 @@ def privatize_sum(
 ) -> tuple[PyTree, noise_lib.NoiseState]:
   """Sums a clipped statistic across devices, adds noise once, normalizes.
 
-  This is the one place where noise meets data: every estimator calls it.
+  This is the one place where noise meets a fresh batch sum: every
+  estimator calls it (or `add_noise` on a running sum of its results).
 
   Args:
     clipped: the local (per-device) clipped sum.
@@ -113,29 +153,91 @@ def privatize_sum(
     `((global clipped sum + stddev * noise) / normalize_by, new noise state)`,
     in float32 (or wider).
   """
-  not_replicated = parallel.check_replicated(noise_state.key, axis_name)
   total = parallel.psum(clipped.sum, axis_name)
-  noise, noise_state = mechanism.next(noise_state, total)
-  private = jax.tree_util.tree_map(
-      lambda s, n: (s + stddev * n.astype(s.dtype)) / normalize_by, total,
-      noise)
-  if not_replicated is not None:
-    private = guards.refuse(not_replicated, private,
-                            parallel.NOT_REPLICATED_MESSAGE)
-  return private, noise_state
+  return add_noise(total, noise_state, mechanism, stddev,
+                   normalize_by=normalize_by, axis_name=axis_name)
 
 
-def _check_params(params: PyTree) -> None:
+def check_params(params: PyTree) -> None:
+  """Raises if an estimator's `update` was called without params.
+
+  Args:
+    params: the `params` argument of `update`.
+
+  Raises:
+    ValueError: if `params` is None.
+  """
   if params is None:
     raise ValueError('params are required: call update(None, state, params, '
                      'batch=batch)')
 
 
-def _cast_like(tree: PyTree, like: PyTree) -> PyTree:
+def cast_like(tree: PyTree, like: PyTree) -> PyTree:
+  """Casts an estimate to the params' dtypes, checking the structure.
+
+  Args:
+    tree: the estimate (a gradient-shaped pytree).
+    like: the params.
+
+  Returns:
+    `tree` with each leaf cast to the dtype of the matching params leaf.
+
+  Raises:
+    ValueError: if the pytree structures differ.
+  """
   if jax.tree_util.tree_structure(tree) != jax.tree_util.tree_structure(like):
     raise ValueError('the gradient pytree does not match the params pytree')
   return jax.tree_util.tree_map(
       lambda x, p: x.astype(jnp.result_type(p)), tree, like)
+
+
+def validate_normalize_by(normalize_by: Optional[float]) -> Optional[float]:
+  """Returns `normalize_by` as given, or raises if it is not positive.
+
+  Args:
+    normalize_by: the public batch size, or None.
+
+  Returns:
+    `normalize_by`.
+
+  Raises:
+    ValueError: if it is given and not positive.
+  """
+  if normalize_by is not None and not float(normalize_by) > 0:
+    raise ValueError(f'normalize_by must be positive, got {normalize_by!r}')
+  return normalize_by
+
+
+def public_batch_size(batch: PyTree, batch_mask: Optional[jax.Array],
+                      normalize_by: Optional[float],
+                      axis_name: Optional[str]) -> float:
+  """The public divisor of a noisy sum: never the realized (private) count.
+
+  Args:
+    batch: the local batch (leading example axis).
+    batch_mask: the padding mask, or None.
+    normalize_by: the public batch size given at construction, or None.
+    axis_name: the device axis, or None.
+
+  Returns:
+    `normalize_by` if given, else the batch's leading size times the number
+    of devices.
+
+  Raises:
+    ValueError: if the batch is missing, or a mask comes without
+      `normalize_by` (dividing by the realized count would release it).
+  """
+  if batch is None:
+    raise ValueError('the batch is required: update(None, state, params, '
+                     'batch=batch)')
+  if batch_mask is not None and normalize_by is None:
+    raise ValueError(
+        'a padding mask was given without normalize_by: pass the public '
+        'batch size (e.g. the expected batch size under Poisson sampling); '
+        'dividing by the realized count would release a private value')
+  if normalize_by is not None:
+    return normalize_by
+  return clipping.batch_size_of(batch) * parallel.axis_size(axis_name)
 
 
 def noisy_gradient(
@@ -196,33 +298,22 @@ def noisy_gradient(
   noise_multiplier = validate_noise_multiplier(noise_multiplier)
   stddev = noise_multiplier * statistic.sensitivity(neighboring_relation)
   key = as_key(key)
-  if normalize_by is not None and not float(normalize_by) > 0:
-    raise ValueError(f'normalize_by must be positive, got {normalize_by!r}')
+  validate_normalize_by(normalize_by)
 
   def init_fn(params):
-    _check_params(params)
+    check_params(params)
     return NoisyGradientState(noise=mechanism.init(params, key))
 
   def update_fn(updates, state, params=None, *, batch=None, batch_mask=None,
                 **extra_args):
     del updates, extra_args
-    _check_params(params)
-    if batch is None:
-      raise ValueError('the batch is required: update(None, state, params, '
-                       'batch=batch)')
-    if batch_mask is not None and normalize_by is None:
-      raise ValueError(
-          'a padding mask was given without normalize_by: pass the public '
-          'batch size (e.g. the expected batch size under Poisson sampling); '
-          'dividing by the realized count would release a private value')
-    local_size = clipping.batch_size_of(batch)
-    divisor = (normalize_by if normalize_by is not None else
-               local_size * parallel.axis_size(axis_name))
+    check_params(params)
+    divisor = public_batch_size(batch, batch_mask, normalize_by, axis_name)
     clipped = statistic(batch, parallel.per_device(params, axis_name),
                         mask=batch_mask)
     private, noise_state = privatize_sum(
         clipped, state.noise, mechanism, stddev, normalize_by=divisor,
         axis_name=axis_name)
-    return _cast_like(private, params), NoisyGradientState(noise=noise_state)
+    return cast_like(private, params), NoisyGradientState(noise=noise_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -82,6 +82,11 @@ class NoiseMechanism(NamedTuple):
       row of the encoder) to the released noise: step t releases
       `sum_j N[t, j] xi_j`. It gives the mechanism's error on any workload
       (`dpsco_jax.strategies.workload_errors`).
+    single_participation_sensitivity: optional `() -> float`, the largest
+      column norm of the encoder, `max_t ||C e_t||`: the sensitivity of a
+      run in which each example takes part in one step, computed without
+      building `C` (a million-step tree or i.i.d. run has a `C` too large
+      to form). None: the accountant computes it from `encoder_matrix`.
   """
 
   init: Callable[[PyTree, jax.Array], NoiseState]
@@ -91,6 +96,7 @@ class NoiseMechanism(NamedTuple):
   release: str
   name: str
   decoder_matrix: Optional[Callable[[], np.ndarray]] = None
+  single_participation_sensitivity: Optional[Callable[[], float]] = None
 
 
 def _validate_steps(value: Optional[int], name: str,
@@ -177,7 +183,8 @@ def gaussian(num_steps: Optional[int] = None, *,
   return NoiseMechanism(init=init, next=next_noise,
                         encoder_matrix=encoder_matrix, num_steps=num_steps,
                         release='per_step', name=name,
-                        decoder_matrix=encoder_matrix)
+                        decoder_matrix=encoder_matrix,
+                        single_participation_sensitivity=lambda: 1.0)
 
 
 def tree_num_levels(tree_size: int) -> int:
@@ -453,7 +460,9 @@ def tree(
       num_steps=num_steps, release=release, name=name,
       decoder_matrix=lambda: tree_decoder_matrix(
           num_steps, release=release, restart_every=tree_size,
-          honaker=honaker))
+          honaker=honaker),
+      # The first leaf of a tree is in one node per level.
+      single_participation_sensitivity=lambda: math.sqrt(num_levels))
 
 
 def _check_buffers(buffers: PyTree, template: PyTree,

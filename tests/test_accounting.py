@@ -258,3 +258,39 @@ def test_bad_accounting_requests():
 def test_zero_noise_is_infinite_epsilon():
   assert math.isinf(accounting.epsilon_spent(
       noise.gaussian(10), 0.0, accounting.single_epoch(10), 1e-5))
+
+
+@pytest.mark.parametrize('mechanism', [
+    noise.gaussian(40),
+    noise.tree(40),
+    noise.tree(37, release='prefix'),
+    noise.tree(40, restart_every=12),
+    noise.tree(33, honaker=True),
+    noise.matrix_factorization(np.tril(np.ones((6, 6))) / np.sqrt(6)),
+], ids=lambda m: m.name)
+def test_single_pass_sensitivity_is_the_largest_encoder_column(mechanism):
+  participation = accounting.single_epoch(mechanism.num_steps)
+  encoder = mechanism.encoder_matrix()
+  expected = np.sqrt(np.max(np.sum(encoder ** 2, axis=0)))
+  assert accounting.mechanism_sensitivity(
+      mechanism, participation) == pytest.approx(expected, rel=1e-12)
+  # The general (Gram) computation agrees.
+  assert accounting.participation_sensitivity(
+      encoder, participation) == pytest.approx(expected, rel=1e-12)
+
+
+def test_million_step_single_pass_runs_are_accounted_without_their_matrix():
+  """A 2^20-step tree or i.i.d. run has a C far too large to build."""
+  steps = 2 ** 20
+  tree = noise.tree(steps, release='prefix')
+  assert accounting.mechanism_sensitivity(
+      tree, accounting.single_epoch(steps)) == pytest.approx(np.sqrt(21))
+  z = accounting.calibrate_noise_multiplier(
+      tree, accounting.single_epoch(steps), 1.0, 1e-6, method='gdp_paper')
+  assert z == pytest.approx(
+      np.sqrt(21) / accounting.paper_gdp_mu(1.0, 1e-6))
+  assert accounting.epsilon_spent(noise.gaussian(steps), 5.0,
+                                  accounting.single_epoch(steps),
+                                  1e-6) < 2.0
+  with pytest.raises(ValueError, match='steps'):
+    accounting.mechanism_sensitivity(tree, accounting.single_epoch(steps - 1))

@@ -45,7 +45,16 @@ def make_data(seed=0):
 def make_tx(algorithm, axis_name):
   common = dict(l2_clip=0.3, noise_multiplier=0.8, key=7, num_steps=NUM_STEPS,
                 axis_name=axis_name)
-  if algorithm == 'dpsgd':
+  if algorithm == 'accelerated_srgd':
+    # A whole optimizer (Algorithm 1): nothing is chained after it.
+    return dpsco_jax.accelerated_dp_srgd(loss_fn, beta=2.0, radius=1.0,
+                                         **common)
+  if algorithm == 'dp_srg_memf':
+    del common['num_steps']
+    private = dpsco_jax.dp_srg_memf(
+        loss_fn, strategy=np.tril(np.ones((NUM_STEPS, NUM_STEPS))) / 2,
+        steps_per_epoch=NUM_STEPS, decay=0.3, check_order=False, **common)
+  elif algorithm == 'dpsgd':
     private = dpsco_jax.dpsgd(loss_fn, **common)
   elif algorithm == 'dpftrl':
     private = dpsco_jax.dpftrl(loss_fn, restart_every=3, **common)
@@ -119,7 +128,8 @@ def test_eight_devices_available():
 
 @pytest.mark.parametrize('runner', [run_pmap, run_shard_map],
                          ids=['pmap', 'shard_map'])
-@pytest.mark.parametrize('algorithm', ['dpsgd', 'dpftrl', 'honaker'])
+@pytest.mark.parametrize('algorithm', ['dpsgd', 'dpftrl', 'honaker',
+                                       'accelerated_srgd', 'dp_srg_memf'])
 def test_eight_devices_equal_one_device(runner, algorithm):
   params, batches = make_data()
   single = run_single(algorithm, params, batches)

@@ -297,7 +297,7 @@ def diff2_estimator(
   key = estimators.as_key(key)
 
   def init_fn(params):
-    estimators._check_params(params)  # pylint: disable=protected-access
+    estimators.check_params(params)
     return Diff2State(count=jnp.zeros((), jnp.int32), prev_params=params,
                       estimate=_zeros_like_f32(params),
                       noise=mechanism.init(params, key))
@@ -305,7 +305,7 @@ def diff2_estimator(
   def update_fn(updates, state, params=None, *, batch=None, batch_mask=None,
                 **extra_args):
     del updates, extra_args
-    estimators._check_params(params)  # pylint: disable=protected-access
+    estimators.check_params(params)
     if batch is None:
       raise ValueError('the batch (this client\'s local data) is required: '
                        'update(None, state, params, batch=batch)')
@@ -345,7 +345,7 @@ def diff2_estimator(
     estimate = guards.refuse(smallest < 1, estimate, _EMPTY_CLIENT_MESSAGE)
     new_state = Diff2State(count=state.count + 1, prev_params=params,
                            estimate=estimate, noise=noise_state)
-    return estimators._cast_like(estimate, params), new_state  # pylint: disable=protected-access
+    return estimators.cast_like(estimate, params), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -596,7 +596,7 @@ def diff2_bvr_local_sgd(
     # exactly DIFF2-GD.
     first = jax.tree_util.tree_map(lambda g: -learning_rate * g, v)
     if not num_local:
-      return estimators._cast_like(first, params), state._replace(  # pylint: disable=protected-access
+      return estimators.cast_like(first, params), state._replace(
           server=server_state)
     local_size = _local_size(batch, batch_mask)
     smallest = jax.lax.pmin(local_size, axis_name) if axis_name else local_size
@@ -645,7 +645,7 @@ def diff2_bvr_local_sgd(
           axis_name)
     total = guards.refuse(smallest < local_batch_size, total,
                           _SMALL_CLIENT_MESSAGE)
-    return estimators._cast_like(total, params), Diff2BvrState(  # pylint: disable=protected-access
+    return estimators.cast_like(total, params), Diff2BvrState(
         server=server_state, local_noise=local_noise,
         sampling_key=state.sampling_key)
 

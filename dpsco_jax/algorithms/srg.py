@@ -1,0 +1,867 @@
+"""Stochastic recursive gradients (papers 000 and 001).
+
+The SRG estimator of paper 000/001 Algorithm 1 evaluates two gradients of
+every FRESH example of batch B_t, at the current query point x_t and at the
+previous one x_{t-1}, and clips their weighted DIFFERENCE
+
+    Delta_t(d) = eta_t grad f(x_t, d) - eta_{t-1} grad f(x_{t-1}, d),
+
+with eta_t = t + 1 (erratum: the papers' introductions write eta_t = t,
+which divides by zero at t = 0). The running sum G_t = sum_{i<=t} Delta_i
+telescopes to eta_t times a gradient estimate, and one example changes one
+Delta_t by at most `l2_clip / B`, so the normalized estimate
+`Grad_t = G_t / eta_t` has sensitivity `l2_clip / (B eta_t)`, the "1/t" of
+the papers. Privacy comes from continual-counting noise on the prefix sums
+G_t (the binary tree of 001 Lemma 4.3 = 000 Lemma 5.6, or matrix
+factorization with prefix release).
+
+Transformations (all optax `GradientTransformationExtraArgs`, called as
+`update(None, state, params, batch=batch)`):
+
+* `srg_gradient`: the noisy SRG estimate `(G_t + xi_t) / (B eta_t)`, where
+  `xi_t` is the mechanism's prefix noise. The state keeps the CLEAN
+  normalized `Grad_t` (notes, pitfall 4: the noise is never fed back into
+  the recursion, since it is already noise on prefix sums).
+* `accelerated_dp_srgd`: Algorithm 1: the estimate feeds the Nesterov-type
+  coupling `z`, `y`, `x` with projection onto an l2 ball; returns
+  `x_{t+1} - x_t` as the update, so the params the user holds are the query
+  points x_t. The algorithm's output is y_T: `final_params(state)`.
+  `gradient='independent'` is the ablation of 000 Theorem 5.13 (a fresh
+  clipped minibatch gradient with i.i.d. noise in the same coupling).
+* `unaccelerated_dp_srg`: the ablation of 000/001 §4.3: `srg_gradient`
+  followed by projected SGD with step 1/beta.
+* `dp_srg_memf`: paper 001 Algorithm 3 (DP-SRG-MEMF, corrected): the
+  decayed recursion `Grad_t = c Grad_{t-1} + Deltatilde_t` with per-step
+  matrix-factorization noise, chained into any optax optimizer.
+
+Parameter presets for the theorems (`srgd_preset`) give the batch size,
+number of steps, beta, clip norm and radius; the noise multiplier always
+comes from the accountant (`accounting.calibrate_noise_multiplier`), the
+papers' GDP formula being `method='gdp_paper'`.
+
+Accounting: Algorithm 1 is a single pass, each example in exactly one batch
+(`accounting.single_epoch(T)`), no amplification. Algorithm 3 repeats the
+same batches in the same order every epoch (`accounting.FixedOrder(k, b)`),
+checked in every step by `batching.fixed_order_guard`.
+
+Non-private state (DESIGN.md convention 4): `SrgGradientState.grad` is the
+CLEAN recursive gradient and the noise state holds the key. Never log,
+release or share a checkpoint of them. The params (x_t) and
+`AcceleratedSrgdState.y`/`.z` are post-noise and may be released.
+"""
+
+import math
+from typing import Any, Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from dpsco_jax import accounting
+from dpsco_jax import batching
+from dpsco_jax import checks
+from dpsco_jax import clipping
+from dpsco_jax import estimators
+from dpsco_jax import neighboring
+from dpsco_jax import noise
+from dpsco_jax import parallel
+from dpsco_jax.algorithms import mf
+
+PyTree = Any
+LossFn = Callable[[PyTree, PyTree], jax.Array]
+
+
+class SrgGradientState(NamedTuple):
+  """State of `srg_gradient`.
+
+  Attributes:
+    count: int32, the step t (number of updates done).
+    prev_params: x_{t-1}, where the fresh batch's second gradients are
+      taken (post-noise params: releasable).
+    grad: the CLEAN normalized recursive gradient Grad_{t-1} = G_{t-1} /
+      eta_{t-1}, summed over devices. NOT private: never log or release it.
+    noise: the prefix-noise mechanism's state (secret, see `noise`).
+  """
+
+  count: jax.Array
+  prev_params: PyTree
+  grad: PyTree
+  noise: noise.NoiseState
+
+
+def _float_zeros_like(params: PyTree) -> PyTree:
+  return jax.tree_util.tree_map(
+      lambda p: jnp.zeros(jnp.shape(p), jnp.promote_types(p.dtype,
+                                                          jnp.float32)),
+      params)
+
+
+def srg_gradient(
+    loss_fn: LossFn,
+    *,
+    l2_clip: float,
+    noise_multiplier: float,
+    num_steps: Optional[int] = None,
+    key: estimators.KeyLike,
+    mechanism: Optional[noise.NoiseMechanism] = None,
+    neighboring_relation: neighboring.NeighboringRelation = (
+        neighboring.NeighboringRelation.ADD_OR_REMOVE),
+    normalize_by: Optional[float] = None,
+    microbatch_size: Optional[int] = None,
+    axis_name: Optional[str] = None,
+) -> optax.GradientTransformationExtraArgs:
+  """Noisy stochastic recursive gradient (papers 000/001 Algorithm 1, lines 3-4).
+
+  At step t (eta_t = t + 1), for each example d of the fresh batch:
+  `Delta_t(d) = eta_t grad f(x_t, d) - t grad f(x_{t-1}, d)`, clipped to
+  `l2_clip` as a whole (notes, pitfall 5); the clipped sum (over devices)
+  updates the clean normalized recursion
+
+      Grad_t = (t / eta_t) Grad_{t-1} + sum_d clip(Delta_t(d)) / (B eta_t)
+
+  (numerically the same as G_t / eta_t with G_t the running sum, without
+  ever forming the growing G_t), and the output is
+
+      Gradtilde_t = Grad_t + noise_multiplier * Delta * xi_t / (B eta_t),
+
+  with `xi_t` the mechanism's noise on the t-th prefix sum and `Delta` the
+  sensitivity of one clipped sum (`l2_clip`, twice that under replace-one).
+  At t = 0 it is the plain clipped mean gradient plus noise.
+
+  Example:
+    >>> tx = optax.chain(
+    ...     srg_gradient(loss_fn, l2_clip=1.0, noise_multiplier=5.0,
+    ...                  num_steps=100, key=0),
+    ...     optax.sgd(0.1))
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update(None, state, params, batch=batch)
+
+  Args:
+    loss_fn: `loss_fn(params, example) -> scalar` for ONE example.
+    l2_clip: clip norm of each per-example difference Delta_t(d).
+    noise_multiplier: noise std over the sensitivity of one step's clipped
+      sum, for the mechanism's node (or strategy) noise; calibrate it with
+      `accounting.calibrate_noise_multiplier(mechanism, single_epoch(T),
+      ...)`.
+    num_steps: T; builds the default mechanism `noise.tree(T,
+      release='prefix')` (the theory's binary tree). Not needed when
+      `mechanism` is given.
+    key: PRNG key or int seed of the noise (replicated across devices).
+    mechanism: a prefix-release noise mechanism instead of the tree, e.g.
+      `noise.matrix_factorization(C, release='prefix')`.
+    neighboring_relation: the relation the noise is calibrated for (the
+      papers' zero-out neighbours are add-or-remove here).
+    normalize_by: public batch size B (required with a padding mask).
+    microbatch_size: optional cap on per-example differences held at once.
+    axis_name: the `pmap`/`shard_map` axis name on several devices.
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs`; call
+    `update(None, state, params, batch=batch, batch_mask=None)`.
+
+  Raises:
+    ValueError: on a mechanism that does not release prefix-sum noise, or
+      neither `num_steps` nor `mechanism`.
+  """
+  mechanism = _prefix_mechanism(mechanism, num_steps)
+  statistic = clipping.clipped_grad_difference_sum(
+      loss_fn, l2_clip, microbatch_size=microbatch_size)
+  noise_multiplier = estimators.validate_noise_multiplier(noise_multiplier)
+  stddev = noise_multiplier * statistic.sensitivity(neighboring_relation)
+  key = estimators.as_key(key)
+  estimators.validate_normalize_by(normalize_by)
+
+  def init_fn(params):
+    estimators.check_params(params)
+    return SrgGradientState(
+        count=jnp.zeros([], jnp.int32), prev_params=params,
+        grad=_float_zeros_like(params), noise=mechanism.init(params, key))
+
+  def update_fn(updates, state, params=None, *, batch=None, batch_mask=None,
+                **extra_args):
+    del updates, extra_args
+    estimators.check_params(params)
+    divisor = estimators.public_batch_size(batch, batch_mask, normalize_by,
+                                           axis_name)
+    step = state.count.astype(jnp.float32)
+    eta = step + 1.0
+    clipped = statistic(batch, parallel.per_device(params, axis_name),
+                        parallel.per_device(state.prev_params, axis_name),
+                        eta, step, mask=batch_mask)
+    total = parallel.psum(clipped.sum, axis_name)
+    grad = jax.tree_util.tree_map(
+        lambda g, s: (step / eta) * g + s / (divisor * eta), state.grad, total)
+    noisy, noise_state = estimators.add_noise(
+        grad, state.noise, mechanism, stddev / (divisor * eta),
+        axis_name=axis_name)
+    new_state = SrgGradientState(count=state.count + 1, prev_params=params,
+                                 grad=grad, noise=noise_state)
+    return estimators.cast_like(noisy, params), new_state
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _prefix_mechanism(mechanism: Optional[noise.NoiseMechanism],
+                      num_steps: Optional[int]) -> noise.NoiseMechanism:
+  if mechanism is None:
+    if num_steps is None:
+      raise ValueError('give num_steps (for the default binary tree) or a '
+                       'prefix-release mechanism')
+    return srg_mechanism(num_steps)
+  if mechanism.release != 'prefix':
+    raise ValueError(
+        'the recursive gradient needs noise on PREFIX sums (release='
+        f"'prefix'), got {mechanism.name}: per-step noise on G_t would not "
+        'be the continual-counting mechanism the accounting assumes')
+  if num_steps is not None and num_steps != mechanism.num_steps:
+    raise ValueError(f'num_steps={num_steps} disagrees with the mechanism '
+                     f'({mechanism.num_steps} steps)')
+  return mechanism
+
+
+def srg_mechanism(num_steps: int, *, honaker: bool = False
+                  ) -> noise.NoiseMechanism:
+  """The default noise of `srg_gradient`: a binary tree on prefix sums.
+
+  Account with it: `accounting.calibrate_noise_multiplier(srg_mechanism(T),
+  accounting.single_epoch(T), epsilon, delta)`.
+
+  Args:
+    num_steps: T, the number of steps (one tree, no restarts).
+    honaker: use Honaker's variance-reduced node estimates (same privacy).
+
+  Returns:
+    `noise.tree(num_steps, release='prefix', honaker=honaker)`.
+  """
+  return noise.tree(num_steps, release='prefix', honaker=honaker)
+
+
+class AcceleratedSrgdState(NamedTuple):
+  """State of `accelerated_dp_srgd` (Algorithm 1).
+
+  Attributes:
+    count: int32, the step t.
+    z: z_t, the mirror-descent sequence (post-noise: releasable).
+    y: y_t, the gradient-step sequence; the algorithm's output is y_T
+      (post-noise: releasable). Read it with `final_params`.
+    estimator: the gradient estimator's state (`SrgGradientState`, or
+      `estimators.NoisyGradientState` for `gradient='independent'`). Holds
+      non-private values: never log or release it.
+  """
+
+  count: jax.Array
+  z: PyTree
+  y: PyTree
+  estimator: Any
+
+
+def _validate_positive(value: float, name: str) -> float:
+  value = float(value)
+  if not (value > 0 and math.isfinite(value)):
+    raise ValueError(f'{name} must be positive and finite, got {value!r}')
+  return value
+
+
+def _validate_radius(radius: Optional[float]) -> Optional[float]:
+  if radius is None:
+    return None
+  return _validate_positive(radius, 'radius')
+
+
+def project_l2_ball(tree: PyTree, radius: Optional[float]) -> PyTree:
+  """Euclidean projection onto {x : ||x||_2 <= radius}, global over leaves.
+
+  The norm is taken over the whole pytree (notes, pitfall 8): projecting
+  each leaf on its own would not be the projection onto the set.
+
+  Example:
+    >>> project_l2_ball({'w': jnp.array([3.0, 4.0])}, 1.0)   # {'w': [.6, .8]}
+
+  Args:
+    tree: the point to project.
+    radius: the ball's radius; None for no constraint (identity).
+
+  Returns:
+    The projected pytree.
+  """
+  if radius is None:
+    return tree
+  return optax.projections.projection_l2_ball(tree, radius)
+
+
+def _check_inside(params: PyTree, radius: Optional[float]) -> None:
+  if radius is None:
+    return
+  norm = optax.tree.norm(params)
+  if isinstance(norm, jax.core.Tracer):
+    return
+  if float(norm) > radius * (1 + 1e-6):
+    raise ValueError(
+        f'the initial params have norm {float(norm):.6g} > radius {radius}: '
+        'Algorithm 1 starts inside the constraint set (x_0 = z_0, the '
+        'theory takes 0); project them first (project_l2_ball)')
+
+
+def nesterov_coupling(
+    estimator: optax.GradientTransformationExtraArgs,
+    *,
+    beta: float,
+    radius: Optional[float],
+) -> optax.GradientTransformationExtraArgs:
+  """The accelerated outer loop of Algorithm 1 around any gradient estimator.
+
+  With eta_t = t + 1 and tau_{t+1} = 2 / (t + 3) (tau_t = eta_t / eta_{0:t};
+  the papers' eta_t = t is an erratum), given the estimator's noisy
+  `Gradtilde_t` at the query point x_t (the params):
+
+      z_{t+1} = Proj(z_t - (eta_t / beta) Gradtilde_t)
+      y_{t+1} = Proj(x_t - Gradtilde_t / beta)
+      x_{t+1} = (1 - tau_{t+1}) y_{t+1} + tau_{t+1} z_{t+1}
+
+  Both projections see the SAME noisy estimate (one noise draw per step:
+  `b_t` in z and `b_t / eta_t` in y, notes pitfall 3) and come after the
+  noise (pitfall 8). The update returned is `x_{t+1} - x_t`.
+
+  Args:
+    estimator: a transformation whose output is the noisy gradient estimate
+      at `params` (`srg_gradient`, or `estimators.noisy_gradient`).
+    beta: the scaling beta (theory: beta >= M; >= 2 M T when constrained).
+    radius: radius R of the l2-ball constraint set, or None for R^p.
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs` with `AcceleratedSrgdState`;
+    extra args are forwarded to the estimator.
+  """
+  beta = _validate_positive(beta, 'beta')
+  radius = _validate_radius(radius)
+
+  def init_fn(params):
+    estimators.check_params(params)
+    _check_inside(params, radius)
+    start = jax.tree_util.tree_map(jnp.asarray, params)
+    return AcceleratedSrgdState(count=jnp.zeros([], jnp.int32), z=start,
+                                y=start, estimator=estimator.init(params))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    estimators.check_params(params)
+    gradient, inner = estimator.update(updates, state.estimator, params,
+                                       **extra_args)
+    step = state.count.astype(jnp.float32)
+    eta = step + 1.0
+    tau_next = 2.0 / (step + 3.0)
+    z = project_l2_ball(
+        jax.tree_util.tree_map(lambda z, g: z - (eta / beta) * g, state.z,
+                               gradient), radius)
+    y = project_l2_ball(
+        jax.tree_util.tree_map(lambda x, g: x - g / beta, params, gradient),
+        radius)
+    new_updates = jax.tree_util.tree_map(
+        lambda y, z, x: ((1.0 - tau_next) * y + tau_next * z - x).astype(
+            x.dtype), y, z, params)
+    return new_updates, AcceleratedSrgdState(
+        count=state.count + 1, z=z, y=y, estimator=inner)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def accelerated_dp_srgd(
+    loss_fn: LossFn,
+    *,
+    l2_clip: float,
+    noise_multiplier: float,
+    num_steps: int,
+    beta: float,
+    radius: Optional[float],
+    key: estimators.KeyLike,
+    gradient: str = 'srg',
+    mechanism: Optional[noise.NoiseMechanism] = None,
+    neighboring_relation: neighboring.NeighboringRelation = (
+        neighboring.NeighboringRelation.ADD_OR_REMOVE),
+    normalize_by: Optional[float] = None,
+    microbatch_size: Optional[int] = None,
+    axis_name: Optional[str] = None,
+) -> optax.GradientTransformationExtraArgs:
+  """Accelerated-DP-SRGD, papers 000 and 001 Algorithm 1 (corrected).
+
+  One pass over the data in T batches of size B: step t takes the fresh
+  batch B_t, forms the noisy recursive gradient (`srg_gradient`, binary-tree
+  prefix noise by default, matrix factorization via `mechanism`) and takes
+  the coupled steps of `nesterov_coupling`. Use it as the whole optimizer
+  (do not chain another one after it): `optax.apply_updates(params,
+  updates)` moves the params to the next query point x_{t+1}; the output of
+  the algorithm is y_T, read with `final_params(state)`.
+
+  Errata applied (notes §1.1, §7): eta_t = t + 1 (not t), tau_{t+1} =
+  2 / (t + 3), one noise draw per step shared by z and y, the per-example
+  DIFFERENCE clipped with a global norm, projections after the noise.
+
+  `gradient='independent'` is the ablation of 000 Theorem 5.13 (001
+  Theorem 4.11): the same coupling on the clipped minibatch gradient at
+  x_t with i.i.d. Gaussian noise (`mechanism` defaults to
+  `noise.gaussian(T)`), i.e. no recursion.
+
+  Example:
+    >>> T = 100
+    >>> z = accounting.calibrate_noise_multiplier(
+    ...     srg_mechanism(T), accounting.single_epoch(T), 1.0, 1e-6)
+    >>> tx = accelerated_dp_srgd(loss_fn, l2_clip=1.0, noise_multiplier=z,
+    ...                          num_steps=T, beta=10.0, radius=1.0, key=0)
+    >>> state = tx.init(params)
+    >>> for t in range(T):
+    ...   updates, state = tx.update(None, state, params, batch=batches[t])
+    ...   params = optax.apply_updates(params, updates)
+    >>> output = final_params(state)
+
+  Args:
+    loss_fn: `loss_fn(params, example) -> scalar` for ONE example.
+    l2_clip: clip norm of each per-example difference (or gradient, for
+      `gradient='independent'`).
+    noise_multiplier: noise std over one step's sensitivity, from the
+      accountant for the same mechanism and `single_epoch(T)`.
+    num_steps: T = n / B.
+    beta: the scaling beta (see `srgd_preset` for the theorems' values).
+    radius: radius R of the l2-ball constraint set (global norm over the
+      params pytree), or None for no constraint.
+    key: PRNG key or int seed of the noise (replicated across devices).
+    gradient: 'srg' (Algorithm 1) or 'independent' (Theorem 5.13 ablation).
+    mechanism: the noise mechanism; prefix release for 'srg' (default
+      `srg_mechanism(T)`), per-step for 'independent' (default
+      `noise.gaussian(T)`).
+    neighboring_relation: the relation the noise is calibrated for.
+    normalize_by: public batch size B (required with a padding mask).
+    microbatch_size: optional cap on per-example values held at once.
+    axis_name: the `pmap`/`shard_map` axis name on several devices.
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs` with `AcceleratedSrgdState`;
+    call `update(None, state, params, batch=batch, batch_mask=None)`.
+
+  Raises:
+    ValueError: on invalid beta, radius, gradient or mechanism, or initial
+      params outside the ball.
+  """
+  num_steps = checks.positive_int(num_steps, 'num_steps')
+  if gradient == 'srg':
+    estimator = srg_gradient(
+        loss_fn, l2_clip=l2_clip, noise_multiplier=noise_multiplier,
+        num_steps=None if mechanism is not None else num_steps, key=key,
+        mechanism=mechanism, neighboring_relation=neighboring_relation,
+        normalize_by=normalize_by, microbatch_size=microbatch_size,
+        axis_name=axis_name)
+    if mechanism is not None and mechanism.num_steps != num_steps:
+      raise ValueError(f'num_steps={num_steps} disagrees with the mechanism '
+                       f'({mechanism.num_steps} steps)')
+  elif gradient == 'independent':
+    if mechanism is None:
+      mechanism = noise.gaussian(num_steps)
+    elif mechanism.release != 'per_step':
+      raise ValueError('the independent-gradient variant adds fresh noise to '
+                       f'each minibatch gradient: use a per-step mechanism, '
+                       f'got {mechanism.name}')
+    estimator = estimators.noisy_gradient(
+        loss_fn, l2_clip=l2_clip, noise_multiplier=noise_multiplier,
+        mechanism=mechanism, key=key,
+        neighboring_relation=neighboring_relation, normalize_by=normalize_by,
+        microbatch_size=microbatch_size, axis_name=axis_name)
+  else:
+    raise ValueError(
+        f"gradient must be 'srg' or 'independent', got {gradient!r}")
+  return nesterov_coupling(estimator, beta=beta, radius=radius)
+
+
+def final_params(state: Any) -> PyTree:
+  """The output y_T of Algorithm 1 (000/001: every theorem bounds F(y_T)).
+
+  Example:
+    >>> output = final_params(state)   # after the last update
+
+  Args:
+    state: the state of `accelerated_dp_srgd` (or of a chain containing it).
+
+  Returns:
+    y_t of the last update (x_0 before any update).
+
+  Raises:
+    ValueError: if no `AcceleratedSrgdState` is found in `state`.
+  """
+  if isinstance(state, AcceleratedSrgdState):
+    return state.y
+  if isinstance(state, tuple):
+    for part in state:
+      try:
+        return final_params(part)
+      except ValueError:
+        continue
+  raise ValueError('no AcceleratedSrgdState found: pass the state of '
+                   'accelerated_dp_srgd (or of a chain containing it)')
+
+
+def projection(radius: Optional[float]) -> optax.GradientTransformation:
+  """Makes the update land in the l2 ball: `Proj(params + u) - params`.
+
+  Chain it last, after the optimizer (it needs the params).
+
+  Example:
+    >>> tx = optax.chain(optax.sgd(0.1), projection(1.0))
+
+  Args:
+    radius: the ball's radius (None: identity).
+
+  Returns:
+    An `optax.GradientTransformation` (stateless).
+  """
+  radius = _validate_radius(radius)
+
+  def update_fn(updates, state, params=None):
+    if params is None:
+      raise ValueError('projection needs the params: update(u, state, params)')
+    target = project_l2_ball(optax.apply_updates(params, updates), radius)
+    return jax.tree_util.tree_map(lambda a, p: (a - p).astype(p.dtype),
+                                  target, params), state
+
+  return optax.GradientTransformation(lambda params: optax.EmptyState(),
+                                      update_fn)
+
+
+def unaccelerated_dp_srg(
+    loss_fn: LossFn,
+    *,
+    l2_clip: float,
+    noise_multiplier: float,
+    num_steps: int,
+    beta: float,
+    radius: Optional[float],
+    key: estimators.KeyLike,
+    mechanism: Optional[noise.NoiseMechanism] = None,
+    neighboring_relation: neighboring.NeighboringRelation = (
+        neighboring.NeighboringRelation.ADD_OR_REMOVE),
+    normalize_by: Optional[float] = None,
+    microbatch_size: Optional[int] = None,
+    axis_name: Optional[str] = None,
+) -> optax.GradientTransformationExtraArgs:
+  """Unaccelerated SRG, the ablation of papers 000/001 §4.3.
+
+  `x_{t+1} = Proj(x_t - Gradtilde_t / beta)` with the same noisy recursive
+  gradient as Algorithm 1. The papers show its variance is Omega(1) at
+  large batches (it needs B = O(1) for one epoch), which is why Algorithm 1
+  adds acceleration; it is here to measure that.
+
+  Example:
+    >>> tx = unaccelerated_dp_srg(loss_fn, l2_clip=1.0, noise_multiplier=z,
+    ...                           num_steps=T, beta=10.0, radius=1.0, key=0)
+
+  Args:
+    loss_fn: `loss_fn(params, example) -> scalar` for ONE example.
+    l2_clip: clip norm of each per-example difference.
+    noise_multiplier: as in `srg_gradient` (same mechanism, same accounting).
+    num_steps: T.
+    beta: inverse step size.
+    radius: l2-ball radius, or None.
+    key: PRNG key or int seed of the noise.
+    mechanism: prefix-release mechanism (default `srg_mechanism(T)`).
+    neighboring_relation: the relation the noise is calibrated for.
+    normalize_by: public batch size B (required with a padding mask).
+    microbatch_size: optional cap on per-example differences held at once.
+    axis_name: the `pmap`/`shard_map` axis name on several devices.
+
+  Returns:
+    `optax.chain(srg_gradient(...), optax.sgd(1 / beta), projection(R))`.
+  """
+  beta = _validate_positive(beta, 'beta')
+  return optax.chain(
+      srg_gradient(
+          loss_fn, l2_clip=l2_clip, noise_multiplier=noise_multiplier,
+          num_steps=None if mechanism is not None else num_steps,
+          mechanism=mechanism, key=key,
+          neighboring_relation=neighboring_relation,
+          normalize_by=normalize_by, microbatch_size=microbatch_size,
+          axis_name=axis_name),
+      optax.sgd(1.0 / beta),
+      projection(radius))
+
+
+class SrgMemfState(NamedTuple):
+  """State of `dp_srg_memf` (paper 001 Algorithm 3).
+
+  Attributes:
+    count: int32, the step t.
+    prev_params: x_{t-1} (post-noise params: releasable).
+    grad: the NOISY decayed gradient Grad_{t-1} (post-noise; it is what was
+      released to the optimizer).
+    noise: the matrix-factorization noise state (secret key and buffer).
+  """
+
+  count: jax.Array
+  prev_params: PyTree
+  grad: PyTree
+  noise: noise.NoiseState
+
+
+def validate_decay(decay: float) -> float:
+  """Returns the decay c as a float, or raises if it is not in [0, 1].
+
+  Args:
+    decay: c = eta_{t-1} / eta_t (001's experiments: e^{-5/2}).
+
+  Returns:
+    `float(decay)`.
+
+  Raises:
+    ValueError: if outside [0, 1] or not finite.
+  """
+  value = float(decay)
+  if not 0.0 <= value <= 1.0:
+    raise ValueError(f'decay must be in [0, 1] (c = eta_(t-1)/eta_t for '
+                     f'non-decreasing weights), got {decay!r}')
+  return value
+
+
+def dp_srg_memf(
+    loss_fn: LossFn,
+    *,
+    l2_clip: float,
+    noise_multiplier: float,
+    strategy: np.ndarray,
+    steps_per_epoch: int,
+    decay: float,
+    key: estimators.KeyLike,
+    check_order: bool = True,
+    storage: str = 'buffer',
+    neighboring_relation: neighboring.NeighboringRelation = (
+        neighboring.NeighboringRelation.ADD_OR_REMOVE),
+    normalize_by: Optional[float] = None,
+    microbatch_size: Optional[int] = None,
+    axis_name: Optional[str] = None,
+) -> optax.GradientTransformationExtraArgs:
+  """DP-SRG-MEMF, paper 001 Algorithm 3 (corrected), as an optax estimator.
+
+  At step t = i b + j (epoch i, batch j), with c_0 = 0 and c_t = `decay`:
+
+      Delta_t      = sum_d clip(grad l(x_t; d) - c_t grad l(x_{t-1}; d))
+      Deltatilde_t = (Delta_t + noise_multiplier * Delta * (C^-1 xi)_t) / B
+      Grad_t       = c_t Grad_{t-1} + Deltatilde_t          (the output)
+
+  It is the normalized form of the recursion with eta_t = c^{-t}: the
+  exponential weights themselves overflow even float64 (e^{1500} at
+  c = e^{-2.5}, T = 600; notes pitfall 11), the normalized values never do.
+
+  Corrections (notes §1.6, pitfall 13): the noise is added ONCE (the
+  printed line 7 adds `C^-1 Z` a second time); the noise carries the
+  `Ccl / B` scale; c_0 = 0, so the first output is DP-MEMF's; the step
+  index is `i b + j`. With `decay=0` it equals `dpmemf` exactly. The
+  matching workload for the strategy is `strategies.workload(k b, 'true',
+  momentum=0.9, decay=c)` (= M A L).
+
+  Example:
+    >>> c = math.exp(-2.5)
+    >>> C = strategies.optimize_strategy(
+    ...     strategies.workload(120, 'true', momentum=0.9, decay=c), 1)
+    >>> tx = optax.chain(
+    ...     dp_srg_memf(loss_fn, l2_clip=1.0, noise_multiplier=52.7,
+    ...                 strategy=C, steps_per_epoch=120, decay=c, key=0),
+    ...     optax.sgd(0.5, momentum=0.9))
+
+  Args:
+    loss_fn: `loss_fn(params, example) -> scalar` for ONE example.
+    l2_clip: clip norm Ccl of each per-example difference.
+    noise_multiplier: noise std over one step's sensitivity; calibrate it
+      with `accounting.calibrate_noise_multiplier(mf.dpmemf_mechanism(C),
+      FixedOrder(k, b), ...)` (the same mechanism as DP-MEMF).
+    strategy: the lower-triangular strategy C, `[k b, k b]`.
+    steps_per_epoch: b.
+    decay: c in [0, 1].
+    key: PRNG key or int seed of the noise (replicated across devices).
+    check_order: verify the fixed batch order from `example_ids`
+      (`batching.fixed_order_guard`).
+    storage: how the MF noise is streamed (`noise.matrix_factorization`).
+    neighboring_relation: the relation the noise is calibrated for.
+    normalize_by: public batch size (required with a padding mask).
+    microbatch_size: optional cap on per-example differences held at once.
+    axis_name: the `pmap`/`shard_map` axis name on several devices.
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs`; call `update(None, state,
+    params, batch=batch, example_ids=ids, batch_mask=None)`.
+  """
+  decay = validate_decay(decay)
+  mechanism = mf.dpmemf_mechanism(strategy, storage)
+  steps_per_epoch = checks.positive_int(steps_per_epoch, 'steps_per_epoch')
+  if mechanism.num_steps % steps_per_epoch:
+    raise ValueError(
+        f'the strategy covers {mechanism.num_steps} steps, not a whole number '
+        f'of epochs of {steps_per_epoch} steps')
+  statistic = clipping.clipped_grad_difference_sum(
+      loss_fn, l2_clip, microbatch_size=microbatch_size)
+  noise_multiplier = estimators.validate_noise_multiplier(noise_multiplier)
+  stddev = noise_multiplier * statistic.sensitivity(neighboring_relation)
+  key = estimators.as_key(key)
+  estimators.validate_normalize_by(normalize_by)
+
+  def init_fn(params):
+    estimators.check_params(params)
+    return SrgMemfState(
+        count=jnp.zeros([], jnp.int32), prev_params=params,
+        grad=_float_zeros_like(params), noise=mechanism.init(params, key))
+
+  def update_fn(updates, state, params=None, *, batch=None, batch_mask=None,
+                **extra_args):
+    del updates, extra_args
+    estimators.check_params(params)
+    divisor = estimators.public_batch_size(batch, batch_mask, normalize_by,
+                                           axis_name)
+    c_t = jnp.where(state.count == 0, 0.0, decay)
+    clipped = statistic(batch, parallel.per_device(params, axis_name),
+                        parallel.per_device(state.prev_params, axis_name),
+                        1.0, c_t, mask=batch_mask)
+    fresh, noise_state = estimators.privatize_sum(
+        clipped, state.noise, mechanism, stddev, normalize_by=divisor,
+        axis_name=axis_name)
+    grad = jax.tree_util.tree_map(lambda g, f: c_t * g + f, state.grad, fresh)
+    new_state = SrgMemfState(count=state.count + 1, prev_params=params,
+                             grad=grad, noise=noise_state)
+    return estimators.cast_like(grad, params), new_state
+
+  estimator = optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  if not check_order:
+    return estimator
+  return optax.chain(
+      estimator,
+      batching.fixed_order_guard(steps_per_epoch, axis_name=axis_name))
+
+
+class SrgdParameters(NamedTuple):
+  """Hyperparameters of Algorithm 1 for one of the papers' theorems.
+
+  Attributes:
+    regime: which theorem they come from.
+    batch_size: B.
+    num_steps: T (B T <= n; the remaining examples are unused).
+    beta: the scaling beta.
+    l2_clip: clip norm of each per-example difference.
+    radius: R, the radius of the l2-ball constraint set.
+    noise_multiplier: from the accountant for `srg_mechanism(T)` and
+      `accounting.single_epoch(T)` at (epsilon, delta).
+  """
+
+  regime: str
+  batch_size: int
+  num_steps: int
+  beta: float
+  l2_clip: float
+  radius: float
+  noise_multiplier: float
+
+
+def srgd_preset(
+    regime: str,
+    *,
+    num_examples: int,
+    epsilon: float,
+    delta: float,
+    lipschitz: float,
+    smoothness: float,
+    radius: float,
+    dimension: int,
+    batch_size: Optional[int] = None,
+    method: str = 'pld',
+) -> SrgdParameters:
+  """Algorithm 1's parameters as set by the papers' theorems.
+
+  Regimes (logs are natural logs; notes §3):
+
+  * 'interior', paper 000 Theorem 5.8 (population minimizer inside the
+    set, M <= c_M L / R): `c_DP = 4 sqrt(2) log^{3/2}(n) sqrt(ln(2n/delta))
+    ln(2.5/delta)`, `T = ceil(c_DP n^{1/4})`, `B = floor(n / T)`,
+    `beta = c_DP^2 L max(1, sqrt(p) / (epsilon sqrt(n))) / R`,
+    `clip = c_DP L`. The constants are vacuous at practical n (B < 1 until
+    n is astronomically large): such an n is refused with the numbers.
+  * 'constrained', paper 000 Theorem 5.12: `B <= sqrt(n)` (default
+    `floor(sqrt(n))`), `T = floor(n / B)`, `c_M = M R / L`,
+    `beta = (16 c_M + 8) L n^{3/2} / (R B^2)`, `clip = (8 c_M + 4) L`.
+  * '001', paper 001 Theorem 4.10: the same B and T,
+    `beta = M + (8 L + 16 M R) n^{3/2} / (R B^2)`, `clip = 4 L + 8 M R`.
+
+  The noise multiplier is not the theorems' symbolic sigma (000 Cor 5.7
+  omits a 2 sqrt(2) factor, notes §2.3): it is calibrated by the
+  accountant for the tree actually used, `method='gdp_paper'` being the
+  papers' GDP route (mu = epsilon / sqrt(2 ln(2.5/delta))).
+
+  For tuned runs ("practical mode") pass beta, clip, B and T to
+  `accelerated_dp_srgd` directly.
+
+  Example:
+    >>> p = srgd_preset('constrained', num_examples=10**5, epsilon=1.0,
+    ...                 delta=1e-6, lipschitz=1.0, smoothness=1.0,
+    ...                 radius=1.0, dimension=20)
+    >>> tx = accelerated_dp_srgd(loss_fn, l2_clip=p.l2_clip,
+    ...                          noise_multiplier=p.noise_multiplier,
+    ...                          num_steps=p.num_steps, beta=p.beta,
+    ...                          radius=p.radius, key=0)
+
+  Args:
+    regime: 'interior', 'constrained' or '001'.
+    num_examples: n.
+    epsilon: target epsilon.
+    delta: target delta.
+    lipschitz: L, the per-example Lipschitz constant.
+    smoothness: M, the per-example smoothness constant.
+    radius: R.
+    dimension: p (the number of parameters).
+    batch_size: B for 'constrained' and '001' (must be <= sqrt(n)).
+    method: accounting method for the noise multiplier.
+
+  Returns:
+    `SrgdParameters`.
+
+  Raises:
+    ValueError: on invalid inputs, B > sqrt(n), or a regime whose constants
+      leave less than one example per batch.
+  """
+  n = checks.positive_int(num_examples, 'num_examples')
+  accounting.validate_epsilon_delta(epsilon, delta)
+  lipschitz = _validate_positive(lipschitz, 'lipschitz')
+  smoothness = _validate_positive(smoothness, 'smoothness')
+  radius = _validate_positive(radius, 'radius')
+  dimension = checks.positive_int(dimension, 'dimension')
+  if regime == 'interior':
+    if batch_size is not None:
+      raise ValueError("the 'interior' regime sets B = n / T itself")
+    c_dp = (4 * math.sqrt(2) * math.log(n) ** 1.5 *
+            math.sqrt(math.log(2 * n / delta)) * math.log(2.5 / delta))
+    num_steps = math.ceil(c_dp * n ** 0.25)
+    batch = n // num_steps
+    if batch < 1:
+      raise ValueError(
+          f"paper 000 Theorem 5.8 at n={n}: c_DP={c_dp:.4g} gives "
+          f'T={num_steps} steps > n, i.e. less than one example per batch. '
+          "Its constants are vacuous at this n: use 'constrained' or tune "
+          'beta, clip, B and T (practical mode)')
+    beta = (c_dp ** 2 * lipschitz *
+            max(1.0, math.sqrt(dimension) / (epsilon * math.sqrt(n))) / radius)
+    clip = c_dp * lipschitz
+  elif regime in ('constrained', '001'):
+    largest = math.isqrt(n)
+    batch = largest if batch_size is None else checks.positive_int(
+        batch_size, 'batch_size')
+    if batch > largest:
+      raise ValueError(f'the {regime!r} regime needs B <= sqrt(n) = '
+                       f'{math.sqrt(n):.4g}, got {batch}')
+    num_steps = n // batch
+    if regime == 'constrained':
+      c_m = smoothness * radius / lipschitz
+      beta = (16 * c_m + 8) * lipschitz * n ** 1.5 / (radius * batch ** 2)
+      clip = (8 * c_m + 4) * lipschitz
+    else:
+      beta = smoothness + ((8 * lipschitz + 16 * smoothness * radius) *
+                           n ** 1.5 / (radius * batch ** 2))
+      clip = 4 * lipschitz + 8 * smoothness * radius
+  else:
+    raise ValueError(
+        f"regime must be 'interior', 'constrained' or '001', got {regime!r}")
+  noise_multiplier = accounting.calibrate_noise_multiplier(
+      srg_mechanism(num_steps), accounting.single_epoch(num_steps), epsilon,
+      delta, method=method)
+  return SrgdParameters(regime=regime, batch_size=batch, num_steps=num_steps,
+                        beta=float(beta), l2_clip=float(clip),
+                        radius=radius, noise_multiplier=noise_multiplier)
