@@ -305,15 +305,18 @@ def print_header(dpsco_jax: ModuleType | None, dpsco_reason: str,
         f'{args.iters} iters, {args.warmup} warmup steps after compile')
 
 
-def print_results(model: Model, times: dict[str, list[float]]) -> None:
-  """Prints median step times and the ratios between variants."""
+def print_results(model: Model, times: dict[str, list[float]],
+                  ratios: tuple[tuple[str, str], ...] = RATIOS) -> None:
+  """Prints median step times and the ratios `ratios` between variants."""
   medians = {name: statistics.median(ts) for name, ts in times.items()}
+  width = max(12, *(len(name) for name in times))
   print(f'\n== {model.name} ==')
-  print(f'  {"variant":<12} {"median ms":>10} {"min ms":>8} {"max ms":>8}')
+  print(f'  {"variant":<{width}} {"median ms":>10} {"min ms":>8} '
+        f'{"max ms":>8}')
   for name, ts in times.items():
-    print(f'  {name:<12} {1e3 * medians[name]:>10.3f} '
+    print(f'  {name:<{width}} {1e3 * medians[name]:>10.3f} '
           f'{1e3 * min(ts):>8.3f} {1e3 * max(ts):>8.3f}')
-  for num, den in RATIOS:
+  for num, den in ratios:
     ratio = (f'{medians[num] / medians[den]:.2f}x'
              if num in medians and den in medians else 'n/a')
     print(f'  {f"{num} / {den}":<28} {ratio:>8}')

@@ -1,0 +1,447 @@
+"""Paper 001 §5: DP-MEMF against DP-SRG-MEMF, "ones" and "true" strategies.
+
+Multiclass logistic regression (flattened pixels -> classes, with bias, zero
+init), batches of a fixed public order repeated every epoch (no shuffling,
+no amplification), SGD with momentum 0.9 after the private gradient:
+
+* `dpmemf_ones` / `dpmemf_true`: DP-MEMF (001 Algorithm 2) with the strategy
+  optimized for the prefix-sum workload A, or for the momentum workload M A;
+* `srg_ones` / `srg_true`: DP-SRG-MEMF (001 Algorithm 3, corrected) with the
+  strategy optimized for A, or for M A L (L the decay matrix of c);
+* `nonprivate`: the same optimizer on the plain mean gradient.
+
+Every private run is accounted as the paper does: zCDP for the strategy's
+sensitivity under `FixedOrder(k, b)`, converted with
+`epsilon = rho + 2 sqrt(rho log(1/delta))` (`method='zcdp'`).
+
+Protocol (honest tuning): the official training split is cut into a
+training part and a validation part (`config.validation_size` examples,
+seeded). Learning rate, clip and c are tuned on the validation part with
+`config.tuning_seeds` seeds; the chosen setting then runs with
+`config.num_seeds` fresh seeds and the mean TEST accuracy is reported with a
+95% Student-t interval. Tuning on validation data is still not private
+(the selection itself leaks a little about the training data); the test
+split is never looked at before the final runs. Each seed draws its own
+public batch order (fixed across epochs) and its own noise.
+
+All seeds of one setting run as ONE compiled program: the whole training
+run is a `jax.lax.scan` over steps, `jax.vmap`-ed over seeds, with the
+data passed as an argument (not baked into the program).
+
+    python -m experiments.srg_memf --config=configs/srg_memf_fashion_mnist.py
+    python -m experiments.srg_memf --config=configs/srg_memf_digits.py
+
+Writes `results.csv` (one row per algorithm: setting, mean, interval),
+`tuning.csv` (every validation score), `runs.csv` (every final run),
+`results.md` and `accuracy.png` to `--output_dir`.
+"""
+
+import csv
+import itertools
+import math
+import os
+import time
+from typing import Any, Dict, List, NamedTuple, Sequence, Tuple
+
+from absl import app
+from absl import flags
+from absl import logging
+import jax
+import jax.numpy as jnp
+import matplotlib
+matplotlib.use('Agg')  # Files only: no display is needed (or available).
+from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
+import ml_collections
+from ml_collections import config_flags
+import numpy as np
+import optax
+from scipy import stats
+
+import dpsco_jax
+from dpsco_jax import accounting
+from dpsco_jax import strategies
+from experiments import datasets
+
+Params = Dict[str, jax.Array]
+Split = Dict[str, np.ndarray]
+ALGORITHMS = ('dpmemf_ones', 'dpmemf_true', 'srg_ones', 'srg_true',
+              'nonprivate')
+
+
+class Data(NamedTuple):
+  """Device arrays of one experiment: train, validation and test parts."""
+
+  train_x: jax.Array
+  train_y: jax.Array
+  val_x: jax.Array
+  val_y: jax.Array
+  test_x: jax.Array
+  test_y: jax.Array
+
+
+def split_validation(train: Split, validation_size: int,
+                     seed: int) -> Tuple[Split, Split]:
+  """Cuts a seeded validation part out of the training split.
+
+  Args:
+    train: the official training split.
+    validation_size: examples moved to the validation part.
+    seed: seed of the cut.
+
+  Returns:
+    `(training part, validation part)`.
+  """
+  n = len(train['y'])
+  if not 0 < validation_size < n:
+    raise ValueError(f'validation_size must be in (0, {n}), got '
+                     f'{validation_size}')
+  order = np.random.default_rng(seed).permutation(n)
+  held, kept = order[:validation_size], order[validation_size:]
+  return ({k: v[kept] for k, v in train.items()},
+          {k: v[held] for k, v in train.items()})
+
+
+def load_data(config: ml_collections.ConfigDict) -> Data:
+  """Loads the config's data set and moves the three parts to the device."""
+  kwargs = dict(config.get('data_kwargs', {}))
+  train, test = datasets.load(config.dataset, config.get('data_path') or None,
+                              **kwargs)
+  train, val = split_validation(train, config.validation_size,
+                                config.split_seed)
+  as_x = lambda a: jnp.asarray(a, jnp.float32)
+  as_y = lambda a: jnp.asarray(a, jnp.int32)
+  return Data(as_x(train['x']), as_y(train['y']), as_x(val['x']),
+              as_y(val['y']), as_x(test['x']), as_y(test['y']))
+
+
+def example_loss(params: Params, example: Dict[str, jax.Array]) -> jax.Array:
+  """Softmax cross-entropy of ONE example (what the private code clips)."""
+  logits = example['x'] @ params['w'] + params['b']
+  return optax.softmax_cross_entropy_with_integer_labels(logits, example['y'])
+
+
+def mean_loss(params: Params, batch: Dict[str, jax.Array]) -> jax.Array:
+  """Mean cross-entropy of a batch (the non-private gradient)."""
+  logits = batch['x'] @ params['w'] + params['b']
+  return jnp.mean(
+      optax.softmax_cross_entropy_with_integer_labels(logits, batch['y']))
+
+
+def accuracy(params: Params, x: jax.Array, y: jax.Array) -> jax.Array:
+  """Fraction of correct predictions."""
+  return jnp.mean(jnp.argmax(x @ params['w'] + params['b'], -1) == y)
+
+
+class Setup(NamedTuple):
+  """Everything fixed for one algorithm: strategy, noise, shape of the run.
+
+  Attributes:
+    algorithm: one of `ALGORITHMS`.
+    strategy: the MF strategy C (None for `nonprivate`).
+    noise_multiplier: calibrated with zCDP (0 for `nonprivate`).
+    num_epochs: k.
+    steps_per_epoch: b.
+    batch_size: B.
+    epsilon: the epsilon the run spends (None for `nonprivate`).
+  """
+
+  algorithm: str
+  strategy: Any
+  noise_multiplier: float
+  num_epochs: int
+  steps_per_epoch: int
+  batch_size: int
+  epsilon: Any
+
+
+def workload_of(algorithm: str, num_steps: int, momentum: float,
+                decay: float) -> np.ndarray:
+  """The workload the algorithm's strategy is optimized for (001 §2.4)."""
+  if algorithm.endswith('_ones'):
+    return strategies.workload(num_steps, 'ones')
+  if algorithm == 'dpmemf_true':
+    return strategies.workload(num_steps, 'true', momentum=momentum)
+  return strategies.workload(num_steps, 'true', momentum=momentum,
+                             decay=decay)
+
+
+def make_setup(algorithm: str, config: ml_collections.ConfigDict,
+               num_train: int, decay: float) -> Setup:
+  """Optimizes (or loads) the strategy and calibrates the noise.
+
+  Args:
+    algorithm: one of `ALGORITHMS`.
+    config: the experiment config.
+    num_train: training examples (b = num_train // batch_size).
+    decay: c, used by the "true" SRG workload.
+
+  Returns:
+    The `Setup`.
+  """
+  b = num_train // config.batch_size
+  k = config.num_epochs
+  if algorithm == 'nonprivate':
+    return Setup(algorithm, None, 0.0, k, b, config.batch_size, None)
+  strategy = strategies.optimize_strategy(
+      workload_of(algorithm, k * b, config.momentum, decay), k)
+  mechanism = dpsco_jax.dpmemf_mechanism(strategy)
+  participation = accounting.FixedOrder(k, b)
+  z = accounting.calibrate_noise_multiplier(
+      mechanism, participation, config.epsilon, config.delta, method='zcdp')
+  spent = accounting.epsilon_spent(mechanism, z, participation, config.delta,
+                                   method='zcdp')
+  return Setup(algorithm, strategy, z, k, b, config.batch_size, spent)
+
+
+def make_run(setup: Setup, decay: float, momentum: float, num_classes: int):
+  """One whole training run as a pure function of (hparams, seed, data).
+
+  Args:
+    setup: the algorithm's fixed pieces.
+    decay: c for DP-SRG-MEMF.
+    momentum: SGD momentum.
+    num_classes: number of classes (static: it shapes the params).
+
+  Returns:
+    `run(learning_rate, clip, seed, data) -> (val accuracy, test accuracy)`,
+    traceable (vmap over seeds and hyperparameters, jit once).
+  """
+  k, b, batch_size = setup.num_epochs, setup.steps_per_epoch, setup.batch_size
+
+  def run(learning_rate, clip, seed, data: Data):
+    order_key, noise_key = jax.random.split(jax.random.key(seed))
+    n = data.train_y.shape[0]
+    # The public order of this run: drawn from its seed, never from the
+    # data, and repeated every epoch (what FixedOrder(k, b) accounts for).
+    order = jax.random.permutation(order_key, n)[:b * batch_size].reshape(
+        b, batch_size)
+    if setup.algorithm == 'nonprivate':
+      tx = optax.sgd(learning_rate, momentum=momentum)
+    else:
+      common = dict(l2_clip=clip, noise_multiplier=setup.noise_multiplier,
+                    strategy=setup.strategy, steps_per_epoch=b,
+                    key=noise_key)
+      if setup.algorithm.startswith('dpmemf'):
+        private = dpsco_jax.dpmemf(example_loss, **common)
+      else:
+        private = dpsco_jax.dp_srg_memf(example_loss, decay=decay, **common)
+      tx = optax.chain(private, optax.sgd(learning_rate, momentum=momentum))
+    params = {'w': jnp.zeros((data.train_x.shape[1], num_classes),
+                             jnp.float32),
+              'b': jnp.zeros((num_classes,), jnp.float32)}
+
+    def body(carry, step):
+      params, state = carry
+      ids = order[step % b]
+      batch = {'x': data.train_x[ids], 'y': data.train_y[ids]}
+      if setup.algorithm == 'nonprivate':
+        grads = jax.grad(mean_loss)(params, batch)
+        updates, state = tx.update(grads, state, params)
+      else:
+        # The example ids let the fixed-order guard check every epoch.
+        updates, state = tx.update(None, state, params, batch=batch,
+                                   example_ids=ids)
+      return (optax.apply_updates(params, updates), state), None
+
+    (params, _), _ = jax.lax.scan(body, (params, tx.init(params)),
+                                  jnp.arange(k * b))
+    return (accuracy(params, data.val_x, data.val_y),
+            accuracy(params, data.test_x, data.test_y))
+
+  return run
+
+
+def run_many(setup: Setup, decay: float, momentum: float, num_classes: int,
+             learning_rates: Sequence[float], clips: Sequence[float],
+             seeds: Sequence[int], data: Data) -> Tuple[np.ndarray,
+                                                        np.ndarray]:
+  """Runs every (learning rate, clip) x seed as one vmapped program.
+
+  Args:
+    setup: the algorithm's fixed pieces.
+    decay: c.
+    momentum: SGD momentum.
+    num_classes: number of classes.
+    learning_rates: one per setting.
+    clips: one per setting (same length as `learning_rates`).
+    seeds: the seeds, run for every setting.
+    data: the device arrays.
+
+  Returns:
+    `(val accuracy, test accuracy)`, each `[settings, seeds]`.
+  """
+  for value in list(learning_rates) + list(clips):
+    if not (value > 0 and math.isfinite(value)):
+      raise ValueError(f'learning rates and clips must be positive, got '
+                       f'{value!r}')
+  run = make_run(setup, decay, momentum, num_classes)
+  over_seeds = jax.vmap(run, in_axes=(None, None, 0, None))
+  over_settings = jax.vmap(over_seeds, in_axes=(0, 0, None, None))
+  val, test = jax.jit(over_settings)(
+      jnp.asarray(learning_rates, jnp.float32),
+      jnp.asarray(clips, jnp.float32), jnp.asarray(seeds, jnp.uint32), data)
+  return np.asarray(val), np.asarray(test)
+
+
+def interval(values: np.ndarray, level: float = 0.95) -> Tuple[float, float]:
+  """Mean and half-width of the Student-t confidence interval of the mean."""
+  values = np.asarray(values, np.float64)
+  n = len(values)
+  mean = float(values.mean())
+  if n < 2:
+    return mean, float('nan')
+  half = stats.t.ppf(0.5 + level / 2, n - 1) * values.std(ddof=1) / math.sqrt(n)
+  return mean, float(half)
+
+
+def tuning_grid(algorithm: str, config: ml_collections.ConfigDict
+                ) -> List[Tuple[float, float, float]]:
+  """(learning rate, clip, c) settings tried for `algorithm`."""
+  decays = config.decays if algorithm.startswith('srg') else (0.0,)
+  clips = config.clips if algorithm != 'nonprivate' else (1.0,)
+  return list(itertools.product(config.learning_rates, clips, decays))
+
+
+def tune_and_run(algorithm: str, config: ml_collections.ConfigDict,
+                 data: Data, num_classes: int) -> Dict[str, Any]:
+  """Tunes on validation, then runs the chosen setting with fresh seeds.
+
+  Args:
+    algorithm: one of `ALGORITHMS`.
+    config: the experiment config.
+    data: the device arrays.
+    num_classes: number of classes.
+
+  Returns:
+    A dict with the chosen setting, the tuning table and the final runs.
+  """
+  grid = tuning_grid(algorithm, config)
+  tuning_seeds = [10_000 + s for s in range(config.tuning_seeds)]
+  num_train = int(data.train_y.shape[0])
+  tuning_rows, best = [], None
+  start = time.time()
+  for decay in sorted({c for _, _, c in grid}):
+    setup = make_setup(algorithm, config, num_train, decay)
+    settings = [(lr, clip) for lr, clip, c in grid if c == decay]
+    val, _ = run_many(setup, decay, config.momentum, num_classes,
+                      [lr for lr, _ in settings], [c for _, c in settings],
+                      tuning_seeds, data)
+    for (lr, clip), scores in zip(settings, val):
+      mean = float(scores.mean())
+      tuning_rows.append({'algorithm': algorithm, 'learning_rate': lr,
+                          'clip': clip, 'decay': decay,
+                          'val_accuracy': mean})
+      if best is None or mean > best[0]:
+        best = (mean, lr, clip, decay, setup)
+  _, lr, clip, decay, setup = best
+  logging.info('%s: tuned in %.0f s: lr %g, clip %g, c %g (val %.4f)',
+               algorithm, time.time() - start, lr, clip, decay, best[0])
+  seeds = list(range(config.num_seeds))
+  _, test = run_many(setup, decay, config.momentum, num_classes, [lr], [clip],
+                     seeds, data)
+  mean, half = interval(test[0])
+  logging.info('%s: test accuracy %.4f +- %.4f over %d seeds (eps %s)',
+               algorithm, mean, half, len(seeds), setup.epsilon)
+  return {'algorithm': algorithm, 'learning_rate': lr, 'clip': clip,
+          'decay': decay if algorithm.startswith('srg') else '',
+          'noise_multiplier': setup.noise_multiplier,
+          'epsilon_spent': setup.epsilon if setup.epsilon is not None else '',
+          'num_seeds': len(seeds), 'mean_test_accuracy': mean,
+          'ci95': half, 'runs': test[0].tolist(), 'tuning': tuning_rows}
+
+
+def write_csv(path: str, rows: List[Dict[str, Any]]) -> None:
+  """Writes dict rows with the union of their keys as columns."""
+  columns = list(dict.fromkeys(k for row in rows for k in row))
+  with open(path, 'w', newline='') as f:
+    writer = csv.DictWriter(f, columns)
+    writer.writeheader()
+    writer.writerows(rows)
+
+
+def format_results(config: ml_collections.ConfigDict,
+                   results: List[Dict[str, Any]]) -> str:
+  """The results as a markdown table (test accuracy in %)."""
+  lines = [
+      f'{config.dataset}, {config.num_epochs} epoch(s) of '
+      f'{results[0]["num_seeds"]} seeds; private runs at '
+      f'({config.epsilon}, {config.delta})-DP via zCDP; batch '
+      f'{config.batch_size}; hyperparameters tuned on a validation part of '
+      'the training split; mean test accuracy with 95% interval.', '',
+      '| algorithm | test accuracy (%) | lr | clip | c | noise multiplier |',
+      '|---|---|---|---|---|---|']
+  for r in results:
+    noise_multiplier = (f'{r["noise_multiplier"]:.3f}'
+                        if r['algorithm'] != 'nonprivate' else '-')
+    decay = '-' if r['decay'] == '' else f'{r["decay"]:.4g}'
+    clip = '-' if r['algorithm'] == 'nonprivate' else f'{r["clip"]:g}'
+    lines.append(
+        f'| {r["algorithm"]} | {100 * r["mean_test_accuracy"]:.3f} +- '
+        f'{100 * r["ci95"]:.3f} | {r["learning_rate"]:g} | {clip} | '
+        f'{decay} | {noise_multiplier} |')
+  return '\n'.join(lines) + '\n'
+
+
+def plot(path: str, results: List[Dict[str, Any]]) -> None:
+  """Bar chart of mean test accuracy with 95% intervals."""
+  fig, ax = plt.subplots(figsize=(7, 3.5))
+  names = [r['algorithm'] for r in results]
+  means = [100 * r['mean_test_accuracy'] for r in results]
+  halves = [100 * r['ci95'] for r in results]
+  ax.bar(names, means, yerr=halves, capsize=4, color='tab:blue')
+  private = [m for m, n in zip(means, names) if n != 'nonprivate']
+  low = min(private) if private else min(means)
+  ax.set_ylim(max(0.0, low - 5), max(means) + 2)
+  ax.set_ylabel('test accuracy (%)')
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def run(config: ml_collections.ConfigDict, output_dir: str
+        ) -> List[Dict[str, Any]]:
+  """Runs every algorithm of the config and writes the outputs.
+
+  Args:
+    config: the experiment config.
+    output_dir: where the tables and the plot go.
+
+  Returns:
+    One result dict per algorithm.
+  """
+  os.makedirs(output_dir, exist_ok=True)
+  data = load_data(config)
+  num_classes = int(max(int(data.train_y.max()), int(data.test_y.max())) + 1)
+  logging.info('%s: %d train, %d validation, %d test examples, %d features',
+               config.dataset, data.train_y.shape[0], data.val_y.shape[0],
+               data.test_y.shape[0], data.train_x.shape[1])
+  results = [tune_and_run(a, config, data, num_classes)
+             for a in config.algorithms]
+  write_csv(os.path.join(output_dir, 'results.csv'),
+            [{k: v for k, v in r.items() if k not in ('runs', 'tuning')}
+             for r in results])
+  write_csv(os.path.join(output_dir, 'tuning.csv'),
+            [row for r in results for row in r['tuning']])
+  write_csv(os.path.join(output_dir, 'runs.csv'),
+            [{'algorithm': r['algorithm'], 'seed': s, 'test_accuracy': v}
+             for r in results for s, v in enumerate(r['runs'])])
+  table = format_results(config, results)
+  with open(os.path.join(output_dir, 'results.md'), 'w') as f:
+    f.write(table)
+  plot(os.path.join(output_dir, 'accuracy.png'), results)
+  print(table)
+  return results
+
+
+def main(argv: Sequence[str]) -> None:
+  del argv
+  run(_CONFIG.value, _OUTPUT_DIR.value)
+
+
+if __name__ == '__main__':
+  _CONFIG = config_flags.DEFINE_config_file(
+      'config', None, 'Path to a config file (configs/srg_memf_*.py).')
+  _OUTPUT_DIR = flags.DEFINE_string('output_dir', 'results/srg_memf',
+                                    'Where to write the results.')
+  flags.mark_flags_as_required(['config'])
+  app.run(main)
