@@ -22,12 +22,12 @@ participation pattern of its sampler, then reports the epsilon it spent.
     python -m experiments.quickstart --config=configs/quickstart.py \
         --config.epsilon=2 --output_dir=results/quickstart
 
-Writes `metrics.csv`, `summary.csv` and `learning_curves.png` to
-`--output_dir`. The train loss and test accuracy are diagnostics computed
+Writes `metrics.csv`, `summary.csv`, `learning_curves.png` and
+`run_record.json` (config, dp_accounting events, epsilon spent, versions,
+wall time) to `--output_dir`. The train loss and test accuracy are diagnostics computed
 outside the privacy guarantee (they are never fed back into training).
 """
 
-import csv
 import math
 import os
 import time
@@ -40,9 +40,6 @@ from absl import flags
 from absl import logging
 import jax
 import jax.numpy as jnp
-import matplotlib
-matplotlib.use('Agg')  # Files only: no display is needed (or available).
-from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
 import ml_collections
 from ml_collections import config_flags
 import numpy as np
@@ -54,11 +51,7 @@ from dpsco_jax import batching
 from dpsco_jax import noise
 from dpsco_jax import strategies
 from experiments import datasets
-
-_CONFIG = config_flags.DEFINE_config_file(
-    'config', None, 'Path to the config file (configs/quickstart.py).')
-_OUTPUT_DIR = flags.DEFINE_string(
-    'output_dir', 'results/quickstart', 'Where to write CSVs and the plot.')
+from experiments import outputs
 
 ALGORITHMS = ('dpsgd', 'dpftrl', 'dpmemf', 'nonprivate')
 METRICS_COLUMNS = ('algorithm', 'step', 'train_loss', 'test_accuracy')
@@ -321,24 +314,44 @@ def train(name: str, setup: Setup, train_data: Split, test_data: Split,
 
 
 def summarize(name: str, setup: Setup, accuracy: float,
-              config: ml_collections.ConfigDict) -> Row:
-  """The summary row; a private run re-derives the epsilon it spent."""
+              config: ml_collections.ConfigDict
+              ) -> Tuple[Row, Optional[Dict[str, Any]]]:
+  """The summary row and the run record's privacy entry (None if non-private).
+
+  A private run re-derives the epsilon it spent from its mechanism, noise
+  multiplier and participation (`outputs.privacy_entry`).
+  """
   row = {'algorithm': name, 'num_steps': setup.num_steps,
          'test_accuracy': accuracy}
   if setup.privacy is None:
     return {**row, 'noise_multiplier': 0.0, 'target_epsilon': None,
-            'epsilon_spent': math.inf, 'delta': None}
+            'epsilon_spent': math.inf, 'delta': None}, None
   privacy = setup.privacy
-  spent = dpsco_jax.epsilon_spent(privacy.mechanism, privacy.noise_multiplier,
-                                  privacy.participation, config.delta)
+  entry = outputs.privacy_entry(
+      name, privacy.mechanism, privacy.noise_multiplier,
+      privacy.participation, config.delta, target_epsilon=config.epsilon)
   return {**row, 'noise_multiplier': privacy.noise_multiplier,
-          'target_epsilon': config.epsilon, 'epsilon_spent': spent,
-          'delta': config.delta}
+          'target_epsilon': config.epsilon,
+          'epsilon_spent': entry['epsilon_spent'],
+          'delta': config.delta}, entry
 
 
-def run_algorithms(config: ml_collections.ConfigDict, train_data: Split,
-                   test_data: Split) -> Tuple[List[Row], List[Row]]:
-  """Trains every configured algorithm; returns (metrics, summary) rows."""
+def run_algorithms(
+    config: ml_collections.ConfigDict, train_data: Split, test_data: Split,
+    privacy_entries: Optional[List[Dict[str, Any]]] = None
+) -> Tuple[List[Row], List[Row]]:
+  """Trains every configured algorithm; returns (metrics, summary) rows.
+
+  Args:
+    config: the quickstart config.
+    train_data: the training split.
+    test_data: the test split.
+    privacy_entries: if given, each private run's `outputs.privacy_entry`
+      is appended to it.
+
+  Returns:
+    `(metrics, summary)` rows.
+  """
   unknown = set(config.algorithms) - set(ALGORITHMS)
   if unknown:
     raise ValueError(f'unknown algorithms {sorted(unknown)}; choose from '
@@ -357,7 +370,10 @@ def run_algorithms(config: ml_collections.ConfigDict, train_data: Split,
     accuracy, records = train(name, setup, train_data, test_data,
                               config.eval_every)
     metrics.extend(records)
-    summary.append(summarize(name, setup, accuracy, config))
+    row, entry = summarize(name, setup, accuracy, config)
+    summary.append(row)
+    if entry is not None and privacy_entries is not None:
+      privacy_entries.append(entry)
     if setup.privacy is not None:
       logging.info('%s: epsilon spent %.6f (target %g) at delta %g', name,
                    summary[-1]['epsilon_spent'], config.epsilon, config.delta)
@@ -368,28 +384,21 @@ def run_algorithms(config: ml_collections.ConfigDict, train_data: Split,
 
 def write_csv(path: str, columns: Sequence[str], rows: List[Row]) -> None:
   """Writes `rows` (dicts) with the header `columns`; None is left empty."""
-  with open(path, 'w', newline='') as f:
-    writer = csv.DictWriter(f, fieldnames=columns)
-    writer.writeheader()
-    writer.writerows(rows)
+  outputs.write_csv(path, rows, columns)
 
 
 def plot_learning_curves(path: str, metrics: List[Row],
                          config: ml_collections.ConfigDict) -> None:
   """Test accuracy against step, one line per algorithm."""
-  figure, axes = plt.subplots(figsize=(6, 4))
+  curves = []
   for name in config.algorithms:
     rows = [row for row in metrics if row['algorithm'] == name]
-    axes.plot([row['step'] for row in rows],
-              [row['test_accuracy'] for row in rows], label=name)
-  axes.set_xlabel('step')
-  axes.set_ylabel('test accuracy')
-  axes.set_title(f'digits: private runs at epsilon={config.epsilon:g}, '
-                 f'delta={config.delta:g}')
-  axes.legend()
-  figure.tight_layout()
-  figure.savefig(path, dpi=100)
-  plt.close(figure)
+    curves.append(outputs.Curve(name, [row['step'] for row in rows],
+                                [row['test_accuracy'] for row in rows]))
+  outputs.plot_curves(
+      path, curves, xlabel='step', ylabel='test accuracy',
+      title=(f'digits: private runs at epsilon={config.epsilon:g}, '
+             f'delta={config.delta:g}'))
 
 
 def format_summary(summary: List[Row]) -> str:
@@ -418,13 +427,22 @@ def run(config: ml_collections.ConfigDict, output_dir: str) -> List[Row]:
   Returns:
     One summary row per algorithm (columns `SUMMARY_COLUMNS`).
   """
+  start = time.perf_counter()
   train_data, test_data = datasets.load_digits()
-  metrics, summary = run_algorithms(config, train_data, test_data)
+  privacy_entries = []
+  metrics, summary = run_algorithms(config, train_data, test_data,
+                                    privacy_entries)
   os.makedirs(output_dir, exist_ok=True)
   write_csv(os.path.join(output_dir, 'metrics.csv'), METRICS_COLUMNS, metrics)
   write_csv(os.path.join(output_dir, 'summary.csv'), SUMMARY_COLUMNS, summary)
   plot_learning_curves(os.path.join(output_dir, 'learning_curves.png'),
                        metrics, config)
+  outputs.write_json(
+      os.path.join(output_dir, 'run_record.json'),
+      outputs.run_record(config, privacy=privacy_entries,
+                         wall_seconds=time.perf_counter() - start,
+                         extra={'experiment': 'experiments.quickstart',
+                                'summary': summary}))
   logging.info('summary (written to %s):\n%s', output_dir,
                format_summary(summary))
   return summary
@@ -434,10 +452,20 @@ def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError('Too many command-line arguments.')
   start = time.perf_counter()
-  run(_CONFIG.value, _OUTPUT_DIR.value)
+  run(flags.FLAGS.config, flags.FLAGS.output_dir)
   logging.info('total wall time %.1f s', time.perf_counter() - start)
 
 
-if __name__ == '__main__':
+def define_flags() -> None:
+  """The command-line flags; defined only when run as a program, so that
+  importing this module next to other experiments defines no flags."""
+  config_flags.DEFINE_config_file(
+      'config', None, 'Path to the config file (configs/quickstart.py).')
+  flags.DEFINE_string('output_dir', 'results/quickstart',
+                      'Where to write CSVs, the plot and the run record.')
   flags.mark_flags_as_required(['config'])
+
+
+if __name__ == '__main__':
+  define_flags()
   app.run(main)

@@ -1,6 +1,7 @@
 """End-to-end test of `experiments.quickstart` on a two-epoch config."""
 
 import csv
+import json
 import math
 import os
 
@@ -97,3 +98,17 @@ def test_rejects_unknown_algorithm(tmp_path):
   config.algorithms = ('dpsgd', 'adam')
   with pytest.raises(ValueError, match='adam'):
     quickstart.run(config, str(tmp_path))
+
+
+def test_writes_run_record(finished_run):
+  config, output_dir, by_name = finished_run
+  with open(os.path.join(output_dir, 'run_record.json')) as f:
+    record = json.load(f)
+  assert record['config']['epsilon'] == config.epsilon
+  entries = {entry['name']: entry for entry in record['privacy']}
+  assert set(entries) == set(PRIVATE)
+  for name in PRIVATE:
+    assert entries[name]['epsilon_spent'] == pytest.approx(
+        by_name[name]['epsilon_spent'])
+    assert entries[name]['dp_event']['class_name']
+  assert record['wall_seconds'] > 0

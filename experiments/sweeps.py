@@ -1,0 +1,476 @@
+"""Seeds x hyperparameter grids as ONE vmapped, jit-compiled program.
+
+A sweep trains the same model many times: for every point of a grid of
+scalar hyperparameters (learning rate, clip norm, ...) and every seed. When
+one training run is a pure function of its hyperparameters and its seed,
+
+    def train_fn(hparams: Dict[str, jax.Array], seed: jax.Array
+                 ) -> Dict[str, jax.Array]:
+      ...   # a whole run, e.g. `lax.scan` over the steps
+      return {'test_accuracy': accuracy, 'curve': per_step_accuracy}
+
+all runs share their shapes, and `run_sweep` compiles `jax.vmap(train_fn)`
+once and runs them together (in chunks of `max_parallel` runs to cap
+memory), which on a CPU is much faster than a Python loop of runs (see
+`benchmarks/sweep_vs_loop.py`):
+
+    result = run_sweep(train_fn, {'learning_rate': [0.1, 0.3, 1.0],
+                                  'clip': [0.3, 1.0, 3.0]}, seeds=range(20))
+    rows = summarize(result, 'test_accuracy')   # mean, std, 95% interval
+    print(format_table(rows))
+
+Inside `train_fn` the hyperparameters are tracers: the private optimizers
+accept a traced clip norm (`clipping.validate_clip`) and `optax.sgd` a traced
+learning rate, and keys are made inside from the traced seed
+(`jax.random.key(seed)`). Traced values cannot be checked while tracing, so
+`run_sweep` checks the grid on the host first (`validate_grid`). Anything
+that changes shapes or the accounting (batch size, number of steps, the
+noise multiplier, which is a host float calibrated once per privacy target)
+is fixed per sweep: sweep those with a Python loop over `run_sweep` calls.
+
+Which run gets which seed is explicit, so any single run can be reproduced
+alone: `jax.jit(train_fn)(point_hparams, seed)` gives the same result as its
+entry of the sweep, up to float reassociation.
+"""
+
+import dataclasses
+import itertools
+import math
+import time
+from typing import (Any, Callable, Dict, List, Mapping, Optional, Sequence,
+                    Tuple)
+
+from absl import logging
+import jax
+import jax.numpy as jnp
+import numpy as np
+from scipy import stats
+
+from experiments import outputs
+
+Row = Dict[str, Any]
+TrainFn = Callable[[Dict[str, jax.Array], jax.Array], Dict[str, jax.Array]]
+
+# Hyperparameters that must be positive whatever the experiment (a clip norm
+# or learning rate <= 0 is always a mistake); others need only be finite.
+POSITIVE_HPARAMS = ('learning_rate', 'lr', 'clip', 'l2_clip')
+# Seeds become `jax.random.key(seed)` from an int32 inside the program.
+_MAX_SEED = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepResult:
+  """The metrics of every run of a sweep.
+
+  Attributes:
+    names: the hyperparameter names, in grid order.
+    points: `[num_points, len(names)]` float64: row g holds the values of
+      grid point g (the cartesian product, last name varying fastest).
+    seeds: `[num_seeds]` int64.
+    metrics: name -> `[num_points, num_seeds, ...]` NumPy array (whatever
+      shape `train_fn` returned for one run after the two leading axes).
+    compile_seconds: time to trace and compile the vmapped program.
+    run_seconds: time to run every chunk (excluding compilation).
+    chunk_size: runs per compiled call.
+  """
+
+  names: Tuple[str, ...]
+  points: np.ndarray
+  seeds: np.ndarray
+  metrics: Dict[str, np.ndarray]
+  compile_seconds: float
+  run_seconds: float
+  chunk_size: int
+
+  @property
+  def num_points(self) -> int:
+    return self.points.shape[0]
+
+  @property
+  def num_seeds(self) -> int:
+    return self.seeds.shape[0]
+
+  def point(self, index: int) -> Dict[str, float]:
+    """The hyperparameters of grid point `index` as a dict of floats."""
+    return {name: float(v) for name, v in zip(self.names, self.points[index])}
+
+
+def validate_grid(grid: Mapping[str, Sequence[float]],
+                  positive: Sequence[str] = POSITIVE_HPARAMS
+                  ) -> Dict[str, np.ndarray]:
+  """Checks a grid on the host and returns it as float64 arrays.
+
+  Example:
+    >>> validate_grid({'learning_rate': [0.1, 1.0], 'clip': [1.0]})
+    >>> validate_grid({'clip': [0.0]})   # ValueError: clip must be > 0
+
+  Args:
+    grid: name -> the values to try (a non-empty sequence of numbers).
+    positive: names whose values must be > 0.
+
+  Returns:
+    name -> 1-D float64 array, in the grid's order.
+
+  Raises:
+    ValueError: on an empty grid, an empty or non-numeric value list, a
+      non-finite value, a non-positive value of a `positive` name, or a
+      repeated value.
+  """
+  if not grid:
+    raise ValueError('the grid is empty: give at least one hyperparameter')
+  checked = {}
+  for name, values in grid.items():
+    if isinstance(values, (str, bytes)) or not hasattr(values, '__len__'):
+      raise ValueError(f'grid[{name!r}] must be a sequence of numbers, got '
+                       f'{values!r}')
+    try:
+      array = np.asarray(values, dtype=np.float64)
+    except (TypeError, ValueError) as e:
+      raise ValueError(f'grid[{name!r}] must hold numbers, got {values!r}'
+                       ) from e
+    if array.ndim != 1 or array.size == 0:
+      raise ValueError(f'grid[{name!r}] must be a non-empty 1-D sequence, '
+                       f'got {values!r}')
+    if not np.all(np.isfinite(array)):
+      raise ValueError(f'grid[{name!r}] must be finite, got {values!r}')
+    if name in positive and not np.all(array > 0):
+      raise ValueError(f'grid[{name!r}] values must be > 0, got {values!r}')
+    if len(np.unique(array)) != array.size:
+      raise ValueError(f'grid[{name!r}] repeats a value: {values!r}')
+    checked[str(name)] = array
+  return checked
+
+
+def validate_seeds(seeds: Sequence[int]) -> np.ndarray:
+  """Checks the seeds: distinct integers in [0, 2^31 - 1].
+
+  Example:
+    >>> validate_seeds(range(20))
+
+  Args:
+    seeds: the seeds.
+
+  Returns:
+    `[num_seeds]` int64.
+
+  Raises:
+    ValueError: if empty, not integers, out of range or repeated.
+  """
+  seeds = list(seeds)
+  if not seeds:
+    raise ValueError('give at least one seed')
+  if not all(isinstance(s, (int, np.integer)) and not isinstance(s, bool)
+             for s in seeds):
+    raise ValueError(f'seeds must be integers, got {seeds!r}')
+  array = np.asarray(seeds, dtype=np.int64)
+  if np.any(array < 0) or np.any(array > _MAX_SEED):
+    raise ValueError(f'seeds must be in [0, {_MAX_SEED}], got {seeds!r}')
+  if len(np.unique(array)) != array.size:
+    raise ValueError(f'seeds repeat: {seeds!r}')
+  return array
+
+
+def grid_points(grid: Mapping[str, np.ndarray]) -> np.ndarray:
+  """The cartesian product of the grid, last name varying fastest.
+
+  Example:
+    >>> grid_points({'a': np.array([1., 2.]), 'b': np.array([3., 4.])})
+    array([[1., 3.], [1., 4.], [2., 3.], [2., 4.]])
+
+  Args:
+    grid: name -> 1-D values.
+
+  Returns:
+    `[prod(len(values)), len(grid)]` float64.
+  """
+  return np.array(list(itertools.product(*grid.values())),
+                  dtype=np.float64).reshape(-1, len(grid))
+
+
+def run_sweep(train_fn: TrainFn, grid: Mapping[str, Sequence[float]],
+              seeds: Sequence[int], *, max_parallel: Optional[int] = None,
+              positive: Sequence[str] = POSITIVE_HPARAMS,
+              dtype: Any = jnp.float32, name: str = 'sweep') -> SweepResult:
+  """Runs `train_fn` on every (grid point, seed) as one vmapped program.
+
+  The `num_points * num_seeds` runs are laid out point-major, cut into chunks
+  of `max_parallel` runs (the last one padded by repeating the first run;
+  the padding is computed and dropped), and each chunk is one call of
+  `jax.jit(jax.vmap(train_fn))`, compiled once for the chunk shape.
+
+  Example:
+    >>> def train_fn(hparams, seed):
+    ...   noise = jax.random.normal(jax.random.key(seed))
+    ...   return {'loss': (hparams['learning_rate'] - 0.3) ** 2 + 0.01 * noise}
+    >>> result = run_sweep(train_fn, {'learning_rate': [0.1, 0.3]}, range(5))
+    >>> result.metrics['loss'].shape   # (2, 5)
+
+  Args:
+    train_fn: `train_fn(hparams, seed) -> metrics`, a pure function of ONE
+      run: `hparams` maps each grid name to a scalar of `dtype`, `seed` is an
+      int32 scalar; metrics are arrays of fixed shapes.
+    grid: name -> values; checked by `validate_grid`.
+    seeds: distinct non-negative integers; every grid point runs every seed.
+    max_parallel: most runs per compiled call (None: all at once). Memory
+      grows linearly with it.
+    positive: grid names whose values must be > 0.
+    dtype: dtype of the hyperparameter scalars.
+    name: prefix of the progress log lines.
+
+  Returns:
+    A `SweepResult` with metrics shaped `[num_points, num_seeds, ...]`.
+
+  Raises:
+    ValueError: on a bad grid, bad seeds, or `max_parallel < 1`.
+  """
+  checked = validate_grid(grid, positive)
+  seed_array = validate_seeds(seeds)
+  points = grid_points(checked)
+  names = tuple(checked)
+  num_points, num_seeds = points.shape[0], seed_array.shape[0]
+  num_runs = num_points * num_seeds
+  if max_parallel is not None and (isinstance(max_parallel, bool) or
+                                   int(max_parallel) != max_parallel or
+                                   max_parallel < 1):
+    raise ValueError(f'max_parallel must be a positive integer or None, got '
+                     f'{max_parallel!r}')
+  chunk = num_runs if max_parallel is None else min(int(max_parallel),
+                                                    num_runs)
+  num_chunks = math.ceil(num_runs / chunk)
+  padded = num_chunks * chunk
+
+  # Run r is (point r // num_seeds, seed r % num_seeds); padding repeats run 0
+  # so that it sees valid hyperparameters.
+  run_points = np.repeat(np.arange(num_points), num_seeds)
+  run_seeds = np.tile(seed_array, num_points)
+  pad = np.zeros(padded - num_runs, dtype=np.int64)
+  run_points = np.concatenate([run_points, run_points[pad]])
+  run_seeds = np.concatenate([run_seeds, run_seeds[pad]])
+  hparams = {n: points[run_points, i].astype(dtype)
+             for i, n in enumerate(names)}
+  run_seeds = run_seeds.astype(np.int32)
+
+  def chunk_inputs(c: int):
+    window = slice(c * chunk, (c + 1) * chunk)
+    return {n: v[window] for n, v in hparams.items()}, run_seeds[window]
+
+  start = time.perf_counter()
+  compiled = jax.jit(jax.vmap(train_fn)).lower(*chunk_inputs(0)).compile()
+  compile_seconds = time.perf_counter() - start
+  logging.info('%s: %d grid points x %d seeds = %d runs in %d chunk(s) of %d; '
+               'compiled in %.1f s', name, num_points, num_seeds, num_runs,
+               num_chunks, chunk, compile_seconds)
+
+  progress = outputs.Progress(name, num_chunks)
+  start = time.perf_counter()
+  pieces = []
+  for c in range(num_chunks):
+    out = jax.block_until_ready(compiled(*chunk_inputs(c)))
+    # Only host copies are kept: device memory stays one chunk's worth.
+    pieces.append(jax.tree_util.tree_map(np.asarray, out))
+    progress.update(c + 1)
+  run_seconds = time.perf_counter() - start
+
+  metrics = {}
+  for key in pieces[0]:
+    values = np.concatenate([p[key] for p in pieces])[:num_runs]
+    metrics[key] = values.reshape((num_points, num_seeds) + values.shape[1:])
+  return SweepResult(names=names, points=points, seeds=seed_array,
+                     metrics=metrics, compile_seconds=compile_seconds,
+                     run_seconds=run_seconds, chunk_size=chunk)
+
+
+def mean_and_interval(values: Any, axis: int = 0, confidence: float = 0.95
+                      ) -> Tuple[np.ndarray, np.ndarray, np.ndarray,
+                                 np.ndarray]:
+  """Mean, sample std, count and Student-t half-width of the mean's interval.
+
+  The half-width is `t.ppf((1 + confidence) / 2, n - 1) * std / sqrt(n)`
+  with the sample standard deviation (ddof = 1): an exact interval when the
+  values are i.i.d. normal, approximate otherwise. Non-finite values
+  propagate (a diverged run makes its row NaN rather than vanish).
+
+  Example:
+    >>> mean, std, n, half = mean_and_interval([0.90, 0.92, 0.91])
+    >>> (mean - half, mean + half)
+
+  Args:
+    values: array-like; the samples run along `axis`.
+    axis: the sample axis.
+    confidence: in (0, 1).
+
+  Returns:
+    `(mean, std, n, half_width)`, arrays over the remaining axes (NaN std
+    and half-width when n = 1).
+
+  Raises:
+    ValueError: if `confidence` is not in (0, 1).
+  """
+  if not 0.0 < confidence < 1.0:
+    raise ValueError(f'confidence must be in (0, 1), got {confidence!r}')
+  values = np.asarray(values, dtype=np.float64)
+  n = values.shape[axis]
+  mean = np.mean(values, axis=axis)
+  if n < 2:
+    nan = np.full_like(mean, np.nan)
+    return mean, nan, np.full(mean.shape, n), nan
+  std = np.std(values, axis=axis, ddof=1)
+  half = stats.t.ppf(0.5 + confidence / 2.0, n - 1) * std / math.sqrt(n)
+  return mean, std, np.full(mean.shape, n), half
+
+
+def summarize(result: SweepResult, metric: str, *, confidence: float = 0.95,
+              labels: Optional[Mapping[str, Any]] = None) -> List[Row]:
+  """One row per grid point: its values, and the metric's mean over seeds.
+
+  Example:
+    >>> rows = summarize(result, 'test_accuracy', labels={'algorithm': 'dpmemf'})
+    >>> rows[0]   # {'algorithm': 'dpmemf', 'learning_rate': 0.1, 'clip': 0.3,
+    ...           #  'mean': ..., 'std': ..., 'n': 20, 'ci_low': ..., ...}
+
+  Args:
+    result: a sweep's result.
+    metric: a scalar metric (shape `[num_points, num_seeds]`).
+    confidence: of the interval for the mean (Student t, see
+      `mean_and_interval`).
+    labels: constant columns put first in every row (e.g. the algorithm).
+
+  Returns:
+    Rows with the labels, the grid names, 'metric', 'mean', 'std', 'n',
+    'ci_low', 'ci_high', 'ci_half_width' and 'confidence'.
+
+  Raises:
+    KeyError: for an unknown metric.
+    ValueError: if the metric is not one scalar per run.
+  """
+  if metric not in result.metrics:
+    raise KeyError(f'no metric {metric!r}; have {sorted(result.metrics)}')
+  values = result.metrics[metric]
+  if values.ndim != 2:
+    raise ValueError(f'metric {metric!r} has shape {values.shape}, not one '
+                     'scalar per run [num_points, num_seeds]')
+  mean, std, n, half = mean_and_interval(values, axis=1,
+                                         confidence=confidence)
+  rows = []
+  for g in range(result.num_points):
+    rows.append({**dict(labels or {}), **result.point(g), 'metric': metric,
+                 'mean': float(mean[g]), 'std': float(std[g]),
+                 'n': int(n[g]), 'ci_low': float(mean[g] - half[g]),
+                 'ci_high': float(mean[g] + half[g]),
+                 'ci_half_width': float(half[g]), 'confidence': confidence})
+  return rows
+
+
+def best(rows: Sequence[Row], *, by: str = 'mean',
+         maximize: bool = True) -> Row:
+  """The row with the best `by` value (NaN rows never win).
+
+  Choosing the best grid point on the metric that is then reported makes
+  that number optimistic; pick on a validation metric when one exists.
+
+  Example:
+    >>> best(summarize(result, 'test_accuracy'))['learning_rate']
+    >>> best(summarize(result, 'train_loss'), maximize=False)
+
+  Args:
+    rows: e.g. from `summarize`.
+    by: the column to compare.
+    maximize: True for accuracy-like, False for loss-like columns.
+
+  Returns:
+    The best row.
+
+  Raises:
+    ValueError: if there is no row with a finite `by`.
+  """
+  finite = [r for r in rows if math.isfinite(float(r[by]))]
+  if not finite:
+    raise ValueError(f'no row has a finite {by!r}')
+  return (max if maximize else min)(finite, key=lambda r: float(r[by]))
+
+
+def format_table(rows: Sequence[Row], columns: Optional[Sequence[str]] = None,
+                 *, digits: int = 4) -> str:
+  """Rows as a markdown table; 'mean' is shown with its interval.
+
+  Example:
+    >>> print(format_table(summarize(result, 'test_accuracy')))
+    | learning_rate | clip | mean | 95% CI | std | n |
+    |---|---|---|---|---|---|
+    | 0.1 | 0.3 | 0.8812 | [0.8790, 0.8834] | 0.0047 | 20 |
+
+  Args:
+    rows: e.g. from `summarize` (the interval columns are optional).
+    columns: the columns to show; default every column except 'metric',
+      'confidence', 'ci_low', 'ci_high' and 'ci_half_width', with an
+      interval column after
+      'mean' when the rows have one.
+    digits: decimals of floats.
+
+  Returns:
+    The markdown text (ends with a newline).
+  """
+  if columns is None:
+    hidden = {'metric', 'confidence', 'ci_low', 'ci_high', 'ci_half_width'}
+    columns = [c for c in outputs.columns_of(rows) if c not in hidden]
+    if rows and 'ci_low' in rows[0] and 'mean' in columns:
+      columns.insert(columns.index('mean') + 1, 'ci')
+  confidence = rows[0].get('confidence', 0.95) if rows else 0.95
+
+  def cell(row: Row, column: str) -> str:
+    if column == 'ci':
+      low, high = row.get('ci_low'), row.get('ci_high')
+      if low is None or not math.isfinite(low):
+        return '-'
+      return f'[{low:.{digits}f}, {high:.{digits}f}]'
+    value = row.get(column)
+    if value is None or value == '':
+      return '-'
+    if isinstance(value, float):
+      if column in ('mean', 'std'):
+        return f'{value:.{digits}f}' if math.isfinite(value) else '-'
+      return f'{value:g}'
+    return str(value)
+
+  header = [f'{100 * confidence:g}% CI' if c == 'ci' else c for c in columns]
+  lines = ['| ' + ' | '.join(header) + ' |',
+           '|' + '---|' * len(columns)]
+  lines += ['| ' + ' | '.join(cell(r, c) for c in columns) + ' |'
+            for r in rows]
+  return '\n'.join(lines) + '\n'
+
+
+def write_csv(path: str, rows: Sequence[Row]) -> None:
+  """Writes summary rows (or any rows) to CSV, columns in first-seen order.
+
+  Example:
+    >>> write_csv('results/summary.csv', summarize(result, 'test_accuracy'))
+
+  Args:
+    path: the file; its folder is created if missing.
+    rows: dicts.
+  """
+  outputs.write_csv(path, rows)
+
+
+def per_run_rows(result: SweepResult, metrics: Sequence[str],
+                 labels: Optional[Mapping[str, Any]] = None) -> List[Row]:
+  """One row per (grid point, seed) with the given scalar metrics.
+
+  Example:
+    >>> write_csv('runs.csv', per_run_rows(result, ['test_accuracy']))
+
+  Args:
+    result: a sweep's result.
+    metrics: scalar metrics to include.
+    labels: constant columns put first.
+
+  Returns:
+    `num_points * num_seeds` rows: labels, grid values, 'seed', metrics.
+  """
+  rows = []
+  for g in range(result.num_points):
+    for s, seed in enumerate(result.seeds):
+      rows.append({**dict(labels or {}), **result.point(g), 'seed': int(seed),
+                   **{m: float(result.metrics[m][g, s]) for m in metrics}})
+  return rows

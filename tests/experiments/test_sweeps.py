@@ -1,0 +1,187 @@
+"""Tests of `experiments.sweeps`: one vmapped program equals the runs alone."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from experiments import outputs
+from experiments import sweeps
+
+NUM_STEPS = 12
+
+
+def _toy_train_fn(hparams, seed):
+  """Noisy clipped gradient descent on a 3-d quadratic, as a scan."""
+  key = jax.random.key(seed)
+  target = jnp.array([1.0, -2.0, 3.0])
+
+  def step(x, t):
+    grad = x - target
+    norm = jnp.linalg.norm(grad)
+    grad = grad * jnp.minimum(1.0, hparams['clip'] / norm)
+    noise = jax.random.normal(jax.random.fold_in(key, t), (3,))
+    x = x - hparams['learning_rate'] * (grad + 0.1 * hparams['clip'] * noise)
+    return x, jnp.sum((x - target) ** 2)
+
+  x, curve = jax.lax.scan(step, jnp.zeros(3), jnp.arange(NUM_STEPS))
+  return {'loss': curve[-1], 'curve': curve, 'x': x}
+
+
+GRID = {'learning_rate': [0.1, 0.5], 'clip': [0.3, 1.0, 3.0]}
+SEEDS = [0, 7, 11]
+
+
+@pytest.fixture(scope='module')
+def toy_result():
+  return sweeps.run_sweep(_toy_train_fn, GRID, SEEDS)
+
+
+def test_shapes_and_grid_order(toy_result):
+  assert toy_result.names == ('learning_rate', 'clip')
+  assert toy_result.metrics['loss'].shape == (6, 3)
+  assert toy_result.metrics['curve'].shape == (6, 3, NUM_STEPS)
+  assert toy_result.metrics['x'].shape == (6, 3, 3)
+  # Cartesian product, last name fastest.
+  np.testing.assert_allclose(
+      toy_result.points,
+      [[0.1, 0.3], [0.1, 1.0], [0.1, 3.0], [0.5, 0.3], [0.5, 1.0],
+       [0.5, 3.0]], rtol=1e-12)
+  np.testing.assert_array_equal(toy_result.seeds, SEEDS)
+  assert toy_result.point(4) == {'learning_rate': 0.5, 'clip': 1.0}
+
+
+def test_sweep_equals_each_run_alone(toy_result):
+  single = jax.jit(_toy_train_fn)
+  for g in range(toy_result.num_points):
+    hparams = {k: jnp.float32(v) for k, v in toy_result.point(g).items()}
+    for s, seed in enumerate(SEEDS):
+      alone = single(hparams, jnp.int32(seed))
+      for name, value in alone.items():
+        np.testing.assert_allclose(toy_result.metrics[name][g, s], value,
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_seeds_and_points_give_different_runs(toy_result):
+  loss = toy_result.metrics['loss']
+  assert len(np.unique(np.round(loss, 6))) == loss.size
+
+
+@pytest.mark.parametrize('max_parallel', [1, 4, 5, 18, 100])
+def test_chunking_and_padding_do_not_change_results(toy_result,
+                                                    max_parallel):
+  # 18 runs: chunks of 4 and 5 need padding; 100 is capped at 18.
+  chunked = sweeps.run_sweep(_toy_train_fn, GRID, SEEDS,
+                             max_parallel=max_parallel)
+  assert chunked.chunk_size == min(max_parallel, 18)
+  for name, value in toy_result.metrics.items():
+    np.testing.assert_allclose(chunked.metrics[name], value, rtol=1e-5,
+                               atol=1e-6)
+
+
+@pytest.mark.parametrize('grid, match', [
+    ({}, 'empty'),
+    ({'clip': [0.0, 1.0]}, 'clip.*> 0'),
+    ({'l2_clip': [-1.0]}, 'l2_clip.*> 0'),
+    ({'learning_rate': [0.1, -0.1]}, 'learning_rate.*> 0'),
+    ({'lr': [0.0]}, 'lr.*> 0'),
+    ({'momentum': [0.9, float('nan')]}, 'finite'),
+    ({'clip': [1.0, float('inf')]}, 'finite'),
+    ({'clip': []}, 'non-empty'),
+    ({'clip': 1.0}, 'sequence'),
+    ({'clip': 'abc'}, 'sequence'),
+    ({'clip': ['a']}, 'numbers'),
+    ({'clip': [1.0, 1.0]}, 'repeats'),
+])
+def test_bad_grids_are_refused_on_the_host(grid, match):
+  with pytest.raises(ValueError, match=match):
+    sweeps.run_sweep(_toy_train_fn, grid, SEEDS)
+
+
+def test_non_positive_values_are_fine_for_other_names():
+  checked = sweeps.validate_grid({'momentum': [0.0, 0.9], 'shift': [-1.0]})
+  np.testing.assert_array_equal(checked['momentum'], [0.0, 0.9])
+
+
+@pytest.mark.parametrize('seeds, match', [
+    ([], 'at least one'), ([0, 0], 'repeat'), ([-1], 'in \\['),
+    ([2**31], 'in \\['), ([0.5], 'integers'), ([True], 'integers')])
+def test_bad_seeds_are_refused(seeds, match):
+  with pytest.raises(ValueError, match=match):
+    sweeps.run_sweep(_toy_train_fn, GRID, seeds)
+
+
+@pytest.mark.parametrize('max_parallel', [0, -2, 1.5, True])
+def test_bad_max_parallel_is_refused(max_parallel):
+  with pytest.raises(ValueError, match='max_parallel'):
+    sweeps.run_sweep(_toy_train_fn, GRID, SEEDS, max_parallel=max_parallel)
+
+
+def test_interval_matches_scipy():
+  values = np.array([0.91, 0.88, 0.93, 0.90, 0.95, 0.89, 0.92])
+  mean, std, n, half = sweeps.mean_and_interval(values)
+  low, high = stats.t.interval(0.95, len(values) - 1, loc=values.mean(),
+                               scale=stats.sem(values))
+  assert n == 7
+  assert mean == pytest.approx(values.mean())
+  assert std == pytest.approx(values.std(ddof=1))
+  assert mean - half == pytest.approx(low)
+  assert mean + half == pytest.approx(high)
+  # The formula of the docs, by hand: t_{0.975, 6} = 2.446912.
+  assert half == pytest.approx(2.446912 * std / math.sqrt(7), rel=1e-6)
+  _, _, _, half90 = sweeps.mean_and_interval(values, confidence=0.9)
+  assert half90 == pytest.approx(
+      stats.t.ppf(0.95, 6) * std / math.sqrt(7))
+
+
+def test_interval_of_one_sample_is_nan():
+  mean, std, n, half = sweeps.mean_and_interval([0.5])
+  assert mean == 0.5 and n == 1 and np.isnan(std) and np.isnan(half)
+  with pytest.raises(ValueError, match='confidence'):
+    sweeps.mean_and_interval([1.0, 2.0], confidence=1.0)
+
+
+def test_summarize_best_and_table(toy_result, tmp_path):
+  rows = sweeps.summarize(toy_result, 'loss', labels={'algorithm': 'toy'})
+  assert len(rows) == 6
+  loss = toy_result.metrics['loss']
+  for g, row in enumerate(rows):
+    assert row['algorithm'] == 'toy' and row['n'] == 3
+    assert row['learning_rate'] == toy_result.point(g)['learning_rate']
+    assert row['mean'] == pytest.approx(loss[g].mean(), rel=1e-6)
+    low, high = stats.t.interval(0.95, 2, loc=loss[g].mean(),
+                                 scale=stats.sem(loss[g]))
+    assert (row['ci_low'], row['ci_high']) == pytest.approx((low, high),
+                                                            rel=1e-6)
+  lowest = sweeps.best(rows, maximize=False)
+  assert lowest['mean'] == min(r['mean'] for r in rows)
+  assert sweeps.best(rows)['mean'] == max(r['mean'] for r in rows)
+  table = sweeps.format_table(rows)
+  lines = table.strip().split('\n')
+  assert lines[0] == ('| algorithm | learning_rate | clip | mean | 95% CI | '
+                      'std | n |')
+  assert len(lines) == 2 + 6
+  path = str(tmp_path / 'summary.csv')
+  sweeps.write_csv(path, rows)
+  back = outputs.read_csv(path)
+  assert [float(r['mean']) for r in back] == pytest.approx(
+      [r['mean'] for r in rows])
+  runs = sweeps.per_run_rows(toy_result, ['loss'])
+  assert len(runs) == 18 and runs[4]['seed'] == 7
+
+
+def test_summarize_refuses_curves_and_unknown_metrics(toy_result):
+  with pytest.raises(ValueError, match='one scalar per run'):
+    sweeps.summarize(toy_result, 'curve')
+  with pytest.raises(KeyError, match='accuracy'):
+    sweeps.summarize(toy_result, 'accuracy')
+
+
+def test_best_skips_nan_rows():
+  rows = [{'mean': float('nan')}, {'mean': 0.5}, {'mean': 0.2}]
+  assert sweeps.best(rows)['mean'] == 0.5
+  with pytest.raises(ValueError, match='finite'):
+    sweeps.best([{'mean': float('nan')}])
