@@ -36,9 +36,6 @@ Writes `results.csv` (one row per algorithm: setting, mean, interval),
 `results.md` and `accuracy.png` to `--output_dir`.
 """
 
-import csv
-import itertools
-import math
 import os
 import time
 from typing import Any, Dict, List, NamedTuple, Sequence, Tuple
@@ -55,12 +52,13 @@ import ml_collections
 from ml_collections import config_flags
 import numpy as np
 import optax
-from scipy import stats
 
 import dpsco_jax
 from dpsco_jax import accounting
 from dpsco_jax import strategies
 from experiments import datasets
+from experiments import outputs
+from experiments import sweeps
 
 Params = Dict[str, jax.Array]
 Split = Dict[str, np.ndarray]
@@ -252,54 +250,31 @@ def make_run(setup: Setup, decay: float, momentum: float, num_classes: int):
 
 
 def run_many(setup: Setup, decay: float, momentum: float, num_classes: int,
-             learning_rates: Sequence[float], clips: Sequence[float],
-             seeds: Sequence[int], data: Data) -> Tuple[np.ndarray,
-                                                        np.ndarray]:
-  """Runs every (learning rate, clip) x seed as one vmapped program.
+             grid: Dict[str, Sequence[float]], seeds: Sequence[int],
+             data: Data, name: str) -> sweeps.SweepResult:
+  """Runs every grid point x seed as one vmapped program (`sweeps`).
 
   Args:
     setup: the algorithm's fixed pieces.
     decay: c.
     momentum: SGD momentum.
     num_classes: number of classes.
-    learning_rates: one per setting.
-    clips: one per setting (same length as `learning_rates`).
-    seeds: the seeds, run for every setting.
-    data: the device arrays.
+    grid: `{'learning_rate': [...], 'clip': [...]}` (their product is run).
+    seeds: the seeds, run for every grid point.
+    data: the device arrays (an argument of the program, not a constant).
+    name: label of the progress lines.
 
   Returns:
-    `(val accuracy, test accuracy)`, each `[settings, seeds]`.
+    The `sweeps.SweepResult`, metrics `val_accuracy` and `test_accuracy`
+    shaped `[grid points, seeds]`.
   """
-  for value in list(learning_rates) + list(clips):
-    if not (value > 0 and math.isfinite(value)):
-      raise ValueError(f'learning rates and clips must be positive, got '
-                       f'{value!r}')
   run = make_run(setup, decay, momentum, num_classes)
-  over_seeds = jax.vmap(run, in_axes=(None, None, 0, None))
-  over_settings = jax.vmap(over_seeds, in_axes=(0, 0, None, None))
-  val, test = jax.jit(over_settings)(
-      jnp.asarray(learning_rates, jnp.float32),
-      jnp.asarray(clips, jnp.float32), jnp.asarray(seeds, jnp.uint32), data)
-  return np.asarray(val), np.asarray(test)
 
+  def train_fn(hparams, seed, data):
+    val, test = run(hparams['learning_rate'], hparams['clip'], seed, data)
+    return {'val_accuracy': val, 'test_accuracy': test}
 
-def interval(values: np.ndarray, level: float = 0.95) -> Tuple[float, float]:
-  """Mean and half-width of the Student-t confidence interval of the mean."""
-  values = np.asarray(values, np.float64)
-  n = len(values)
-  mean = float(values.mean())
-  if n < 2:
-    return mean, float('nan')
-  half = stats.t.ppf(0.5 + level / 2, n - 1) * values.std(ddof=1) / math.sqrt(n)
-  return mean, float(half)
-
-
-def tuning_grid(algorithm: str, config: ml_collections.ConfigDict
-                ) -> List[Tuple[float, float, float]]:
-  """(learning rate, clip, c) settings tried for `algorithm`."""
-  decays = config.decays if algorithm.startswith('srg') else (0.0,)
-  clips = config.clips if algorithm != 'nonprivate' else (1.0,)
-  return list(itertools.product(config.learning_rates, clips, decays))
+  return sweeps.run_sweep(train_fn, grid, seeds, data=data, name=name)
 
 
 def tune_and_run(algorithm: str, config: ml_collections.ConfigDict,
@@ -315,48 +290,41 @@ def tune_and_run(algorithm: str, config: ml_collections.ConfigDict,
   Returns:
     A dict with the chosen setting, the tuning table and the final runs.
   """
-  grid = tuning_grid(algorithm, config)
+  decays = config.decays if algorithm.startswith('srg') else (0.0,)
+  grid = {'learning_rate': list(config.learning_rates),
+          'clip': list(config.clips) if algorithm != 'nonprivate' else [1.0]}
   tuning_seeds = [10_000 + s for s in range(config.tuning_seeds)]
   num_train = int(data.train_y.shape[0])
   tuning_rows, best = [], None
   start = time.time()
-  for decay in sorted({c for _, _, c in grid}):
+  for decay in decays:
     setup = make_setup(algorithm, config, num_train, decay)
-    settings = [(lr, clip) for lr, clip, c in grid if c == decay]
-    val, _ = run_many(setup, decay, config.momentum, num_classes,
-                      [lr for lr, _ in settings], [c for _, c in settings],
-                      tuning_seeds, data)
-    for (lr, clip), scores in zip(settings, val):
-      mean = float(scores.mean())
-      tuning_rows.append({'algorithm': algorithm, 'learning_rate': lr,
-                          'clip': clip, 'decay': decay,
-                          'val_accuracy': mean})
+    result = run_many(setup, decay, config.momentum, num_classes, grid,
+                      tuning_seeds, data, f'{algorithm} tuning c={decay:.3g}')
+    for g in range(result.num_points):
+      point = result.point(g)
+      mean = float(result.metrics['val_accuracy'][g].mean())
+      tuning_rows.append(dict(algorithm=algorithm, decay=decay,
+                              val_accuracy=mean, **point))
       if best is None or mean > best[0]:
-        best = (mean, lr, clip, decay, setup)
-  _, lr, clip, decay, setup = best
-  logging.info('%s: tuned in %.0f s: lr %g, clip %g, c %g (val %.4f)',
-               algorithm, time.time() - start, lr, clip, decay, best[0])
-  seeds = list(range(config.num_seeds))
-  _, test = run_many(setup, decay, config.momentum, num_classes, [lr], [clip],
-                     seeds, data)
-  mean, half = interval(test[0])
+        best = (mean, point, decay, setup)
+  val_mean, point, decay, setup = best
+  logging.info('%s: tuned in %.0f s: %s, c %g (val %.4f)', algorithm,
+               time.time() - start, point, decay, val_mean)
+  final = run_many(setup, decay, config.momentum, num_classes,
+                   {k: [v] for k, v in point.items()},
+                   range(config.num_seeds), data, f'{algorithm} final')
+  test = final.metrics['test_accuracy'][0]
+  mean, _, _, half = sweeps.mean_and_interval(test)
   logging.info('%s: test accuracy %.4f +- %.4f over %d seeds (eps %s)',
-               algorithm, mean, half, len(seeds), setup.epsilon)
-  return {'algorithm': algorithm, 'learning_rate': lr, 'clip': clip,
+               algorithm, mean, half, len(test), setup.epsilon)
+  return {'algorithm': algorithm, 'learning_rate': point['learning_rate'],
+          'clip': point['clip'],
           'decay': decay if algorithm.startswith('srg') else '',
           'noise_multiplier': setup.noise_multiplier,
           'epsilon_spent': setup.epsilon if setup.epsilon is not None else '',
-          'num_seeds': len(seeds), 'mean_test_accuracy': mean,
-          'ci95': half, 'runs': test[0].tolist(), 'tuning': tuning_rows}
-
-
-def write_csv(path: str, rows: List[Dict[str, Any]]) -> None:
-  """Writes dict rows with the union of their keys as columns."""
-  columns = list(dict.fromkeys(k for row in rows for k in row))
-  with open(path, 'w', newline='') as f:
-    writer = csv.DictWriter(f, columns)
-    writer.writeheader()
-    writer.writerows(rows)
+          'num_seeds': len(test), 'mean_test_accuracy': float(mean),
+          'ci95': float(half), 'runs': test.tolist(), 'tuning': tuning_rows}
 
 
 def format_results(config: ml_collections.ConfigDict,
@@ -417,12 +385,12 @@ def run(config: ml_collections.ConfigDict, output_dir: str
                data.test_y.shape[0], data.train_x.shape[1])
   results = [tune_and_run(a, config, data, num_classes)
              for a in config.algorithms]
-  write_csv(os.path.join(output_dir, 'results.csv'),
+  outputs.write_csv(os.path.join(output_dir, 'results.csv'),
             [{k: v for k, v in r.items() if k not in ('runs', 'tuning')}
              for r in results])
-  write_csv(os.path.join(output_dir, 'tuning.csv'),
+  outputs.write_csv(os.path.join(output_dir, 'tuning.csv'),
             [row for r in results for row in r['tuning']])
-  write_csv(os.path.join(output_dir, 'runs.csv'),
+  outputs.write_csv(os.path.join(output_dir, 'runs.csv'),
             [{'algorithm': r['algorithm'], 'seed': s, 'test_accuracy': v}
              for r in results for s, v in enumerate(r['runs'])])
   table = format_results(config, results)

@@ -190,7 +190,8 @@ def grid_points(grid: Mapping[str, np.ndarray]) -> np.ndarray:
 def run_sweep(train_fn: TrainFn, grid: Mapping[str, Sequence[float]],
               seeds: Sequence[int], *, max_parallel: Optional[int] = None,
               positive: Sequence[str] = POSITIVE_HPARAMS,
-              dtype: Any = jnp.float32, name: str = 'sweep') -> SweepResult:
+              dtype: Any = jnp.float32, name: str = 'sweep',
+              data: Any = None) -> SweepResult:
   """Runs `train_fn` on every (grid point, seed) as one vmapped program.
 
   The `num_points * num_seeds` runs are laid out point-major, cut into chunks
@@ -216,6 +217,10 @@ def run_sweep(train_fn: TrainFn, grid: Mapping[str, Sequence[float]],
     positive: grid names whose values must be > 0.
     dtype: dtype of the hyperparameter scalars.
     name: prefix of the progress log lines.
+    data: optional pytree of arrays shared by every run (e.g. the data
+      set). It is passed to the compiled program as an argument, called as
+      `train_fn(hparams, seed, data)`: a large data set closed over by
+      `train_fn` would be baked into the program as a constant instead.
 
   Returns:
     A `SweepResult` with metrics shaped `[num_points, num_seeds, ...]`.
@@ -254,8 +259,14 @@ def run_sweep(train_fn: TrainFn, grid: Mapping[str, Sequence[float]],
     window = slice(c * chunk, (c + 1) * chunk)
     return {n: v[window] for n, v in hparams.items()}, run_seeds[window]
 
+  if data is None:
+    program = jax.vmap(train_fn)
+    shared = ()
+  else:
+    program = jax.vmap(train_fn, in_axes=(0, 0, None))
+    shared = (data,)
   start = time.perf_counter()
-  compiled = jax.jit(jax.vmap(train_fn)).lower(*chunk_inputs(0)).compile()
+  compiled = jax.jit(program).lower(*chunk_inputs(0), *shared).compile()
   compile_seconds = time.perf_counter() - start
   logging.info('%s: %d grid points x %d seeds = %d runs in %d chunk(s) of %d; '
                'compiled in %.1f s', name, num_points, num_seeds, num_runs,
@@ -265,7 +276,7 @@ def run_sweep(train_fn: TrainFn, grid: Mapping[str, Sequence[float]],
   start = time.perf_counter()
   pieces = []
   for c in range(num_chunks):
-    out = jax.block_until_ready(compiled(*chunk_inputs(c)))
+    out = jax.block_until_ready(compiled(*chunk_inputs(c), *shared))
     # Only host copies are kept: device memory stays one chunk's worth.
     pieces.append(jax.tree_util.tree_map(np.asarray, out))
     progress.update(c + 1)

@@ -65,6 +65,30 @@ def test_sweep_equals_each_run_alone(toy_result):
                                    rtol=1e-5, atol=1e-6)
 
 
+def test_shared_data_is_an_argument_not_a_constant(toy_result):
+  """`data=` gives the same runs as closing over the same arrays."""
+  target = jnp.array([1.0, -2.0, 3.0])
+
+  def using_data(hparams, seed, data):
+    key = jax.random.key(seed)
+
+    def step(x, t):
+      grad = x - data['target']
+      grad = grad * jnp.minimum(1.0, hparams['clip'] / jnp.linalg.norm(grad))
+      noise = jax.random.normal(jax.random.fold_in(key, t), (3,))
+      x = x - hparams['learning_rate'] * (grad + 0.1 * hparams['clip'] *
+                                          noise)
+      return x, jnp.sum((x - data['target']) ** 2)
+
+    _, curve = jax.lax.scan(step, jnp.zeros(3), jnp.arange(NUM_STEPS))
+    return {'loss': curve[-1]}
+
+  shared = sweeps.run_sweep(using_data, GRID, SEEDS,
+                            data={'target': target}, max_parallel=5)
+  np.testing.assert_allclose(shared.metrics['loss'],
+                             toy_result.metrics['loss'], rtol=1e-5, atol=1e-6)
+
+
 def test_seeds_and_points_give_different_runs(toy_result):
   loss = toy_result.metrics['loss']
   assert len(np.unique(np.round(loss, 6))) == loss.size
