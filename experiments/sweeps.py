@@ -11,7 +11,8 @@ one training run is a pure function of its hyperparameters and its seed,
 
 all runs share their shapes, and `run_sweep` compiles `jax.vmap(train_fn)`
 once and runs them together (in chunks of `max_parallel` runs to cap
-memory), which on a CPU is much faster than a Python loop of runs (see
+memory; a chunk's runs are spread over all local devices when their number
+divides it, see `run_sharding`), which on a CPU is much faster than a Python loop of runs (see
 `benchmarks/sweep_vs_loop.py`):
 
     result = run_sweep(train_fn, {'learning_rate': [0.1, 0.3, 1.0],
@@ -187,6 +188,27 @@ def grid_points(grid: Mapping[str, np.ndarray]) -> np.ndarray:
                   dtype=np.float64).reshape(-1, len(grid))
 
 
+def run_sharding(num_runs: int) -> Optional[jax.sharding.NamedSharding]:
+  """Spreads the runs of a chunk over every local device, when they divide.
+
+  The same program then uses one CPU, or all the GPUs / TPU cores of the
+  machine, without code changes: runs are independent, so splitting the
+  run axis needs no communication.
+
+  Args:
+    num_runs: runs in one compiled call.
+
+  Returns:
+    A sharding of the leading (run) axis over a 1-D mesh of the local
+    devices, or None with one device or when they do not divide the runs.
+  """
+  devices = jax.local_devices()
+  if len(devices) < 2 or num_runs % len(devices):
+    return None
+  mesh = jax.sharding.Mesh(np.asarray(devices), ('runs',))
+  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('runs'))
+
+
 def run_sweep(train_fn: TrainFn, grid: Mapping[str, Sequence[float]],
               seeds: Sequence[int], *, max_parallel: Optional[int] = None,
               positive: Sequence[str] = POSITIVE_HPARAMS,
@@ -255,9 +277,14 @@ def run_sweep(train_fn: TrainFn, grid: Mapping[str, Sequence[float]],
              for i, n in enumerate(names)}
   run_seeds = run_seeds.astype(np.int32)
 
+  sharding = run_sharding(chunk)
+
   def chunk_inputs(c: int):
     window = slice(c * chunk, (c + 1) * chunk)
-    return {n: v[window] for n, v in hparams.items()}, run_seeds[window]
+    inputs = ({n: v[window] for n, v in hparams.items()}, run_seeds[window])
+    if sharding is None:
+      return inputs
+    return jax.device_put(inputs, sharding)
 
   if data is None:
     program = jax.vmap(train_fn)

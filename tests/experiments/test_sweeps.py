@@ -209,3 +209,13 @@ def test_best_skips_nan_rows():
   assert sweeps.best(rows)['mean'] == 0.5
   with pytest.raises(ValueError, match='finite'):
     sweeps.best([{'mean': float('nan')}])
+
+
+def test_runs_spread_over_the_devices_give_the_same_results(toy_result):
+  # 8 test devices (tests/conftest.py): a chunk of 8 runs is split over them.
+  assert sweeps.run_sharding(8) is not None
+  assert sweeps.run_sharding(6) is None
+  spread = sweeps.run_sweep(_toy_train_fn, GRID, SEEDS + [3, 5], max_parallel=8)
+  assert spread.chunk_size == 8
+  np.testing.assert_allclose(spread.metrics['loss'][:, :3],
+                             toy_result.metrics['loss'], rtol=1e-5, atol=1e-6)
