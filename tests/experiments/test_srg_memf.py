@@ -81,3 +81,13 @@ def test_validation_split_is_refused_when_it_eats_the_data():
   train = {'x': np.zeros((10, 2)), 'y': np.zeros(10, np.int32)}
   with pytest.raises(ValueError, match='validation_size'):
     srg_memf.split_validation(train, 10, 0)
+
+
+@pytest.mark.parametrize('name', ['srg_memf_mnist', 'srg_memf_cifar10'])
+def test_paper_data_configs_ask_for_the_files(name):
+  module = __import__(f'configs.{name}', fromlist=['get_config'])
+  config = module.get_config()
+  assert config.batch_size == 500 and config.delta == 1e-6
+  assert (config.num_epochs, config.epsilon) in ((1, 0.1), (6, 2.0))
+  with pytest.raises(ValueError, match='data_path'):
+    srg_memf.load_data(config)
