@@ -14,6 +14,12 @@ is computed for the batches it actually used:
 
 `fixed_order_guard` checks, inside the training step, that batches really
 come in the fixed order a `FixedOrder` accounting claims.
+
+Every sampler is deterministic given its seed and can resume mid-run:
+`sampler.iterate(start_step=k)` yields exactly the batches `k, k + 1, ...`
+that iterating from the start would have yielded (what a run restored from a
+checkpoint at step k needs, see `dpsco_jax.checkpoint`), and the epoch
+samplers also give any single batch with `batch_at(step)`.
 """
 
 import dataclasses
@@ -67,6 +73,68 @@ class _EpochBatches:
     used = self.steps_per_epoch * self.batch_size
     return order[:used].reshape(self.steps_per_epoch, self.batch_size)
 
+  def _epoch_batches(self, epoch: int) -> np.ndarray:
+    """`[steps_per_epoch, batch_size]` indices of epoch `epoch`."""
+    raise NotImplementedError
+
+  def iterate(self, start_step: int = 0) -> Iterator[np.ndarray]:
+    """The batches from `start_step` on, as iterating from 0 would give them.
+
+    Example:
+      >>> batches = FixedOrderBatches(1000, batch_size=100, num_epochs=2)
+      >>> rest = list(batches.iterate(start_step=15))  # steps 15..19
+
+    Args:
+      start_step: the first step to yield, in `[0, num_steps]` (`num_steps`
+        yields nothing: the run is over).
+
+    Returns:
+      An iterator over `[batch_size]` int arrays of example indices.
+
+    Raises:
+      ValueError: if `start_step` is out of range.
+    """
+    start_step = _check_start_step(start_step, self.num_steps)
+    first_epoch, position = divmod(start_step, self.steps_per_epoch)
+    for epoch in range(first_epoch, self.num_epochs):
+      batches = self._epoch_batches(epoch)
+      yield from batches[position if epoch == first_epoch else 0:]
+
+  def batch_at(self, step: int) -> np.ndarray:
+    """The batch of step `step` (0-indexed), as iterating would yield it.
+
+    Example:
+      >>> FixedOrderBatches(1000, batch_size=100).batch_at(3)
+
+    Args:
+      step: in `[0, num_steps)`.
+
+    Returns:
+      `[batch_size]` int array of example indices.
+
+    Raises:
+      ValueError: if `step` is out of range.
+    """
+    step = _check_start_step(step, self.num_steps - 1)
+    epoch, position = divmod(step, self.steps_per_epoch)
+    return self._epoch_batches(epoch)[position]
+
+  def __iter__(self) -> Iterator[np.ndarray]:
+    return self.iterate()
+
+
+def _check_start_step(start_step: int, largest: int) -> int:
+  """`start_step` as an int in `[0, largest]`, or a ValueError."""
+  try:
+    integral = (not isinstance(start_step, bool) and
+                int(start_step) == start_step)
+  except (TypeError, ValueError):
+    integral = False
+  if not integral or not 0 <= start_step <= largest:
+    raise ValueError(f'step must be an integer in [0, {largest}], got '
+                     f'{start_step!r}')
+  return int(start_step)
+
 
 @dataclasses.dataclass(frozen=True)
 class FixedOrderBatches(_EpochBatches):
@@ -90,15 +158,14 @@ class FixedOrderBatches(_EpochBatches):
   def participation(self) -> accounting.FixedOrder:
     return accounting.FixedOrder(self.num_epochs, self.steps_per_epoch)
 
-  def __iter__(self) -> Iterator[np.ndarray]:
+  def _epoch_batches(self, epoch: int) -> np.ndarray:
+    del epoch  # The same order every epoch.
     if self.order_seed is None:
       order = np.arange(self.num_examples)
     else:
       order = np.random.default_rng(self.order_seed).permutation(
           self.num_examples)
-    batches = self._batches_of(order)
-    for _ in range(self.num_epochs):
-      yield from batches
+    return self._batches_of(order)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,10 +188,40 @@ class ShuffledBatches(_EpochBatches):
   def participation(self) -> accounting.Shuffled:
     return accounting.Shuffled(self.num_epochs, self.steps_per_epoch)
 
-  def __iter__(self) -> Iterator[np.ndarray]:
+  def _epoch_batches(self, epoch: int) -> np.ndarray:
+    # Epoch e's permutation is the (e+1)-th draw of one generator, as when
+    # iterating from the start: redraw the earlier ones (one permutation per
+    # epoch, cheap next to the training they stand for).
     rng = np.random.default_rng(self.seed)
-    for _ in range(self.num_epochs):
-      yield from self._batches_of(rng.permutation(self.num_examples))
+    for _ in range(epoch):
+      rng.permutation(self.num_examples)
+    return self._batches_of(rng.permutation(self.num_examples))
+
+  def iterate(self, start_step: int = 0) -> Iterator[np.ndarray]:
+    """The batches from `start_step` on, as iterating from 0 would give them.
+
+    Example:
+      >>> batches = ShuffledBatches(1000, batch_size=100, num_epochs=3, seed=0)
+      >>> rest = list(batches.iterate(start_step=15))  # steps 15..29
+
+    Args:
+      start_step: the first step to yield, in `[0, num_steps]`.
+
+    Returns:
+      An iterator over `[batch_size]` int arrays of example indices.
+
+    Raises:
+      ValueError: if `start_step` is out of range.
+    """
+    start_step = _check_start_step(start_step, self.num_steps)
+    first_epoch, position = divmod(start_step, self.steps_per_epoch)
+    rng = np.random.default_rng(self.seed)
+    for epoch in range(self.num_epochs):
+      # Every epoch's permutation is drawn, skipped ones included, so the
+      # generator is where it would be without the interruption.
+      batches = self._batches_of(rng.permutation(self.num_examples))
+      if epoch >= first_epoch:
+        yield from batches[position if epoch == first_epoch else 0:]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,8 +282,35 @@ class PoissonBatches:
                                       self.num_steps)
 
   def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    return self.iterate()
+
+  def iterate(self, start_step: int = 0
+              ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """The batches from `start_step` on, as iterating from 0 would give them.
+
+    The skipped steps' draws are made and discarded (`num_examples` uniforms
+    per step), so the generator continues exactly where an uninterrupted
+    run's would: resumed batches are the same batches, not fresh ones that
+    could coincide with earlier draws.
+
+    Example:
+      >>> batches = PoissonBatches(1000, 0.1, num_steps=50, seed=0)
+      >>> for indices, mask in batches.iterate(start_step=20): ...
+
+    Args:
+      start_step: the first step to yield, in `[0, num_steps]`.
+
+    Returns:
+      An iterator over `(indices, mask)` pairs (see the class docstring).
+
+    Raises:
+      ValueError: if `start_step` is out of range.
+    """
+    start_step = _check_start_step(start_step, self.num_steps)
     rng = np.random.default_rng(self.seed)
-    for _ in range(self.num_steps):
+    for _ in range(start_step):
+      rng.random(self.num_examples)
+    for _ in range(start_step, self.num_steps):
       chosen = np.flatnonzero(
           rng.random(self.num_examples) < self.sampling_probability)
       size = max(1, -(-len(chosen) // self.pad_to_multiple)) * (

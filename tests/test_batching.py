@@ -61,3 +61,48 @@ def test_poisson_batches_are_independent_bernoulli_with_padding():
 def test_bad_sampler_arguments(make):
   with pytest.raises(ValueError):
     make()
+
+
+def test_samplers_resume_where_they_stopped():
+  samplers = [
+      batching.FixedOrderBatches(50, 8, num_epochs=3, order_seed=2),
+      batching.ShuffledBatches(50, 8, num_epochs=3, seed=2),
+  ]
+  for sampler in samplers:
+    full = list(sampler)
+    for start in (0, 1, 6, 7, 17, 18):
+      rest = list(sampler.iterate(start_step=start))
+      assert len(rest) == len(full) - start
+      for a, b in zip(rest, full[start:]):
+        np.testing.assert_array_equal(a, b)
+    for step in (0, 5, 6, 17):
+      np.testing.assert_array_equal(sampler.batch_at(step), full[step])
+    with pytest.raises(ValueError):
+      sampler.batch_at(18)
+  poisson = batching.PoissonBatches(40, 0.2, 9, seed=5)
+  full = list(poisson)
+  for start in (0, 4, 9):
+    rest = list(poisson.iterate(start))
+    assert len(rest) == 9 - start
+    for (a, m), (b, n) in zip(rest, full[start:]):
+      np.testing.assert_array_equal(a, b)
+      np.testing.assert_array_equal(m, n)
+  for bad in (-1, 10, 1.5):
+    with pytest.raises(ValueError):
+      list(poisson.iterate(bad))
+
+
+def test_iteration_draws_the_same_stream_as_one_generator_per_run():
+  # The resumable iterators must keep the data order a run always had: one
+  # generator per run, one permutation per epoch / n uniforms per step.
+  rng = np.random.default_rng(3)
+  expected = [rng.permutation(50)[:48].reshape(6, 8) for _ in range(3)]
+  got = list(batching.ShuffledBatches(50, 8, num_epochs=3, seed=3))
+  np.testing.assert_array_equal(np.stack(got), np.concatenate(expected))
+  order = np.random.default_rng(4).permutation(50)[:48].reshape(6, 8)
+  got = list(batching.FixedOrderBatches(50, 8, num_epochs=2, order_seed=4))
+  np.testing.assert_array_equal(np.stack(got), np.concatenate([order, order]))
+  rng = np.random.default_rng(5)
+  for indices, mask in batching.PoissonBatches(40, 0.2, 9, seed=5):
+    np.testing.assert_array_equal(indices[mask],
+                                  np.flatnonzero(rng.random(40) < 0.2))
