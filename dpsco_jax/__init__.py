@@ -18,11 +18,14 @@ The curated public API. Modules, one concern each:
 * `dpsco_jax.parallel`: cross-device sums and the replicated-key check;
 * `dpsco_jax.guards`: refusals that hold inside compiled steps;
 * `dpsco_jax.batching`: batch formation matching the accounting, and the
-  in-step check of a fixed batch order.
+  in-step check of a fixed batch order;
+* `dpsco_jax.checkpoint`: checkpoint and resume with a privacy ledger, and
+  releases that hold only what is safe to publish.
 """
 
 from dpsco_jax import accounting
 from dpsco_jax import batching
+from dpsco_jax import checkpoint
 from dpsco_jax import clipping
 from dpsco_jax import estimators
 from dpsco_jax import guards
@@ -82,6 +85,7 @@ from dpsco_jax.strategies import workload
 __all__ = (
     'accounting',
     'batching',
+    'checkpoint',
     'clipping',
     'estimators',
     'guards',

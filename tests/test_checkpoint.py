@@ -62,6 +62,14 @@ def _setup(name, *, key=KEY, noise_multiplier=1.5, num_steps=NUM_STEPS):
     private = dpsco_jax.dpftrl(_loss, num_steps=num_steps, restart_every=6,
                                honaker=True, **common)
     mechanism = dpsco_jax.dpftrl_mechanism(num_steps, 6, honaker=True)
+  elif name == 'dp_srg_memf':
+    # A recursive state: the previous params and the decayed gradient.
+    strategy = strategies.optimize_strategy(
+        strategies.workload(num_steps, 'true', momentum=0.9, decay=0.1),
+        EPOCHS)
+    private = dpsco_jax.dp_srg_memf(_loss, strategy=strategy,
+                                    steps_per_epoch=6, decay=0.1, **common)
+    mechanism = dpsco_jax.dpmemf_mechanism(strategy)
   else:
     strategy = strategies.optimize_strategy(
         strategies.workload(num_steps, 'true', momentum=0.9), EPOCHS)
@@ -113,7 +121,7 @@ def _assert_identical(a, b):
     assert _leaf_bytes(x) == _leaf_bytes(y)
 
 
-@pytest.mark.parametrize('name', ['dpsgd', 'dpftrl', 'dpmemf'])
+@pytest.mark.parametrize('name', ['dpsgd', 'dpftrl', 'dpmemf', 'dp_srg_memf'])
 def test_opt_state_round_trips_bit_for_bit(tmp_path, name):
   tx, _, ledger, sampler = _setup(name)
   params, state = _train(tx, _params(), tx.init(_params()), sampler, 0, 7)
