@@ -33,7 +33,8 @@ data passed as an argument (not baked into the program).
 
 Writes `results.csv` (one row per algorithm: setting, mean, interval),
 `tuning.csv` (every validation score), `runs.csv` (every final run),
-`results.md` and `accuracy.png` to `--output_dir`.
+`results.md`, `accuracy.png` and `run_record.json` (config, dp_accounting
+events, epsilon spent, versions, wall time) to `--output_dir`.
 """
 
 import os
@@ -316,6 +317,13 @@ def tune_and_run(algorithm: str, config: ml_collections.ConfigDict,
                    range(config.num_seeds), data, f'{algorithm} final')
   test = final.metrics['test_accuracy'][0]
   mean, _, _, half = sweeps.mean_and_interval(test)
+  privacy = None
+  if setup.strategy is not None:
+    privacy = outputs.privacy_entry(
+        algorithm, dpsco_jax.dpmemf_mechanism(setup.strategy),
+        setup.noise_multiplier,
+        accounting.FixedOrder(setup.num_epochs, setup.steps_per_epoch),
+        config.delta, target_epsilon=config.epsilon, method='zcdp')
   logging.info('%s: test accuracy %.4f +- %.4f over %d seeds (eps %s)',
                algorithm, mean, half, len(test), setup.epsilon)
   return {'algorithm': algorithm, 'learning_rate': point['learning_rate'],
@@ -324,7 +332,8 @@ def tune_and_run(algorithm: str, config: ml_collections.ConfigDict,
           'noise_multiplier': setup.noise_multiplier,
           'epsilon_spent': setup.epsilon if setup.epsilon is not None else '',
           'num_seeds': len(test), 'mean_test_accuracy': float(mean),
-          'ci95': float(half), 'runs': test.tolist(), 'tuning': tuning_rows}
+          'ci95': float(half), 'runs': test.tolist(), 'tuning': tuning_rows,
+          'privacy': privacy}
 
 
 def format_results(config: ml_collections.ConfigDict,
@@ -378,6 +387,7 @@ def run(config: ml_collections.ConfigDict, output_dir: str
     One result dict per algorithm.
   """
   os.makedirs(output_dir, exist_ok=True)
+  start = time.time()
   data = load_data(config)
   num_classes = int(max(int(data.train_y.max()), int(data.test_y.max())) + 1)
   logging.info('%s: %d train, %d validation, %d test examples, %d features',
@@ -386,8 +396,8 @@ def run(config: ml_collections.ConfigDict, output_dir: str
   results = [tune_and_run(a, config, data, num_classes)
              for a in config.algorithms]
   outputs.write_csv(os.path.join(output_dir, 'results.csv'),
-            [{k: v for k, v in r.items() if k not in ('runs', 'tuning')}
-             for r in results])
+            [{k: v for k, v in r.items()
+              if k not in ('runs', 'tuning', 'privacy')} for r in results])
   outputs.write_csv(os.path.join(output_dir, 'tuning.csv'),
             [row for r in results for row in r['tuning']])
   outputs.write_csv(os.path.join(output_dir, 'runs.csv'),
@@ -397,6 +407,12 @@ def run(config: ml_collections.ConfigDict, output_dir: str
   with open(os.path.join(output_dir, 'results.md'), 'w') as f:
     f.write(table)
   plot(os.path.join(output_dir, 'accuracy.png'), results)
+  outputs.write_json(
+      os.path.join(output_dir, 'run_record.json'),
+      outputs.run_record(config,
+                         privacy=[r['privacy'] for r in results
+                                  if r['privacy'] is not None],
+                         wall_seconds=time.time() - start))
   print(table)
   return results
 

@@ -1,5 +1,6 @@
 """The paper 001 §5 experiment: end to end, and its scan is the library's path."""
 
+import json
 import os
 
 import jax
@@ -28,7 +29,7 @@ def test_end_to_end_writes_the_table(tmp_path):
   config = tiny_config()
   results = srg_memf.run(config, str(tmp_path))
   for name in ('results.csv', 'tuning.csv', 'runs.csv', 'results.md',
-               'accuracy.png'):
+               'accuracy.png', 'run_record.json'):
     assert os.path.getsize(tmp_path / name) > 0
   by_name = {r['algorithm']: r for r in results}
   assert set(by_name) == set(config.algorithms)
@@ -37,6 +38,11 @@ def test_end_to_end_writes_the_table(tmp_path):
     assert by_name[name]['epsilon_spent'] <= config.epsilon * (1 + 1e-9)
     assert 0.1 < by_name[name]['mean_test_accuracy'] < 1.0
   assert by_name['nonprivate']['mean_test_accuracy'] > 0.8
+  record = json.loads((tmp_path / 'run_record.json').read_text())
+  (entry,) = record['privacy']
+  assert entry['name'] == 'srg_true'
+  assert entry['epsilon_spent'] <= config.epsilon * (1 + 1e-9)
+  assert entry['accounting_method'] == 'zcdp'
   text = (tmp_path / 'results.md').read_text()
   assert 'srg_true' in text and '+-' in text
 
