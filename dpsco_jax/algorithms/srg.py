@@ -165,6 +165,52 @@ def srg_gradient(
       neither `num_steps` nor `mechanism`.
   """
   mechanism = _prefix_mechanism(mechanism, num_steps)
+
+  def coefficients(step):
+    # eta_t grad f(x_t, d) - eta_{t-1} grad f(x_{t-1}, d), eta_t = t + 1.
+    return step + 1.0, step
+
+  def recursion(step, grad, total, divisor, noise_state, stddev):
+    eta = step + 1.0
+    # Clean normalized prefix sum G_t / eta_t; the noise is on G_t, i.e.
+    # stddev * xi_t / (B eta_t) on the normalized value, never fed back.
+    grad = jax.tree_util.tree_map(
+        lambda g, s: (step / eta) * g + s / (divisor * eta), grad, total)
+    noisy, noise_state = estimators.add_noise(
+        grad, noise_state, mechanism, stddev / (divisor * eta),
+        axis_name=axis_name)
+    return noisy, grad, noise_state
+
+  return _recursive_gradient(
+      SrgGradientState, coefficients, recursion, loss_fn, mechanism=mechanism,
+      l2_clip=l2_clip, noise_multiplier=noise_multiplier, key=key,
+      neighboring_relation=neighboring_relation, normalize_by=normalize_by,
+      microbatch_size=microbatch_size, axis_name=axis_name)
+
+
+def _recursive_gradient(
+    state_class, coefficients, recursion, loss_fn: LossFn, *,
+    mechanism: noise.NoiseMechanism, l2_clip: float, noise_multiplier: float,
+    key: estimators.KeyLike,
+    neighboring_relation: neighboring.NeighboringRelation,
+    normalize_by: Optional[float], microbatch_size: Optional[int],
+    axis_name: Optional[str]) -> optax.GradientTransformationExtraArgs:
+  """The estimator shared by Algorithms 1 and 3: clipped differences, then a
+  recursion that says where the noise goes.
+
+  Args:
+    state_class: `SrgGradientState` or `SrgMemfState` (same fields).
+    coefficients: `step -> (a_t, b_t)`: each example contributes
+      `clip(a_t grad f(x_t, d) - b_t grad f(x_{t-1}, d))`.
+    recursion: `(step, grad, total, divisor, noise_state, stddev) ->
+      (output, new grad, noise_state)`, with `total` the clipped sum over
+      every device and `stddev` the noise std on one step's sum.
+    loss_fn, mechanism, l2_clip, noise_multiplier, key, neighboring_relation,
+      normalize_by, microbatch_size, axis_name: as in `srg_gradient`.
+
+  Returns:
+    The transformation.
+  """
   statistic = clipping.clipped_grad_difference_sum(
       loss_fn, l2_clip, microbatch_size=microbatch_size)
   noise_multiplier = estimators.validate_noise_multiplier(noise_multiplier)
@@ -174,7 +220,7 @@ def srg_gradient(
 
   def init_fn(params):
     estimators.check_params(params)
-    return SrgGradientState(
+    return state_class(
         count=jnp.zeros([], jnp.int32), prev_params=params,
         grad=_float_zeros_like(params), noise=mechanism.init(params, key))
 
@@ -185,19 +231,16 @@ def srg_gradient(
     divisor = estimators.public_batch_size(batch, batch_mask, normalize_by,
                                            axis_name)
     step = state.count.astype(jnp.float32)
-    eta = step + 1.0
+    a, b = coefficients(step)
     clipped = statistic(batch, parallel.per_device(params, axis_name),
                         parallel.per_device(state.prev_params, axis_name),
-                        eta, step, mask=batch_mask)
+                        a, b, mask=batch_mask)
     total = parallel.psum(clipped.sum, axis_name)
-    grad = jax.tree_util.tree_map(
-        lambda g, s: (step / eta) * g + s / (divisor * eta), state.grad, total)
-    noisy, noise_state = estimators.add_noise(
-        grad, state.noise, mechanism, stddev / (divisor * eta),
-        axis_name=axis_name)
-    new_state = SrgGradientState(count=state.count + 1, prev_params=params,
-                                 grad=grad, noise=noise_state)
-    return estimators.cast_like(noisy, params), new_state
+    output, grad, noise_state = recursion(step, state.grad, total, divisor,
+                                          state.noise, stddev)
+    new_state = state_class(count=state.count + 1, prev_params=params,
+                            grad=grad, noise=noise_state)
+    return estimators.cast_like(output, params), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -691,38 +734,26 @@ def dp_srg_memf(
     raise ValueError(
         f'the strategy covers {mechanism.num_steps} steps, not a whole number '
         f'of epochs of {steps_per_epoch} steps')
-  statistic = clipping.clipped_grad_difference_sum(
-      loss_fn, l2_clip, microbatch_size=microbatch_size)
-  noise_multiplier = estimators.validate_noise_multiplier(noise_multiplier)
-  stddev = noise_multiplier * statistic.sensitivity(neighboring_relation)
-  key = estimators.as_key(key)
-  estimators.validate_normalize_by(normalize_by)
 
-  def init_fn(params):
-    estimators.check_params(params)
-    return SrgMemfState(
-        count=jnp.zeros([], jnp.int32), prev_params=params,
-        grad=_float_zeros_like(params), noise=mechanism.init(params, key))
+  def coefficients(step):
+    # c_0 = 0: the first step is a plain clipped gradient (DP-MEMF's).
+    return 1.0, jnp.where(step == 0, 0.0, decay)
 
-  def update_fn(updates, state, params=None, *, batch=None, batch_mask=None,
-                **extra_args):
-    del updates, extra_args
-    estimators.check_params(params)
-    divisor = estimators.public_batch_size(batch, batch_mask, normalize_by,
-                                           axis_name)
-    c_t = jnp.where(state.count == 0, 0.0, decay)
-    clipped = statistic(batch, parallel.per_device(params, axis_name),
-                        parallel.per_device(state.prev_params, axis_name),
-                        1.0, c_t, mask=batch_mask)
-    fresh, noise_state = estimators.privatize_sum(
-        clipped, state.noise, mechanism, stddev, normalize_by=divisor,
+  def recursion(step, grad, total, divisor, noise_state, stddev):
+    # The noise is added ONCE, to this step's fresh sum, then decays with
+    # the recursion (001 Alg 3 line 7 as printed would add it again).
+    fresh, noise_state = estimators.add_noise(
+        total, noise_state, mechanism, stddev, normalize_by=divisor,
         axis_name=axis_name)
-    grad = jax.tree_util.tree_map(lambda g, f: c_t * g + f, state.grad, fresh)
-    new_state = SrgMemfState(count=state.count + 1, prev_params=params,
-                             grad=grad, noise=noise_state)
-    return estimators.cast_like(grad, params), new_state
+    c_t = jnp.where(step == 0, 0.0, decay)
+    grad = jax.tree_util.tree_map(lambda g, f: c_t * g + f, grad, fresh)
+    return grad, grad, noise_state
 
-  estimator = optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  estimator = _recursive_gradient(
+      SrgMemfState, coefficients, recursion, loss_fn, mechanism=mechanism,
+      l2_clip=l2_clip, noise_multiplier=noise_multiplier, key=key,
+      neighboring_relation=neighboring_relation, normalize_by=normalize_by,
+      microbatch_size=microbatch_size, axis_name=axis_name)
   if not check_order:
     return estimator
   return optax.chain(
