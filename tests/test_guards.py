@@ -34,3 +34,25 @@ def test_traced_true_poisons_and_raises():
     assert all(bool(jnp.all(jnp.isnan(leaf)))
                for leaf in jax.tree_util.tree_leaves(poisoned))
     jax.effects_barrier()
+
+
+def test_under_vmap_one_host_call_per_step_for_all_runs(monkeypatch):
+  """A sweep of 64 vmapped runs must not make 64 host round trips a step."""
+  calls = []
+  original = guards._raise_if  # pylint: disable=protected-access
+
+  def counting(flag, anchor, message):
+    calls.append(np.shape(flag))
+    return original(flag, anchor, message)
+
+  monkeypatch.setattr(guards, '_raise_if', counting)
+
+  def run(limit):
+    return guards.refuse(limit > 100, jnp.ones(3) * limit, 'over the limit')
+
+  out = jax.jit(jax.vmap(run))(jnp.arange(64.0))
+  assert np.all(np.isfinite(np.asarray(out)))
+  assert len(calls) == 1 and calls[0] == (64,)
+  # One lane over its limit: still refused.
+  with pytest.raises(Exception, match='over the limit'):
+    jax.block_until_ready(jax.jit(jax.vmap(run))(jnp.arange(64.0) * 2))
