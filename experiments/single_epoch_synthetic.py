@@ -42,18 +42,6 @@ the steps `Gradtilde / beta` become `s Gradtilde`: the run IS the one with
 test_single_epoch_synthetic.py` checks it against a plain Python loop of
 `tx.update` at the original beta.
 
-Host-callback guard. The noise mechanisms refuse a step past their
-capacity with `dpsco_jax.guards.refuse`, which poisons the output with NaN
-AND issues a `jax.debug.callback` every step. Under `jax.vmap` JAX runs that
-callback once per vmapped run per step, sequentially: with 144 runs of
-T = 1000 steps, 26 s instead of 0.3 s (measured on the 2-core CPU), which
-makes the sweep infeasible. While compiling its runners this experiment
-therefore swaps in `poison_only_refuse` (`no_host_callback_guard`): the NaN
-poisoning stays, so a run past capacity would still come out NaN (reported
-as 'diverged'), and the scans here run exactly T = capacity steps, so the
-refusal cannot fire. The library is not modified; the test checks that the
-swapped runner gives the library's Python-loop result.
-
 Selection. For every (method, n, B, case), each grid point runs on the
 `tune_seeds`; the point with the smallest mean excess risk is re-run on the
 `eval_seeds` (fresh data and noise), whose mean and 95% Student-t interval
@@ -71,7 +59,6 @@ mean excess risk on the tuning seeds), `excess_vs_batch.png`,
 `excess_vs_n.png` and `run_info.json`.
 """
 
-import contextlib
 import csv
 import dataclasses
 import functools
@@ -97,7 +84,6 @@ from scipy import stats
 
 from configs import single_epoch_synthetic as default_config
 from dpsco_jax import accounting
-from dpsco_jax import guards
 from dpsco_jax import noise
 from dpsco_jax.algorithms import baselines
 from dpsco_jax.algorithms import srg
@@ -370,35 +356,6 @@ def excess_risk(problem: datasets.ConvexProblem, w: np.ndarray,
           problem.population_risk(problem.constrained_optimum(radius)))
 
 
-def poison_only_refuse(flag: Any, tree: Any, message: str) -> Any:
-  """`guards.refuse` without its host callback (see the module docstring).
-
-  Args:
-    flag: bool scalar; True means refuse.
-    tree: the output to protect.
-    message: the error message (raised when `flag` is concrete).
-
-  Returns:
-    `tree`, every leaf NaN where `flag` holds under tracing.
-  """
-  if not isinstance(flag, jax.core.Tracer):
-    if bool(flag):
-      raise ValueError(message)
-    return tree
-  return jax.tree_util.tree_map(lambda x: jnp.where(flag, jnp.nan, x), tree)
-
-
-@contextlib.contextmanager
-def no_host_callback_guard():
-  """While active (tracing), `guards.refuse` is `poison_only_refuse`."""
-  original = guards.refuse
-  guards.refuse = poison_only_refuse
-  try:
-    yield
-  finally:
-    guards.refuse = original
-
-
 def make_runner(method: str, batch_size: int, num_steps: int,
                 multiplier: float, radius: float, loss: Callable[..., Any]):
   """Jitted `(x, y, slots, cases, hypers, clips, keys) -> outputs [runs, p]`.
@@ -431,13 +388,11 @@ def run_list(runner, data: Data, runs: List[Dict[str, Any]], chunk: int,
     part = part + [part[0]] * (chunk - len(part))
     keys = jax.vmap(jax.random.key)(
         jnp.asarray([key_base + r['seed'] for r in part], jnp.uint32))
-    # The first call traces and compiles: the swap must be active then.
-    with no_host_callback_guard():
-        out = runner(x, y, jnp.asarray([r['slot'] for r in part], jnp.int32),
-                   jnp.asarray([r['case'] for r in part], jnp.int32),
-                   jnp.asarray([r['hyper'] for r in part], jnp.float32),
-                   jnp.asarray([r['clip'] for r in part], jnp.float32),
-                   keys)
+    out = runner(x, y, jnp.asarray([r['slot'] for r in part], jnp.int32),
+                 jnp.asarray([r['case'] for r in part], jnp.int32),
+                 jnp.asarray([r['hyper'] for r in part], jnp.float32),
+                 jnp.asarray([r['clip'] for r in part], jnp.float32),
+                 keys)
     outputs.append(np.asarray(out, np.float64))
   return np.concatenate(outputs)[:len(runs)]
 

@@ -26,7 +26,7 @@ def tiny_data():
 
 @pytest.mark.parametrize('method', sorted(experiment.LABELS))
 def test_scan_runner_equals_python_loop_of_library_updates(method):
-  """The compiled sweep (scan, vmap, beta reparametrization, guard swap)
+  """The compiled sweep (scan, vmap, beta reparametrization)
   gives what the library's transformation gives stepped by hand."""
   data = tiny_data()
   loss = data.problems[0][0].loss
