@@ -53,6 +53,7 @@ import ml_collections
 from ml_collections import config_flags
 import numpy as np
 import optax
+from scipy import stats
 
 import dpsco_jax
 from dpsco_jax import accounting
@@ -356,7 +357,45 @@ def format_results(config: ml_collections.ConfigDict,
         f'| {r["algorithm"]} | {100 * r["mean_test_accuracy"]:.3f} +- '
         f'{100 * r["ci95"]:.3f} | {r["learning_rate"]:g} | {clip} | '
         f'{decay} | {noise_multiplier} |')
+  paired = paired_differences({r['algorithm']: r['runs'] for r in results})
+  if len(paired) > 2:
+    lines += [''] + paired
   return '\n'.join(lines) + '\n'
+
+
+PAIRS = (('srg_ones', 'dpmemf_ones'), ('srg_true', 'dpmemf_true'),
+         ('dpmemf_true', 'dpmemf_ones'), ('srg_true', 'srg_ones'))
+
+
+def paired_differences(runs: Dict[str, Sequence[float]]) -> List[str]:
+  """Per-seed differences of test accuracy between algorithms, as lines.
+
+  Seed s of every algorithm uses the same public batch order and noise key,
+  so the per-seed difference removes the order's share of the variance (and
+  all of the noise's when the two strategies are equal).
+
+  Example:
+    >>> paired_differences({'srg_true': [0.80, 0.81], 'dpmemf_true': [0.79,
+    ...                     0.80]})
+
+  Args:
+    runs: algorithm -> test accuracy per seed (seeds in the same order).
+
+  Returns:
+    Markdown table lines: mean difference (points), 95% interval and the
+    two-sided paired t-test p-value, for each pair of `PAIRS` present.
+  """
+  lines = ['| comparison (same seeds) | difference (points) | p (paired t) |',
+           '|---|---|---|']
+  for first, second in PAIRS:
+    if first not in runs or second not in runs:
+      continue
+    diff = 100 * (np.asarray(runs[first]) - np.asarray(runs[second]))
+    mean, _, _, half = sweeps.mean_and_interval(diff)
+    p = stats.ttest_rel(runs[first], runs[second]).pvalue
+    lines.append(f'| {first} - {second} | {mean:+.3f} +- {half:.3f} | '
+                 f'{p:.3g} |')
+  return lines
 
 
 def plot(path: str, results: List[Dict[str, Any]]) -> None:

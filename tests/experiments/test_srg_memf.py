@@ -97,3 +97,10 @@ def test_paper_data_configs_ask_for_the_files(name):
   assert (config.num_epochs, config.epsilon) in ((1, 0.1), (6, 2.0))
   with pytest.raises(ValueError, match='data_path'):
     srg_memf.load_data(config)
+
+
+def test_paired_differences_are_per_seed():
+  lines = srg_memf.paired_differences(
+      {'srg_true': [0.80, 0.82, 0.81], 'dpmemf_true': [0.79, 0.80, 0.80]})
+  assert len(lines) == 3  # header, rule, the one pair present
+  assert lines[2].startswith('| srg_true - dpmemf_true | +1.333 +- ')
