@@ -22,6 +22,7 @@ checkpoint at step k needs, see `dpsco_jax.checkpoint`), and the epoch
 samplers also give any single batch with `batch_at(step)`.
 """
 
+import abc
 import dataclasses
 import math
 from typing import Iterator, NamedTuple, Optional
@@ -38,7 +39,7 @@ from dpsco_jax import parallel
 
 
 @dataclasses.dataclass(frozen=True)
-class _EpochBatches:
+class _EpochBatches(abc.ABC):
   """Fixed-size batches over `num_epochs` passes of `num_examples // batch_size`.
 
   The leftover `num_examples % batch_size` examples of an epoch are not used.
@@ -73,9 +74,9 @@ class _EpochBatches:
     used = self.steps_per_epoch * self.batch_size
     return order[:used].reshape(self.steps_per_epoch, self.batch_size)
 
+  @abc.abstractmethod
   def _epoch_batches(self, epoch: int) -> np.ndarray:
     """`[steps_per_epoch, batch_size]` indices of epoch `epoch`."""
-    raise NotImplementedError
 
   def iterate(self, start_step: int = 0) -> Iterator[np.ndarray]:
     """The batches from `start_step` on, as iterating from 0 would give them.
