@@ -119,17 +119,54 @@ def dpmemf(
     `update(None, state, params, batch=batch, example_ids=ids,
     batch_mask=None)` (`example_ids` only needed with `check_order`).
   """
+  mechanism = epoch_mechanism(strategy, storage, steps_per_epoch)
+  estimator = estimators.noisy_gradient(
+      loss_fn, l2_clip=l2_clip, noise_multiplier=noise_multiplier,
+      mechanism=mechanism, key=key, neighboring_relation=neighboring_relation,
+      normalize_by=normalize_by, microbatch_size=microbatch_size,
+      axis_name=axis_name)
+  return with_order_check(estimator, steps_per_epoch, check_order, axis_name)
+
+
+def epoch_mechanism(strategy: np.ndarray, storage: str,
+                    steps_per_epoch: int) -> noise.NoiseMechanism:
+  """`dpmemf_mechanism(strategy)`, checked to cover whole epochs of b steps.
+
+  Args:
+    strategy: the lower-triangular C, `[k b, k b]`.
+    storage: 'buffer' or 'regenerate'.
+    steps_per_epoch: b.
+
+  Returns:
+    The mechanism.
+
+  Raises:
+    ValueError: if b is not a positive integer dividing the strategy's size.
+  """
   mechanism = dpmemf_mechanism(strategy, storage)
   steps_per_epoch = checks.positive_int(steps_per_epoch, 'steps_per_epoch')
   if mechanism.num_steps % steps_per_epoch:
     raise ValueError(
         f'the strategy covers {mechanism.num_steps} steps, not a whole number '
         f'of epochs of {steps_per_epoch} steps')
-  estimator = estimators.noisy_gradient(
-      loss_fn, l2_clip=l2_clip, noise_multiplier=noise_multiplier,
-      mechanism=mechanism, key=key, neighboring_relation=neighboring_relation,
-      normalize_by=normalize_by, microbatch_size=microbatch_size,
-      axis_name=axis_name)
+  return mechanism
+
+
+def with_order_check(estimator: optax.GradientTransformationExtraArgs,
+                     steps_per_epoch: int, check_order: bool,
+                     axis_name: Optional[str]
+                     ) -> optax.GradientTransformationExtraArgs:
+  """Chains `batching.fixed_order_guard` after a fixed-order estimator.
+
+  Args:
+    estimator: the private estimator (DP-MEMF's, DP-SRG-MEMF's).
+    steps_per_epoch: b.
+    check_order: False returns the estimator alone.
+    axis_name: the device axis, or None.
+
+  Returns:
+    The estimator, followed by the order check when `check_order`.
+  """
   if not check_order:
     return estimator
   return optax.chain(

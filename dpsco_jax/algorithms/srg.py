@@ -59,7 +59,6 @@ import numpy as np
 import optax
 
 from dpsco_jax import accounting
-from dpsco_jax import batching
 from dpsco_jax import checks
 from dpsco_jax import clipping
 from dpsco_jax import estimators
@@ -728,12 +727,7 @@ def dp_srg_memf(
     params, batch=batch, example_ids=ids, batch_mask=None)`.
   """
   decay = validate_decay(decay)
-  mechanism = mf.dpmemf_mechanism(strategy, storage)
-  steps_per_epoch = checks.positive_int(steps_per_epoch, 'steps_per_epoch')
-  if mechanism.num_steps % steps_per_epoch:
-    raise ValueError(
-        f'the strategy covers {mechanism.num_steps} steps, not a whole number '
-        f'of epochs of {steps_per_epoch} steps')
+  mechanism = mf.epoch_mechanism(strategy, storage, steps_per_epoch)
 
   def coefficients(step):
     # c_0 = 0: the first step is a plain clipped gradient (DP-MEMF's).
@@ -754,11 +748,8 @@ def dp_srg_memf(
       l2_clip=l2_clip, noise_multiplier=noise_multiplier, key=key,
       neighboring_relation=neighboring_relation, normalize_by=normalize_by,
       microbatch_size=microbatch_size, axis_name=axis_name)
-  if not check_order:
-    return estimator
-  return optax.chain(
-      estimator,
-      batching.fixed_order_guard(steps_per_epoch, axis_name=axis_name))
+  return mf.with_order_check(estimator, steps_per_epoch, check_order,
+                             axis_name)
 
 
 class SrgdParameters(NamedTuple):
