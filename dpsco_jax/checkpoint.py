@@ -174,12 +174,13 @@ def key_fingerprint(key: estimators.KeyLike) -> str:
 
 
 def _mechanism_fingerprint(mechanism: noise_lib.NoiseMechanism) -> str:
-  digest = hashlib.sha256(
-      f'{mechanism.name}|{mechanism.release}|{mechanism.num_steps}'.encode())
-  if mechanism.num_steps is not None:
-    digest.update(np.ascontiguousarray(mechanism.encoder_matrix(),
-                                       dtype='<f8').tobytes())
-  return digest.hexdigest()[:32]
+  """The mechanism's identity, which its noise states also carry."""
+  if not mechanism.identity:
+    raise ValueError(
+        f'{mechanism.name} has no identity (a NoiseMechanism built by hand): '
+        'a ledger records the mechanism its noise states were made by; use a '
+        'mechanism of dpsco_jax.noise')
+  return mechanism.identity
 
 
 def _participation_to_json(participation: accounting.Participation) -> dict:
@@ -260,7 +261,9 @@ class PrivacyLedger:
 
   Attributes:
     mechanism: the noise mechanism's name.
-    mechanism_fingerprint: a hash of its name, release and encoder matrix.
+    mechanism_fingerprint: the mechanism's identity
+      (`noise.NoiseMechanism.identity`: its kind and every parameter that
+      determines the noise), which its noise states carry too.
     release: 'per_step' or 'prefix'.
     noise_multiplier: noise std over one step's sensitivity.
     participation: how batches are formed (`accounting.Participation`).
@@ -618,7 +621,7 @@ def _noise_states(tree: PyTree) -> list[noise_lib.NoiseState]:
 
 def _check_noise_state(opt_state: PyTree, ledger: PrivacyLedger,
                        step: int) -> None:
-  """The ledger's noise key is in `opt_state`, with its step counter at `step`.
+  """The ledger's noise key and mechanism are in `opt_state`, at step `step`.
 
   Optimizer states without a `NoiseState` (custom ones) are not checked.
   """
@@ -632,13 +635,40 @@ def _check_noise_state(opt_state: PyTree, ledger: PrivacyLedger,
         'the optimizer state has no noise state with the ledger\'s noise key: '
         'the ledger was made for another run (PrivacyLedger.create(..., '
         'key=) takes the key given to the transformation)')
+  expected = noise_lib.identity_words(ledger.mechanism_fingerprint)
   for state in ours:
+    if state.mechanism_id is None or np.any(
+        np.asarray(state.mechanism_id) != expected):
+      raise CheckpointMismatchError(
+          f'the noise state was not made by the ledger\'s mechanism '
+          f'({ledger.mechanism}): the run would continue under noise its '
+          'accounting does not describe. Build the transformation with the '
+          'mechanism the ledger was created with')
     counters = np.unique(np.asarray(state.step))
     if counters.tolist() != [step]:
       raise CheckpointMismatchError(
           f'the noise state has drawn {counters.tolist()} steps of noise, '
           f'but the checkpoint is for step {step}: save the state of the '
           'step being recorded')
+
+
+def _check_same_mechanisms(saved: PyTree, template: PyTree) -> None:
+  """The restored noise states were made by the template's mechanisms.
+
+  Templates from `jax.eval_shape` hold no values and are not compared.
+  """
+  for restored, like in zip(_noise_states(saved), _noise_states(template)):
+    words = like.mechanism_id
+    if words is None or not hasattr(words, '__array__'):
+      continue
+    if restored.mechanism_id is None or np.any(
+        np.asarray(restored.mechanism_id) != np.asarray(words)):
+      raise CheckpointMismatchError(
+          'the checkpoint\'s noise state was made by another noise mechanism '
+          'than the transformation being resumed (opt_state_like): the '
+          'resumed run would continue under noise its ledger does not '
+          'describe. Resume with the transformation the checkpoint was '
+          'saved with')
 
 
 # ----------------------------------------------------------------- files
@@ -945,6 +975,7 @@ def restore(
     opt_state = _unflatten('opt_state', manifest['opt_state'], arrays,
                            opt_state_like, path)
   _check_noise_state(opt_state, saved_ledger, manifest['step'])
+  _check_same_mechanisms(opt_state, opt_state_like)
   return Checkpoint(step=manifest['step'], params=params,
                     opt_state=opt_state, ledger=saved_ledger,
                     sampler_state=manifest['sampler_state'],

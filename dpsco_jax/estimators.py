@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from dpsco_jax import checks
 from dpsco_jax import clipping
 from dpsco_jax import guards
 from dpsco_jax import neighboring
@@ -307,6 +308,7 @@ def noisy_gradient(
   def update_fn(updates, state, params=None, *, batch=None, batch_mask=None,
                 **extra_args):
     del updates, extra_args
+    checks.state_type(state, NoisyGradientState, 'noisy_gradient')
     check_params(params)
     divisor = public_batch_size(batch, batch_mask, normalize_by, axis_name)
     clipped = statistic(batch, parallel.per_device(params, axis_name),

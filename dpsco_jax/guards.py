@@ -13,7 +13,7 @@ the callback is made once per step for all runs, not once per run.
 """
 
 import functools
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -22,18 +22,30 @@ import numpy as np
 PyTree = Any
 
 
-def _raise_if(flag, anchor, message: str):
+def _raise_if(flag, anchor, message):
   # Under `vmap` this runs ONCE per step with every run's flag (the
   # 'expand_dims' method), not once per run: a sweep of many runs would
   # otherwise make one host round trip per run and step.
-  if np.any(flag):
-    raise ValueError(message)
-  return np.zeros(np.broadcast_shapes(np.shape(flag), np.shape(anchor)[:-1]),
+  if isinstance(message, tuple):
+    # Several conditions checked in one host call: the flags' last axis.
+    flags = np.reshape(flag, (-1, len(message)))
+    for index, text in enumerate(message):
+      if np.any(flags[:, index]):
+        raise ValueError(text)
+    batch_shape = np.shape(flag)[:-1]
+  else:
+    if np.any(flag):
+      raise ValueError(message)
+    batch_shape = np.shape(flag)
+  return np.zeros(np.broadcast_shapes(batch_shape, np.shape(anchor)[:-1]),
                   dtype=bool)
 
 
 def refuse(flag: Any, tree: PyTree, message: str) -> PyTree:
   """Raises `ValueError(message)` when `flag` holds; inside jit, also poisons.
+
+  Example:
+    >>> noise = refuse(step >= capacity, noise, 'past the capacity')
 
   Args:
     flag: bool scalar (Python or traced): True means refuse.
@@ -46,18 +58,52 @@ def refuse(flag: Any, tree: PyTree, message: str) -> PyTree:
   Raises:
     ValueError: immediately when `flag` is a concrete True.
   """
-  if not isinstance(flag, jax.core.Tracer):
-    if bool(flag):
+  return refuse_any([(flag, message)], tree)
+
+
+def refuse_any(conditions: Sequence[tuple[Any, str]], tree: PyTree) -> PyTree:
+  """`refuse` for several conditions at the cost of one host check.
+
+  Concrete conditions are checked at once, in order; the traced ones share
+  one host callback, which raises the message of the first that holds.
+
+  Example:
+    >>> noise = refuse_any([(step >= capacity, 'past the capacity'),
+    ...                     (wrong_state, 'another mechanism')], noise)
+
+  Args:
+    conditions: `(flag, message)` pairs; a flag is a bool scalar (Python or
+      traced), True meaning refuse.
+    tree: the output to protect (floating-point leaves).
+
+  Returns:
+    `tree`, with every leaf NaN when a traced flag holds.
+
+  Raises:
+    ValueError: immediately, with the first concrete flag that holds.
+  """
+  traced = []
+  for flag, message in conditions:
+    if isinstance(flag, jax.core.Tracer):
+      traced.append((flag, message))
+    elif bool(flag):
       raise ValueError(message)
+  if not traced:
     return tree
+  flag = functools.reduce(jnp.logical_or, [f for f, _ in traced])
   poisoned = jax.tree_util.tree_map(
       lambda x: jnp.where(flag, jnp.nan, x), tree)
   anchor = jnp.ravel(jax.tree_util.tree_leaves(poisoned)[0])[:1]
+  if len(traced) == 1:
+    flags, message = traced[0]
+  else:
+    flags = jnp.stack([jnp.asarray(f, bool) for f, _ in traced], axis=-1)
+    message = tuple(m for _, m in traced)
   # The output depends on the callback's (always False) result, so the check
   # can be neither dropped nor moved before the values it guards.
   checked = jax.pure_callback(
       functools.partial(_raise_if, message=message),
-      jax.ShapeDtypeStruct((), jnp.bool_), flag, anchor,
+      jax.ShapeDtypeStruct((), jnp.bool_), flags, anchor,
       vmap_method='expand_dims')
   return jax.tree_util.tree_map(
       lambda x: jnp.where(checked, jnp.nan, x), poisoned)

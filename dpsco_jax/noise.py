@@ -31,6 +31,8 @@ draw folds in the step (or tree node) and the leaf index, so no key is ever
 reused and a tree node is regenerated identically whenever it is needed.
 """
 
+import hashlib
+import json
 import math
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -55,6 +57,12 @@ class NoiseState(NamedTuple):
     buffers: mechanism-specific arrays (empty for the stateless mechanisms;
       the Honaker tree keeps one node estimate per level, matrix
       factorization its last noise vectors). They hold noise, never data.
+    mechanism_id: uint32[4], the identity of the mechanism that made the
+      state (`NoiseMechanism.identity`: its kind and every parameter that
+      determines the noise). `next` refuses a state made by another
+      mechanism, and `dpsco_jax.checkpoint` checks it against the ledger, so
+      a run cannot continue one mechanism's state under another while its
+      accounting describes the first. Not secret.
 
   The key and buffers determine the noise, so the state is secret: it can be
   checkpointed privately but must never be logged or released.
@@ -63,6 +71,7 @@ class NoiseState(NamedTuple):
   key: jax.Array
   step: jax.Array
   buffers: PyTree = ()
+  mechanism_id: Optional[jax.Array] = None
 
 
 class NoiseMechanism(NamedTuple):
@@ -87,6 +96,10 @@ class NoiseMechanism(NamedTuple):
       run in which each example takes part in one step, computed without
       building `C` (a million-step tree or i.i.d. run has a `C` too large
       to form). None: the accountant computes it from `encoder_matrix`.
+    identity: 32 hex digits naming the mechanism's kind and every parameter
+      that determines its noise (`mechanism_identity`); the states it makes
+      carry it (`NoiseState.mechanism_id`) and `next` refuses any other.
+      Empty only for mechanisms built by hand for accounting.
   """
 
   init: Callable[[PyTree, jax.Array], NoiseState]
@@ -97,6 +110,108 @@ class NoiseMechanism(NamedTuple):
   name: str
   decoder_matrix: Optional[Callable[[], np.ndarray]] = None
   single_participation_sensitivity: Optional[Callable[[], float]] = None
+  identity: str = ''
+
+
+def mechanism_identity(kind: str, **parameters: Any) -> str:
+  """The identity of a noise mechanism: a hash of its kind and parameters.
+
+  Two mechanisms have the same identity exactly when they draw the same
+  noise from the same key (the parameters must include everything that
+  determines the noise: capacity, release, restarts, the strategy matrix,
+  a non-default sampler).
+
+  Example:
+    >>> mechanism_identity('tree', num_steps=16, release='prefix',
+    ...                    tree_size=16, honaker=False, sampler=None)
+    '...'   # 32 hex digits
+
+  Args:
+    kind: the mechanism family, e.g. 'gaussian'.
+    **parameters: JSON-serializable values that determine the noise.
+
+  Returns:
+    32 hex digits (128 bits of SHA-256).
+  """
+  text = json.dumps({'kind': kind, **parameters}, sort_keys=True)
+  return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def identity_words(identity: str) -> np.ndarray:
+  """The identity as the uint32[4] a `NoiseState` carries.
+
+  Example:
+    >>> identity_words(mechanism.identity).shape
+    (4,)
+
+  Args:
+    identity: 32 hex digits (`NoiseMechanism.identity`).
+
+  Returns:
+    uint32 array of shape [4].
+  """
+  return np.frombuffer(bytes.fromhex(identity), dtype='>u4').astype(np.uint32)
+
+
+def _sampler_name(sampler: Sampler) -> Optional[str]:
+  """None for the default sampler, else a name that sets the noise apart."""
+  if sampler is jax.random.normal:
+    return None
+  return (f'{getattr(sampler, "__module__", "")}.'
+          f'{getattr(sampler, "__qualname__", type(sampler).__name__)}')
+
+
+def check_state(state: Any, identity: str, name: str) -> Any:
+  """Raises unless `state` is a noise state this mechanism could have made.
+
+  Structure is checked at once; the identity is compared at once when it is
+  concrete, and returned as a traced flag under `jit`/`vmap`/`pmap` (for
+  `guards.refuse_any`).
+
+  Example:
+    >>> flag = check_state(state, mechanism.identity, mechanism.name)
+
+  Args:
+    state: the state handed to `next`.
+    identity: the mechanism's identity.
+    name: the mechanism's name, for the messages.
+
+  Returns:
+    A bool flag (Python False, or traced) that is True when the state was
+    made by another mechanism.
+
+  Raises:
+    ValueError: if `state` is not a `NoiseState` with an identity of the
+      right shape, or (when concrete) was made by another mechanism.
+  """
+  if not isinstance(state, NoiseState):
+    raise ValueError(
+        f'{name}: expected the NoiseState made by this mechanism\'s init, got '
+        f'{type(state).__name__}: the optimizer state does not belong to this '
+        'transformation')
+  words = state.mechanism_id
+  if words is None:
+    raise ValueError(
+        f'{name}: the noise state carries no mechanism identity (it was not '
+        'made by a mechanism\'s init); build it with mechanism.init')
+  if jnp.shape(words)[-1:] != (4,) or jnp.result_type(words) != jnp.uint32:
+    raise ValueError(
+        f'{name}: the noise state\'s mechanism identity has shape '
+        f'{jnp.shape(words)} and dtype {jnp.result_type(words)}, not uint32[4]')
+  expected = identity_words(identity)
+  if isinstance(words, jax.core.Tracer):
+    return jnp.any(words != jnp.asarray(expected))
+  if np.any(np.asarray(words) != expected):
+    raise ValueError(_other_mechanism_message(name, identity))
+  return False
+
+
+def _other_mechanism_message(name: str, identity: str) -> str:
+  return (f'{name}: the noise state was made by another noise mechanism '
+          f'(this one is {identity}): continuing one mechanism\'s state under '
+          'another would release noise its accounting never described. Start '
+          'from this mechanism\'s init, or restore the checkpoint of the run '
+          'this state belongs to with that run\'s transformation.')
 
 
 def _validate_steps(value: Optional[int], name: str,
@@ -130,19 +245,39 @@ def _zeros(template: PyTree) -> PyTree:
       lambda leaf: jnp.zeros(jnp.shape(leaf), _noise_dtype(leaf)), template)
 
 
-def _refuse_past_capacity(state: NoiseState, noise: PyTree,
-                          num_steps: Optional[int], name: str) -> PyTree:
-  """Refuses a draw past the capacity (see `dpsco_jax.guards.refuse`)."""
-  if num_steps is None:
-    return noise
-  step = state.step
-  if not isinstance(step, jax.core.Tracer):
-    step = int(step)
-  return guards.refuse(
-      step >= num_steps, noise,
-      f'{name}: a step past the capacity of {num_steps} steps its noise was '
-      'calibrated for; running further would silently weaken privacy. Build '
-      'a mechanism (and accounting) for more steps.')
+def _refuse_invalid(state: NoiseState, noise: PyTree,
+                    num_steps: Optional[int], name: str,
+                    identity: str) -> PyTree:
+  """Refuses a state of another mechanism, and a draw past the capacity.
+
+  Both refusals go through one `dpsco_jax.guards.refuse_any`: a ValueError
+  at once when the values are concrete; under tracing NaN-poisoned noise and
+  one host check.
+  """
+  conditions = [(check_state(state, identity, name),
+                 _other_mechanism_message(name, identity))]
+  if num_steps is not None:
+    step = state.step
+    if not isinstance(step, jax.core.Tracer):
+      step = int(np.max(np.asarray(step)))
+    conditions.append((
+        step >= num_steps,
+        f'{name}: a step past the capacity of {num_steps} steps its noise was '
+        'calibrated for; running further would silently weaken privacy. Build '
+        'a mechanism (and accounting) for more steps.'))
+  return guards.refuse_any(conditions, noise)
+
+
+def _identified_init(init: Callable[[PyTree, jax.Array], NoiseState],
+                     identity: str) -> Callable[[PyTree, jax.Array],
+                                                NoiseState]:
+  """`init` whose states carry the mechanism's identity."""
+  words = identity_words(identity)
+
+  def identified(template, key):
+    return init(template, key)._replace(mechanism_id=jnp.asarray(words))
+
+  return identified
 
 
 def gaussian(num_steps: Optional[int] = None, *,
@@ -164,14 +299,17 @@ def gaussian(num_steps: Optional[int] = None, *,
   """
   num_steps = _validate_steps(num_steps, 'num_steps', required=False)
   name = 'gaussian'
+  identity = mechanism_identity('gaussian', num_steps=num_steps,
+                                sampler=_sampler_name(sampler))
 
   def init(template, key):
     del template
     return NoiseState(key=key, step=jnp.zeros((), jnp.int32))
 
   def next_noise(state, template):
+    check_state(state, identity, name)
     noise = _draw(jax.random.fold_in(state.key, state.step), template, sampler)
-    noise = _refuse_past_capacity(state, noise, num_steps, name)
+    noise = _refuse_invalid(state, noise, num_steps, name, identity)
     return noise, state._replace(step=state.step + 1)
 
   def encoder_matrix():
@@ -180,11 +318,12 @@ def gaussian(num_steps: Optional[int] = None, *,
                        'give num_steps to account for it')
     return np.eye(num_steps)
 
-  return NoiseMechanism(init=init, next=next_noise,
+  return NoiseMechanism(init=_identified_init(init, identity), next=next_noise,
                         encoder_matrix=encoder_matrix, num_steps=num_steps,
                         release='per_step', name=name,
                         decoder_matrix=encoder_matrix,
-                        single_participation_sensitivity=lambda: 1.0)
+                        single_participation_sensitivity=lambda: 1.0,
+                        identity=identity)
 
 
 def tree_num_levels(tree_size: int) -> int:
@@ -347,6 +486,9 @@ def tree(
   num_levels = tree_num_levels(tree_size)
   name = (f"{'honaker_' if honaker else ''}tree(release={release}, "
           f'num_steps={num_steps}, restart_every={restart_every})')
+  identity = mechanism_identity(
+      'tree', num_steps=num_steps, release=release, tree_size=tree_size,
+      honaker=honaker, sampler=_sampler_name(sampler))
 
   def local_position(step):
     tree_index = step // tree_size
@@ -438,24 +580,25 @@ def tree(
       noise, buffers = honaker_next(state, template)
     else:
       noise, buffers = standard_next(state, template)
-    noise = _refuse_past_capacity(state, noise, num_steps, name)
-    return noise, NoiseState(key=state.key, step=state.step + 1,
-                             buffers=buffers)
+    noise = _refuse_invalid(state, noise, num_steps, name, identity)
+    return noise, state._replace(step=state.step + 1, buffers=buffers)
 
   compiled_next = jax.jit(draw_next)
 
   def next_noise(state, template):
+    check_state(state, identity, name)
     if honaker:
       _check_buffers(state.buffers, template, (num_levels,))
     if isinstance(state.step, jax.core.Tracer):
       return draw_next(state, template)
     # Called eagerly: refuse at once, and compile the per-level conds once
     # instead of dispatching each of them op by op.
-    _refuse_past_capacity(state, (), num_steps, name)
+    _refuse_invalid(state, (), num_steps, name, identity)
     return compiled_next(state, template)
 
   return NoiseMechanism(
-      init=init, next=next_noise,
+      init=_identified_init(init, identity), next=next_noise,
+      identity=identity,
       encoder_matrix=lambda: tree_encoder_matrix(num_steps, tree_size),
       num_steps=num_steps, release=release, name=name,
       decoder_matrix=lambda: tree_decoder_matrix(
@@ -576,6 +719,11 @@ def matrix_factorization(
   bands = _bandwidth(strategy)
   name = (f'matrix_factorization(T={num_steps}, bands={bands}, '
           f'release={release}, storage={storage})')
+  identity = mechanism_identity(
+      'matrix_factorization', release=release, storage=storage,
+      sampler=_sampler_name(sampler), shape=list(strategy.shape),
+      strategy_sha256=hashlib.sha256(np.ascontiguousarray(
+          strategy, dtype='<f8').tobytes()).hexdigest())
 
   def decoder_matrix():
     inverse = linalg.solve_triangular(strategy, np.eye(num_steps), lower=True)
@@ -583,18 +731,20 @@ def matrix_factorization(
 
   if storage == 'regenerate':
     next_noise, init = _regenerated_noise(decoder_matrix(), num_steps, name,
-                                          sampler)
+                                          identity, sampler)
   else:
     next_noise, init = _buffered_noise(strategy, bands, release, num_steps,
-                                       name, sampler)
+                                       name, identity, sampler)
   return NoiseMechanism(
-      init=init, next=next_noise, encoder_matrix=lambda: strategy.copy(),
+      init=_identified_init(init, identity), next=next_noise,
+      identity=identity, encoder_matrix=lambda: strategy.copy(),
       num_steps=num_steps, release=release, name=name,
       decoder_matrix=decoder_matrix)
 
 
 def _buffered_noise(strategy: np.ndarray, bands: int, release: str,
-                    num_steps: int, name: str, sampler: Sampler):
+                    num_steps: int, name: str, identity: str,
+                    sampler: Sampler):
   """`next`/`init` of the forward substitution with a ring buffer."""
   # band[t, j] = C[t, t - j] (zero above the first row), in float32 for the
   # device; row t drives step t.
@@ -614,6 +764,7 @@ def _buffered_noise(strategy: np.ndarray, bands: int, release: str,
     return NoiseState(key=key, step=jnp.zeros((), jnp.int32), buffers=buffers)
 
   def next_noise(state, template):
+    check_state(state, identity, name)
     _check_buffers(state.buffers['past'], template, (bands - 1,))
     if release == 'prefix':
       _check_buffers(state.buffers['prefix'], template, ())
@@ -646,15 +797,14 @@ def _buffered_noise(strategy: np.ndarray, bands: int, release: str,
       buffers['prefix'] = jax.tree_util.tree_map(
           jnp.add, state.buffers['prefix'], noise)
       noise = buffers['prefix']
-    noise = _refuse_past_capacity(state, noise, num_steps, name)
-    return noise, NoiseState(key=state.key, step=state.step + 1,
-                             buffers=buffers)
+    noise = _refuse_invalid(state, noise, num_steps, name, identity)
+    return noise, state._replace(step=state.step + 1, buffers=buffers)
 
   return next_noise, init
 
 
 def _regenerated_noise(decoder: np.ndarray, num_steps: int, name: str,
-                       sampler: Sampler):
+                       identity: str, sampler: Sampler):
   """`next`/`init` of `sum_{s <= t} decoder[t, s] z_s`, redrawing every z_s."""
   decoder = jnp.asarray(decoder, jnp.float32)
 
@@ -663,6 +813,7 @@ def _regenerated_noise(decoder: np.ndarray, num_steps: int, name: str,
     return NoiseState(key=key, step=jnp.zeros((), jnp.int32))
 
   def next_noise(state, template):
+    check_state(state, identity, name)
     step = jnp.asarray(state.step)
     row = decoder[jnp.minimum(step, num_steps - 1)]
 
@@ -673,7 +824,7 @@ def _regenerated_noise(decoder: np.ndarray, num_steps: int, name: str,
 
     noise = jax.lax.fori_loop(0, jnp.minimum(step, num_steps - 1) + 1,
                               accumulate, _zeros(template))
-    noise = _refuse_past_capacity(state, noise, num_steps, name)
+    noise = _refuse_invalid(state, noise, num_steps, name, identity)
     return noise, state._replace(step=state.step + 1)
 
   return next_noise, init

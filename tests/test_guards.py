@@ -56,3 +56,33 @@ def test_under_vmap_one_host_call_per_step_for_all_runs(monkeypatch):
   # One lane over its limit: still refused.
   with pytest.raises(Exception, match='over the limit'):
     jax.block_until_ready(jax.jit(jax.vmap(run))(jnp.arange(64.0) * 2))
+
+
+def test_refuse_any_raises_the_first_concrete_condition_that_holds():
+  with pytest.raises(ValueError, match='second'):
+    guards.refuse_any([(False, 'first'), (True, 'second'), (True, 'third')],
+                      {'a': jnp.ones(2)})
+
+
+def test_refuse_any_names_the_traced_condition_that_holds_in_one_call(
+    monkeypatch):
+  calls = []
+  original = guards._raise_if  # pylint: disable=protected-access
+
+  def counting(flag, anchor, message):
+    calls.append((np.shape(flag), message))
+    return original(flag, anchor, message)
+
+  monkeypatch.setattr(guards, '_raise_if', counting)
+
+  def run(x):
+    return guards.refuse_any([(x > 100, 'too large'), (x < 0, 'negative')],
+                             jnp.ones(3) * x)
+
+  out = jax.jit(jax.vmap(run))(jnp.arange(8.0))
+  assert np.all(np.isfinite(np.asarray(out)))
+  assert len(calls) == 1 and calls[0] == ((8, 2), ('too large', 'negative'))
+  with pytest.raises(Exception, match='negative'):
+    jax.block_until_ready(jax.jit(jax.vmap(run))(jnp.arange(8.0) - 1))
+  with pytest.raises(Exception, match='too large'):
+    jax.block_until_ready(jax.jit(run)(jnp.asarray(101.0)))

@@ -305,6 +305,7 @@ def diff2_estimator(
   def update_fn(updates, state, params=None, *, batch=None, batch_mask=None,
                 **extra_args):
     del updates, extra_args
+    checks.state_type(state, Diff2State, 'diff2_estimator')
     estimators.check_params(params)
     if batch is None:
       raise ValueError('the batch (this client\'s local data) is required: '
@@ -587,6 +588,7 @@ def diff2_bvr_local_sgd(
   def update_fn(updates, state, params=None, *, batch=None, batch_mask=None,
                 **extra_args):
     del updates, extra_args
+    checks.state_type(state, Diff2BvrState, 'diff2_bvr_local_sgd')
     count = state.server.count
     v, server_state = server.update(None, state.server, params, batch=batch,
                                     batch_mask=batch_mask)

@@ -226,6 +226,7 @@ def _recursive_gradient(
   def update_fn(updates, state, params=None, *, batch=None, batch_mask=None,
                 **extra_args):
     del updates, extra_args
+    checks.state_type(state, state_class, 'srg_gradient')
     estimators.check_params(params)
     divisor = estimators.public_batch_size(batch, batch_mask, normalize_by,
                                            axis_name)
@@ -386,6 +387,7 @@ def nesterov_coupling(
                                 y=start, estimator=estimator.init(params))
 
   def update_fn(updates, state, params=None, **extra_args):
+    checks.state_type(state, AcceleratedSrgdState, 'nesterov_coupling')
     estimators.check_params(params)
     gradient, inner = estimator.update(updates, state.estimator, params,
                                        **extra_args)
