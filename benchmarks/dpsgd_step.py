@@ -181,6 +181,8 @@ def ours_variant(model: Model, dpsco_jax: ModuleType) -> Variant:
           example_loss_fn(model.apply),
           l2_clip=L2_CLIP,
           noise_multiplier=NOISE_MULTIPLIER,
+          # Capacity well past the steps timed (the refusal is on every step).
+          num_steps=2**30,
           key=jax.random.key(0),
       ),
       optax.sgd(LEARNING_RATE),

@@ -17,6 +17,8 @@ The curated public API. Modules, one concern each:
   Accelerated-DP-SRGD and DP-SRG-MEMF, DIFF2 across clients, ...) and their accounting (`algorithms.diff2_accounting`);
 * `dpsco_jax.parallel`: cross-device sums and the replicated-key check;
 * `dpsco_jax.guards`: refusals that hold inside compiled steps;
+* `dpsco_jax.keys`: noise keys (fresh from OS entropy by default), run
+  fingerprints and the warning on a key given to two runs;
 * `dpsco_jax.batching`: batch formation matching the accounting, and the
   in-step check of a fixed batch order;
 * `dpsco_jax.checkpoint`: checkpoint and resume with a privacy ledger, and
@@ -29,6 +31,7 @@ from dpsco_jax import checkpoint
 from dpsco_jax import clipping
 from dpsco_jax import estimators
 from dpsco_jax import guards
+from dpsco_jax import keys
 from dpsco_jax import neighboring
 from dpsco_jax import noise
 from dpsco_jax import parallel
@@ -89,6 +92,7 @@ __all__ = (
     'clipping',
     'estimators',
     'guards',
+    'keys',
     'neighboring',
     'noise',
     'parallel',

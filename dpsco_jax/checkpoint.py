@@ -64,6 +64,7 @@ import numpy as np
 from dpsco_jax import accounting
 from dpsco_jax import batching
 from dpsco_jax import estimators
+from dpsco_jax import keys
 from dpsco_jax import neighboring
 from dpsco_jax import noise as noise_lib
 
@@ -116,32 +117,6 @@ class CheckpointMismatchError(ValueError):
 # ----------------------------------------------------------------- keys
 
 
-def _is_typed_key(leaf: Any) -> bool:
-  dtype = getattr(leaf, 'dtype', None)
-  return dtype is not None and jax.dtypes.issubdtype(dtype,
-                                                     jax.dtypes.prng_key)
-
-
-def _key_data(key: jax.Array) -> tuple[str, np.ndarray, int]:
-  """`(impl name, key data, leading dims indexing keys)` of a key array."""
-  if _is_typed_key(key):
-    return (str(jax.random.key_impl(key)),
-            np.asarray(jax.random.key_data(key)), key.ndim)
-  # jax.random reads a raw uint32 key with the default implementation, so
-  # `PRNGKey(0)` and `key(0)` are the same key and get the same fingerprint.
-  data = np.asarray(key)
-  return str(jax.config.jax_default_prng_impl), data, data.ndim - 1
-
-
-def _fingerprint_rows(key: jax.Array) -> list[str]:
-  """One fingerprint per key in `key` (several when replicated over devices)."""
-  impl, data, batch_dims = _key_data(key)
-  rows = data.reshape((-1,) + data.shape[batch_dims:]) if batch_dims else (
-      data[None])
-  return [hashlib.sha256(impl.encode() + b':' + np.ascontiguousarray(
-      row, dtype='<u4').tobytes()).hexdigest()[:32] for row in rows]
-
-
 def key_fingerprint(key: estimators.KeyLike) -> str:
   """A fingerprint of a noise key, to recognize the run it belongs to.
 
@@ -163,11 +138,51 @@ def key_fingerprint(key: estimators.KeyLike) -> str:
   Raises:
     ValueError: if `key` is not a key, or holds several different keys.
   """
-  rows = _fingerprint_rows(estimators.as_key(key))
+  rows = keys.fingerprint_rows(estimators.as_key(key))
   if len(set(rows)) != 1:
     raise ValueError('the key holds several different keys; give the one '
                      'noise key of the run')
   return rows[0]
+
+
+def noise_key_of(opt_state: PyTree,
+                 mechanism: Optional[noise_lib.NoiseMechanism] = None
+                 ) -> jax.Array:
+  """The noise key in an optimizer state, e.g. one drawn from OS entropy.
+
+  A transformation built with `key=None` draws its key itself; the ledger
+  of the run needs it (`PrivacyLedger.create(..., key=noise_key_of(...))`).
+  The key is a secret: keep it in the private checkpoint, never log it.
+
+  Example:
+    >>> opt_state = tx.init(params)
+    >>> ledger = PrivacyLedger.create(mechanism, z, participation, delta,
+    ...                               key=noise_key_of(opt_state, mechanism))
+
+  Args:
+    opt_state: the optimizer state (any pytree holding `NoiseState`s).
+    mechanism: the run's mechanism; picks its noise state when the state
+      holds several (None: there must be exactly one key).
+
+  Returns:
+    The noise key (replicated copies are returned as they are).
+
+  Raises:
+    ValueError: if no noise state (of `mechanism`) is found, or several
+      with different keys.
+  """
+  states = _noise_states(opt_state, None if mechanism is None else
+                         _mechanism_fingerprint(mechanism))
+  distinct = {tuple(keys.fingerprint_rows(state.key)): state.key
+              for state in states}
+  made_by = '' if mechanism is None else f' made by {mechanism.name}'
+  if not distinct:
+    raise ValueError(f'the optimizer state holds no noise state{made_by}')
+  if len(distinct) > 1:
+    raise ValueError(
+        f'the optimizer state holds {len(distinct)} noise states{made_by} '
+        'with different keys: pass the run\'s mechanism to pick one')
+  return next(iter(distinct.values()))
 
 
 # --------------------------------------------------------------- ledger
@@ -271,7 +286,8 @@ class PrivacyLedger:
     delta: the run's delta.
     method: the accounting method ('pld', 'rdp', 'zcdp', 'gdp_paper').
     neighboring_relation: the relation's value, e.g. 'add_or_remove'.
-    key_fingerprint: `key_fingerprint` of the noise key (never exported).
+    key_fingerprint: `key_fingerprint` of the noise key (never exported);
+      None until the run's optimizer state supplies it (`with_key_of`).
     planned_epsilon: epsilon of the whole planned run.
     target_epsilon: the epsilon the noise was calibrated to, if any.
     steps_consumed: steps run so far.
@@ -286,7 +302,7 @@ class PrivacyLedger:
   delta: float
   method: str
   neighboring_relation: str
-  key_fingerprint: str
+  key_fingerprint: Optional[str]
   planned_epsilon: float
   target_epsilon: Optional[float] = None
   steps_consumed: int = 0
@@ -299,7 +315,7 @@ class PrivacyLedger:
       participation: accounting.Participation,
       delta: float,
       *,
-      key: estimators.KeyLike,
+      key: estimators.KeyLike = None,
       target_epsilon: Optional[float] = None,
       method: str = 'pld',
       neighboring_relation: neighboring.NeighboringRelation = (
@@ -318,7 +334,11 @@ class PrivacyLedger:
       noise_multiplier: the noise multiplier given to the transformation.
       participation: the sampler's participation pattern.
       delta: the run's delta.
-      key: the noise key (or int seed) given to the transformation.
+      key: the noise key (or int seed) given to the transformation; None
+        when the transformation drew a fresh key itself (`key=None`): the
+        ledger then takes the key of the run's optimizer state at the first
+        `save` / `restore_or_init`, and on a resume the checkpoint's
+        (`with_key_of`).
       target_epsilon: the epsilon the noise was calibrated to, if any.
       method: accounting method (`accounting.METHODS`).
       neighboring_relation: the relation the noise was calibrated for.
@@ -351,7 +371,7 @@ class PrivacyLedger:
         num_steps=int(participation.num_steps),
         delta=float(delta), method=method,
         neighboring_relation=relation.value,
-        key_fingerprint=key_fingerprint(key),
+        key_fingerprint=None if key is None else key_fingerprint(key),
         planned_epsilon=float(planned),
         target_epsilon=(None if target_epsilon is None else
                         float(target_epsilon)))
@@ -383,6 +403,36 @@ class PrivacyLedger:
           'calibrated for')
     return dataclasses.replace(self, steps_consumed=step)
 
+  def with_key_of(self, opt_state: PyTree) -> 'PrivacyLedger':
+    """This ledger with the key of the run's noise state, if it had none.
+
+    Example:
+      >>> ledger = PrivacyLedger.create(mech, z, participation, delta)
+      >>> ledger = ledger.with_key_of(tx.init(params))   # fresh key
+
+    Args:
+      opt_state: the run's optimizer state; its noise state made by the
+        ledger's mechanism holds the key.
+
+    Returns:
+      The ledger, with `key_fingerprint` set.
+
+    Raises:
+      CheckpointMismatchError: if the state holds no noise state of the
+        ledger's mechanism, or several with different keys.
+    """
+    if self.key_fingerprint is not None:
+      return self
+    rows = {row for state in _noise_states(opt_state,
+                                           self.mechanism_fingerprint)
+            for row in keys.fingerprint_rows(state.key)}
+    if len(rows) != 1:
+      raise CheckpointMismatchError(
+          f'the ledger takes its key from the optimizer state, which holds '
+          f'{len(rows)} noise keys of {self.mechanism}: build the ledger with '
+          'key= the noise key of the run')
+    return dataclasses.replace(self, key_fingerprint=rows.pop())
+
   def check_same_run(self, other: 'PrivacyLedger') -> None:
     """Raises unless `other` describes the same run (steps consumed aside).
 
@@ -395,10 +445,13 @@ class PrivacyLedger:
     Raises:
       CheckpointMismatchError: listing every field that differs.
     """
+    # A ledger without a key (the transformation drew a fresh one) resumes
+    # with the checkpoint's key, which the restored state carries.
     differences = [
         f'{name}: {getattr(self, name)!r} here, {getattr(other, name)!r} in '
         'the checkpoint' for name in _RUN_FIELDS
-        if getattr(self, name) != getattr(other, name)]
+        if getattr(self, name) != getattr(other, name) and not (
+            name == 'key_fingerprint' and self.key_fingerprint is None)]
     if differences:
       raise CheckpointMismatchError(
           'the run is configured differently from the checkpoint it resumes '
@@ -532,8 +585,8 @@ def _leaf_spec(leaf: Any) -> dict:
 def _to_numpy(leaf: Any) -> tuple[np.ndarray, dict]:
   """The stored array of a leaf and its spec (keys as their key data)."""
   spec = _leaf_spec(leaf)
-  if _is_typed_key(leaf):
-    impl, data, _ = _key_data(leaf)
+  if keys.is_typed_key(leaf):
+    impl, data, _ = keys.key_data(leaf)
     spec['key_impl'] = impl
     return data, spec
   array = np.asarray(leaf)
@@ -613,10 +666,17 @@ def _unflatten(name: str, saved: dict, arrays: Any, template: PyTree,
   return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def _noise_states(tree: PyTree) -> list[noise_lib.NoiseState]:
+def _noise_states(tree: PyTree, identity: Optional[str] = None
+                  ) -> list[noise_lib.NoiseState]:
+  """The noise states in `tree` (made by the mechanism `identity`, if given)."""
   is_state = lambda x: isinstance(x, noise_lib.NoiseState)
-  return [leaf for leaf in jax.tree_util.tree_leaves(tree, is_leaf=is_state)
-          if is_state(leaf)]
+  states = [leaf for leaf in jax.tree_util.tree_leaves(tree, is_leaf=is_state)
+            if is_state(leaf)]
+  if identity is None:
+    return states
+  words = noise_lib.identity_words(identity)
+  return [state for state in states if state.mechanism_id is not None
+          and np.all(np.asarray(state.mechanism_id) == words)]
 
 
 def _check_noise_state(opt_state: PyTree, ledger: PrivacyLedger,
@@ -629,7 +689,7 @@ def _check_noise_state(opt_state: PyTree, ledger: PrivacyLedger,
   if not states:
     return
   ours = [state for state in states
-          if ledger.key_fingerprint in _fingerprint_rows(state.key)]
+          if ledger.key_fingerprint in keys.fingerprint_rows(state.key)]
   if not ours:
     raise CheckpointMismatchError(
         'the optimizer state has no noise state with the ledger\'s noise key: '
@@ -880,7 +940,7 @@ def save(
       `allow_lower_step` is False) or is not a checkpoint, or the noise
       state's key or step counter disagrees with the ledger and `step`.
   """
-  ledger = ledger.advance_to(step)
+  ledger = ledger.advance_to(step).with_key_of(opt_state)
   _check_noise_state(opt_state, ledger, ledger.steps_consumed)
   if os.path.exists(path):
     existing = read_manifest(path)
@@ -1022,6 +1082,7 @@ def restore_or_init(
     raise CheckpointMismatchError(
         f'the ledger records {ledger.steps_consumed} steps spent but there '
         f'is no checkpoint at {path} to resume them from')
+  ledger = ledger.with_key_of(opt_state)
   _check_noise_state(opt_state, ledger, 0)
   return Checkpoint(step=0, params=params, opt_state=opt_state, ledger=ledger,
                     sampler_state=(None if sampler is None else
@@ -1041,7 +1102,7 @@ def _refuse_state(params: PyTree) -> None:
       raise ValueError(
           f'export_release got a {type(leaf).__name__}: only params may be '
           'released, never optimizer or noise state')
-    if _is_typed_key(leaf):
+    if keys.is_typed_key(leaf):
       raise ValueError('export_release got a PRNG key among the params: keys '
                        'determine the noise and are never released')
 

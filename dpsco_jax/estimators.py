@@ -24,12 +24,13 @@ import optax
 from dpsco_jax import checks
 from dpsco_jax import clipping
 from dpsco_jax import guards
+from dpsco_jax import keys
 from dpsco_jax import neighboring
 from dpsco_jax import noise as noise_lib
 from dpsco_jax import parallel
 
 PyTree = Any
-KeyLike = Union[int, jax.Array]
+KeyLike = keys.KeyLike
 
 
 class NoisyGradientState(NamedTuple):
@@ -45,27 +46,7 @@ class NoisyGradientState(NamedTuple):
   noise: noise_lib.NoiseState
 
 
-def as_key(key: KeyLike) -> jax.Array:
-  """Returns a PRNG key from an int seed or a key.
-
-  Args:
-    key: an int seed, a typed key, or a raw uint32 key.
-
-  Returns:
-    A key usable with `jax.random`.
-
-  Raises:
-    ValueError: if `key` is None or not a key.
-  """
-  if key is None:
-    raise ValueError('a PRNG key (or int seed) for the noise is required')
-  if isinstance(key, int):
-    return jax.random.key(key)
-  key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
-  if not (jnp.issubdtype(key.dtype, jax.dtypes.prng_key) or
-          key.dtype == jnp.uint32):
-    raise ValueError(f'key must be an int seed or a jax PRNG key, got {key!r}')
-  return key
+as_key = keys.as_key
 
 
 def validate_noise_multiplier(noise_multiplier: float) -> float:
@@ -247,7 +228,7 @@ def noisy_gradient(
     l2_clip: float,
     noise_multiplier: float,
     mechanism: noise_lib.NoiseMechanism,
-    key: KeyLike,
+    key: KeyLike = None,
     neighboring_relation: neighboring.NeighboringRelation = (
         neighboring.NeighboringRelation.ADD_OR_REMOVE),
     normalize_by: Optional[float] = None,
@@ -280,6 +261,9 @@ def noisy_gradient(
     mechanism: the noise mechanism (its `num_steps` caps the run).
     key: PRNG key or int seed used only for this noise; under several devices
       it must be the same on all of them.
+      None (default): a fresh secret key from OS entropy
+      (`dpsco_jax.keys`); an int seed makes the noise known to anyone
+      who knows the seed. Never give one key to two runs.
     neighboring_relation: the relation the noise is calibrated for (replace-
       one doubles the sensitivity, hence the noise).
     normalize_by: the public batch size to divide by. Default: the batch's
@@ -298,7 +282,12 @@ def noisy_gradient(
       loss_fn, l2_clip, microbatch_size=microbatch_size)
   noise_multiplier = validate_noise_multiplier(noise_multiplier)
   stddev = noise_multiplier * statistic.sensitivity(neighboring_relation)
-  key = as_key(key)
+  if mechanism.num_steps is None:
+    raise ValueError(
+        f'{mechanism.name} has no capacity (num_steps=None): a private '
+        'estimator must refuse the steps past the ones its noise was '
+        'calibrated for; build the mechanism with num_steps')
+  key = keys.noise_key(key, f'noisy_gradient({mechanism.name})')
   validate_normalize_by(normalize_by)
 
   def init_fn(params):

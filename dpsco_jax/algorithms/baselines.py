@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional
 import jax
 import optax
 
+from dpsco_jax import checks
 from dpsco_jax import estimators
 from dpsco_jax import neighboring
 from dpsco_jax import noise
@@ -68,8 +69,8 @@ def dpsgd(
     *,
     l2_clip: float,
     noise_multiplier: float,
-    key: estimators.KeyLike,
-    num_steps: Optional[int] = None,
+    num_steps: int,
+    key: estimators.KeyLike = None,
     neighboring_relation: neighboring.NeighboringRelation = (
         neighboring.NeighboringRelation.ADD_OR_REMOVE),
     normalize_by: Optional[float] = None,
@@ -95,8 +96,12 @@ def dpsgd(
     noise_multiplier: noise std over the sensitivity (calibrate it with
       `dpsco_jax.accounting.calibrate_noise_multiplier`).
     key: PRNG key or int seed for the noise (replicated across devices).
-    num_steps: the number of steps the noise was calibrated for; steps past
-      it are refused. Strongly recommended.
+      None (default): a fresh secret key from OS entropy
+      (`dpsco_jax.keys`); an int seed makes the noise known to anyone
+      who knows the seed. Never give one key to two runs.
+    num_steps: the number of steps the noise was calibrated for (required:
+      steps past it are refused, so a loop that runs longer than its
+      accounting stops instead of silently spending more privacy).
     neighboring_relation: the relation the noise is calibrated for.
     normalize_by: public batch size (required with a padding mask, e.g. the
       expected batch size under Poisson sampling).
@@ -107,9 +112,15 @@ def dpsgd(
     An `optax.GradientTransformationExtraArgs`; call
     `update(None, state, params, batch=batch, batch_mask=None)`.
   """
+  if num_steps is None:
+    raise ValueError(
+        'dpsgd needs num_steps, the number of steps its noise was calibrated '
+        'for: steps past it are refused (without it a loop could run past '
+        'its accounting and silently spend more privacy)')
   return estimators.noisy_gradient(
       loss_fn, l2_clip=l2_clip, noise_multiplier=noise_multiplier,
-      mechanism=dpsgd_mechanism(num_steps), key=key,
+      mechanism=dpsgd_mechanism(checks.positive_int(num_steps, 'num_steps')),
+      key=key,
       neighboring_relation=neighboring_relation, normalize_by=normalize_by,
       microbatch_size=microbatch_size, axis_name=axis_name)
 
@@ -120,7 +131,7 @@ def dpftrl(
     l2_clip: float,
     noise_multiplier: float,
     num_steps: int,
-    key: estimators.KeyLike,
+    key: estimators.KeyLike = None,
     restart_every: Optional[int] = None,
     honaker: bool = False,
     neighboring_relation: neighboring.NeighboringRelation = (
@@ -152,6 +163,9 @@ def dpftrl(
       clipped sum (calibrate with `dpsco_jax.accounting`).
     num_steps: total steps; the tree refuses to go past it.
     key: PRNG key or int seed for the noise (replicated across devices).
+      None (default): a fresh secret key from OS entropy
+      (`dpsco_jax.keys`); an int seed makes the noise known to anyone
+      who knows the seed. Never give one key to two runs.
     restart_every: steps per tree (e.g. one epoch); None for one tree.
     honaker: use Honaker's variance-reduced tree estimates.
     neighboring_relation: the relation the noise is calibrated for.

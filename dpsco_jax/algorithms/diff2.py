@@ -77,6 +77,7 @@ import optax
 from dpsco_jax import checks
 from dpsco_jax import clipping
 from dpsco_jax import estimators
+from dpsco_jax import keys
 from dpsco_jax import guards
 from dpsco_jax import neighboring
 from dpsco_jax import noise as noise_lib
@@ -226,7 +227,7 @@ def diff2_estimator(
     restart_interval: int,
     num_rounds: int,
     noise_multipliers: Diff2NoiseMultipliers,
-    key: estimators.KeyLike,
+    key: estimators.KeyLike = None,
     neighboring_relation: neighboring.NeighboringRelation = (
         neighboring.NeighboringRelation.REPLACE_ONE),
     microbatch_size: Optional[int] = None,
@@ -263,6 +264,9 @@ def diff2_estimator(
       refused.
     noise_multipliers: `Diff2NoiseMultipliers(restart=z1, difference=z2)`.
     key: PRNG key or int seed for the server noise, the same on every client.
+      None (default): a fresh secret key from OS entropy
+      (`dpsco_jax.keys`); an int seed makes the noise known to anyone
+      who knows the seed. Never give one key to two runs.
     neighboring_relation: REPLACE_ONE (the paper's) or ZERO_OUT.
     microbatch_size: optional cap on per-example gradients held at once.
     axis_name: the client axis (pmap / shard_map / vmap), None for one
@@ -294,7 +298,7 @@ def diff2_estimator(
   multipliers = _validate_multipliers(noise_multipliers)
   restart_stddev = multipliers.restart * grad_statistic.sensitivity(relation)
   diff_stddev = multipliers.difference * diff_statistic.sensitivity(relation)
-  key = estimators.as_key(key)
+  key = keys.noise_key(key, 'diff2_estimator')
 
   def init_fn(params):
     estimators.check_params(params)
@@ -360,7 +364,7 @@ def diff2_gd(
     restart_interval: int,
     num_rounds: int,
     noise_multipliers: Diff2NoiseMultipliers,
-    key: estimators.KeyLike,
+    key: estimators.KeyLike = None,
     neighboring_relation: neighboring.NeighboringRelation = (
         neighboring.NeighboringRelation.REPLACE_ONE),
     microbatch_size: Optional[int] = None,
@@ -419,7 +423,7 @@ def dp_gd(
     grad_clip: float,
     noise_multiplier: float,
     num_rounds: int,
-    key: estimators.KeyLike,
+    key: estimators.KeyLike = None,
     neighboring_relation: neighboring.NeighboringRelation = (
         neighboring.NeighboringRelation.REPLACE_ONE),
     microbatch_size: Optional[int] = None,
@@ -443,6 +447,9 @@ def dp_gd(
     noise_multiplier: noise std over the replace-one sensitivity `2 C_1`.
     num_rounds: R; round R + 1 is refused.
     key: PRNG key or int seed of the server noise (same on every client).
+      None (default): a fresh secret key from OS entropy
+      (`dpsco_jax.keys`); an int seed makes the noise known to anyone
+      who knows the seed. Never give one key to two runs.
     neighboring_relation: see `diff2_estimator`.
     microbatch_size: see `diff2_estimator`.
     axis_name: the client axis, None for one client.
@@ -492,7 +499,7 @@ def diff2_bvr_local_sgd(
     restart_interval: int,
     num_rounds: int,
     noise_multipliers: Diff2NoiseMultipliers,
-    key: estimators.KeyLike,
+    key: estimators.KeyLike = None,
     local_steps: int,
     local_batch_size: int,
     local_clip_factor: Optional[float] = None,
@@ -539,6 +546,9 @@ def diff2_bvr_local_sgd(
       minibatch sum.
     key: PRNG key or int seed; split by `bvr_keys` into the server noise,
       local noise and sampling keys.
+      None (default): a fresh secret key from OS entropy
+      (`dpsco_jax.keys`); an int seed makes the noise known to anyone
+      who knows the seed. Never give one key to two runs.
     local_steps: K >= 1 (K = 1 is DIFF2-GD).
     local_batch_size: b, at most the smallest client's size.
     local_clip_factor: `C_3` (default `C_2`, as in Theorem 5.3).
@@ -557,7 +567,8 @@ def diff2_bvr_local_sgd(
   References:
     Murata & Suzuki (2023), Algorithm 4, Proposition E.2, Theorem 5.3.
   """
-  server_key, local_key, sampling_key = bvr_keys(key)
+  server_key, local_key, sampling_key = bvr_keys(
+      keys.noise_key(key, 'diff2_bvr_local_sgd'))
   server = diff2_estimator(
       loss_fn, grad_clip=grad_clip, diff_clip_factor=diff_clip_factor,
       restart_interval=restart_interval, num_rounds=num_rounds,

@@ -68,7 +68,7 @@ def dpmemf(
     noise_multiplier: float,
     strategy: np.ndarray,
     steps_per_epoch: int,
-    key: estimators.KeyLike,
+    key: estimators.KeyLike = None,
     check_order: bool = True,
     storage: str = 'buffer',
     neighboring_relation: neighboring.NeighboringRelation = (
@@ -106,6 +106,9 @@ def dpmemf(
       `strategies.optimize_strategy`).
     steps_per_epoch: b; the strategy's size must be a multiple of it.
     key: PRNG key or int seed for the noise (replicated across devices).
+      None (default): a fresh secret key from OS entropy
+      (`dpsco_jax.keys`); an int seed makes the noise known to anyone
+      who knows the seed. Never give one key to two runs.
     check_order: verify the fixed batch order from `example_ids`. Only turn
       it off when the pipeline is known to repeat its batches.
     storage: how the MF noise is streamed (`noise.matrix_factorization`).

@@ -62,6 +62,7 @@ from dpsco_jax import accounting
 from dpsco_jax import checks
 from dpsco_jax import clipping
 from dpsco_jax import estimators
+from dpsco_jax import keys
 from dpsco_jax import neighboring
 from dpsco_jax import noise
 from dpsco_jax import parallel
@@ -102,7 +103,7 @@ def srg_gradient(
     l2_clip: float,
     noise_multiplier: float,
     num_steps: Optional[int] = None,
-    key: estimators.KeyLike,
+    key: estimators.KeyLike = None,
     mechanism: Optional[noise.NoiseMechanism] = None,
     neighboring_relation: neighboring.NeighboringRelation = (
         neighboring.NeighboringRelation.ADD_OR_REMOVE),
@@ -147,6 +148,9 @@ def srg_gradient(
       release='prefix')` (the theory's binary tree). Not needed when
       `mechanism` is given.
     key: PRNG key or int seed of the noise (replicated across devices).
+      None (default): a fresh secret key from OS entropy
+      (`dpsco_jax.keys`); an int seed makes the noise known to anyone
+      who knows the seed. Never give one key to two runs.
     mechanism: a prefix-release noise mechanism instead of the tree, e.g.
       `noise.matrix_factorization(C, release='prefix')`.
     neighboring_relation: the relation the noise is calibrated for (the
@@ -190,7 +194,7 @@ def srg_gradient(
 def _recursive_gradient(
     state_class, coefficients, recursion, loss_fn: LossFn, *,
     mechanism: noise.NoiseMechanism, l2_clip: float, noise_multiplier: float,
-    key: estimators.KeyLike,
+    key: estimators.KeyLike = None,
     neighboring_relation: neighboring.NeighboringRelation,
     normalize_by: Optional[float], microbatch_size: Optional[int],
     axis_name: Optional[str]) -> optax.GradientTransformationExtraArgs:
@@ -214,7 +218,7 @@ def _recursive_gradient(
       loss_fn, l2_clip, microbatch_size=microbatch_size)
   noise_multiplier = estimators.validate_noise_multiplier(noise_multiplier)
   stddev = noise_multiplier * statistic.sensitivity(neighboring_relation)
-  key = estimators.as_key(key)
+  key = keys.noise_key(key, f'recursive gradient ({mechanism.name})')
   estimators.validate_normalize_by(normalize_by)
 
   def init_fn(params):
@@ -417,7 +421,7 @@ def accelerated_dp_srgd(
     num_steps: int,
     beta: float,
     radius: Optional[float],
-    key: estimators.KeyLike,
+    key: estimators.KeyLike = None,
     gradient: str = 'srg',
     mechanism: Optional[noise.NoiseMechanism] = None,
     neighboring_relation: neighboring.NeighboringRelation = (
@@ -468,6 +472,9 @@ def accelerated_dp_srgd(
     radius: radius R of the l2-ball constraint set (global norm over the
       params pytree), or None for no constraint.
     key: PRNG key or int seed of the noise (replicated across devices).
+      None (default): a fresh secret key from OS entropy
+      (`dpsco_jax.keys`); an int seed makes the noise known to anyone
+      who knows the seed. Never give one key to two runs.
     gradient: 'srg' (Algorithm 1) or 'independent' (Theorem 5.13 ablation).
     mechanism: the noise mechanism; prefix release for 'srg' (default
       `srg_mechanism(T)`), per-step for 'independent' (default
@@ -576,7 +583,7 @@ def unaccelerated_dp_srg(
     num_steps: int,
     beta: float,
     radius: Optional[float],
-    key: estimators.KeyLike,
+    key: estimators.KeyLike = None,
     mechanism: Optional[noise.NoiseMechanism] = None,
     neighboring_relation: neighboring.NeighboringRelation = (
         neighboring.NeighboringRelation.ADD_OR_REMOVE),
@@ -603,6 +610,9 @@ def unaccelerated_dp_srg(
     beta: inverse step size.
     radius: l2-ball radius, or None.
     key: PRNG key or int seed of the noise.
+      None (default): a fresh secret key from OS entropy
+      (`dpsco_jax.keys`); an int seed makes the noise known to anyone
+      who knows the seed. Never give one key to two runs.
     mechanism: prefix-release mechanism (default `srg_mechanism(T)`).
     neighboring_relation: the relation the noise is calibrated for.
     normalize_by: public batch size B (required with a padding mask).
@@ -669,7 +679,7 @@ def dp_srg_memf(
     strategy: np.ndarray,
     steps_per_epoch: int,
     decay: float,
-    key: estimators.KeyLike,
+    key: estimators.KeyLike = None,
     check_order: bool = True,
     storage: str = 'buffer',
     neighboring_relation: neighboring.NeighboringRelation = (
@@ -716,6 +726,9 @@ def dp_srg_memf(
     steps_per_epoch: b.
     decay: c in [0, 1].
     key: PRNG key or int seed of the noise (replicated across devices).
+      None (default): a fresh secret key from OS entropy
+      (`dpsco_jax.keys`); an int seed makes the noise known to anyone
+      who knows the seed. Never give one key to two runs.
     check_order: verify the fixed batch order from `example_ids`
       (`batching.fixed_order_guard`).
     storage: how the MF noise is streamed (`noise.matrix_factorization`).

@@ -95,7 +95,7 @@ def test_dpsgd_noise_is_on_the_sum_then_divided_by_batch(relation, factor):
   params = {'w': jnp.zeros((64, 32)), 'b': jnp.zeros((32,))}
   batch = {'x': jnp.ones((batch_size, 3)), 'y': jnp.zeros((batch_size,), int)}
   tx = dpsco_jax.dpsgd(zero_loss, l2_clip=clip, noise_multiplier=z, key=1,
-                       neighboring_relation=relation)
+                       num_steps=2, neighboring_relation=relation)
   out = noise_outputs(tx, params, batch, steps=2).ravel()
   std = z * clip * factor / batch_size
   assert stats.kstest(out / std, 'norm').pvalue > 0.01
@@ -125,7 +125,8 @@ def test_masked_padding_equals_unpadded_batch():
       batch)
   padded['x'] = padded['x'].at[20].set(jnp.nan)
   mask = jnp.arange(32) < 20
-  kwargs = dict(l2_clip=0.5, noise_multiplier=0.9, key=5, normalize_by=20)
+  kwargs = dict(l2_clip=0.5, noise_multiplier=0.9, key=5, normalize_by=20,
+                num_steps=1)
   plain = dpsco_jax.dpsgd(loss_fn, **kwargs)
   masked = dpsco_jax.dpsgd(loss_fn, **kwargs)
   out_plain, _ = plain.update(None, plain.init(params), params, batch=batch)
@@ -138,7 +139,7 @@ def test_masked_padding_equals_unpadded_batch():
 
 def test_microbatching_does_not_change_the_result():
   params, batch = make_problem(batch_size=30)
-  kwargs = dict(l2_clip=0.5, noise_multiplier=0.9, key=5)
+  kwargs = dict(l2_clip=0.5, noise_multiplier=0.9, key=5, num_steps=1)
   whole = dpsco_jax.dpsgd(loss_fn, **kwargs)
   pieces = dpsco_jax.dpsgd(loss_fn, microbatch_size=7, **kwargs)
   a, _ = whole.update(None, whole.init(params), params, batch=batch)
@@ -195,7 +196,8 @@ def test_steps_beyond_capacity_are_refused():
     (dict(l2_clip=float('inf')), 'l2_clip'),
     (dict(noise_multiplier=-0.5), 'noise_multiplier'),
     (dict(noise_multiplier=float('nan')), 'noise_multiplier'),
-    (dict(key=None), 'key'),
+    (dict(key='zero'), 'key'),
+    (dict(num_steps=None), 'num_steps'),
     (dict(num_steps=0), 'num_steps'),
     (dict(normalize_by=0), 'normalize_by'),
 ])
@@ -208,7 +210,8 @@ def test_bad_construction_arguments(kwargs, match):
 
 def test_bad_update_arguments():
   params, batch = make_problem()
-  tx = dpsco_jax.dpsgd(loss_fn, l2_clip=1.0, noise_multiplier=1.0, key=0)
+  tx = dpsco_jax.dpsgd(loss_fn, l2_clip=1.0, noise_multiplier=1.0, key=0,
+                       num_steps=4)
   state = tx.init(params)
   with pytest.raises(ValueError, match='batch is required'):
     tx.update(None, state, params)

@@ -486,7 +486,7 @@ def test_empty_client_and_small_client_are_refused():
     (dict(num_rounds=0), 'num_rounds'),
     (dict(noise_multipliers=None), 'noise_multipliers'),
     (dict(noise_multipliers=(1.0, -1.0)), 'noise_multiplier'),
-    (dict(key=None), 'key'),
+    (dict(key='zero'), 'key'),
     (dict(neighboring_relation=dpsco_jax.NeighboringRelation.ADD_OR_REMOVE),
      'replace-one'),
 ])
