@@ -140,6 +140,34 @@ def privatize_sum(
                    normalize_by=normalize_by, axis_name=axis_name)
 
 
+def check_first_in_chain(updates: PyTree, transformation: str) -> None:
+  """Raises unless a private estimator was given `updates=None`.
+
+  A private estimator computes its gradients itself, from `loss_fn`, so that
+  it controls the clipping its guarantee rests on; whatever it is handed as
+  `updates` it would discard. Something other than None means another
+  transformation runs before it in an `optax.chain` (its output lost, e.g.
+  `optax.sgd` first trains uphill), or the caller passed gradients it
+  expects to be used.
+
+  Example:
+    >>> check_first_in_chain(updates, 'noisy_gradient')
+
+  Args:
+    updates: the `updates` argument of `update`.
+    transformation: the estimator's name, for the message.
+
+  Raises:
+    ValueError: if `updates` is not None.
+  """
+  if updates is not None:
+    raise ValueError(
+        f'{transformation}.update got updates that it would discard: a '
+        'private estimator computes its own clipped gradients from loss_fn. '
+        'Put it FIRST in optax.chain (private part, then the optimizer) and '
+        'call tx.update(None, state, params, batch=batch)')
+
+
 def check_params(params: PyTree) -> None:
   """Raises if an estimator's `update` was called without params.
 
@@ -296,7 +324,8 @@ def noisy_gradient(
 
   def update_fn(updates, state, params=None, *, batch=None, batch_mask=None,
                 **extra_args):
-    del updates, extra_args
+    del extra_args
+    check_first_in_chain(updates, 'noisy_gradient')
     checks.state_type(state, NoisyGradientState, 'noisy_gradient')
     check_params(params)
     divisor = public_batch_size(batch, batch_mask, normalize_by, axis_name)

@@ -233,3 +233,16 @@ def test_restore_refuses_a_ledger_of_another_mechanism(tmp_path):
     checkpoint.restore(path, params_like=PARAMS,
                        opt_state_like=_dpftrl().init(PARAMS),
                        ledger=_ledger(dpsco_jax.dpftrl_mechanism(NUM_STEPS)))
+
+
+def test_a_private_estimator_after_another_transformation_is_refused():
+  """Was silent: optax.sgd before dpsgd had its output discarded and the run
+  trained uphill."""
+  wrong = optax.chain(optax.sgd(0.1), _dpsgd())
+  state = wrong.init(PARAMS)
+  with pytest.raises(ValueError, match='FIRST in optax.chain'):
+    wrong.update(PARAMS, state, PARAMS, batch=BATCH)
+  for name, tx in _transformations().items():
+    with pytest.raises(ValueError, match='FIRST in optax.chain'):
+      tx.update(PARAMS, tx.init(PARAMS), PARAMS, batch=BATCH,
+                example_ids=jnp.arange(4))

@@ -308,7 +308,8 @@ def diff2_estimator(
 
   def update_fn(updates, state, params=None, *, batch=None, batch_mask=None,
                 **extra_args):
-    del updates, extra_args
+    del extra_args
+    estimators.check_first_in_chain(updates, 'diff2_estimator')
     checks.state_type(state, Diff2State, 'diff2_estimator')
     estimators.check_params(params)
     if batch is None:
@@ -598,7 +599,8 @@ def diff2_bvr_local_sgd(
 
   def update_fn(updates, state, params=None, *, batch=None, batch_mask=None,
                 **extra_args):
-    del updates, extra_args
+    del extra_args
+    estimators.check_first_in_chain(updates, 'diff2_bvr_local_sgd')
     checks.state_type(state, Diff2BvrState, 'diff2_bvr_local_sgd')
     count = state.server.count
     v, server_state = server.update(None, state.server, params, batch=batch,

@@ -229,7 +229,8 @@ def _recursive_gradient(
 
   def update_fn(updates, state, params=None, *, batch=None, batch_mask=None,
                 **extra_args):
-    del updates, extra_args
+    del extra_args
+    estimators.check_first_in_chain(updates, 'srg_gradient')
     checks.state_type(state, state_class, 'srg_gradient')
     estimators.check_params(params)
     divisor = estimators.public_batch_size(batch, batch_mask, normalize_by,
