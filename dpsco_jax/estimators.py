@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from dpsco_jax import checks
 from dpsco_jax import clipping
 from dpsco_jax import guards
 from dpsco_jax import neighboring
@@ -70,6 +71,13 @@ def as_key(key: KeyLike) -> jax.Array:
 def validate_noise_multiplier(noise_multiplier: float) -> float:
   """Returns the noise multiplier as a float, or raises if it is invalid.
 
+  The same check as the accountants' (`dpsco_jax.checks.noise_multiplier`),
+  so a multiplier the noise accepts is one the accounting accepts.
+
+  Example:
+    >>> validate_noise_multiplier(0.0)   # no noise: allowed, epsilon = inf
+    0.0
+
   Args:
     noise_multiplier: noise standard deviation over sensitivity.
 
@@ -79,12 +87,7 @@ def validate_noise_multiplier(noise_multiplier: float) -> float:
   Raises:
     ValueError: if negative, NaN or infinite.
   """
-  value = float(noise_multiplier)
-  if not (value >= 0.0 and value < float('inf')):
-    raise ValueError(
-        f'noise_multiplier must be a non-negative finite number, got '
-        f'{noise_multiplier!r}')
-  return value
+  return checks.noise_multiplier(noise_multiplier)
 
 
 def add_noise(

@@ -151,11 +151,11 @@ def _validate(num_rounds, restart_interval, noise_multipliers, local):
     if local.local_steps == 1:
       local = None  # K = 1 has no local steps.
   if noise_multipliers is not None:
-    noise_multipliers = Diff2NoiseMultipliers(*noise_multipliers)
-    for z in noise_multipliers:
-      if not (float(z) >= 0 and math.isfinite(float(z))):
-        raise ValueError(f'noise multipliers must be finite and >= 0, got '
-                         f'{noise_multipliers}')
+    noise_multipliers = Diff2NoiseMultipliers(*(
+        checks.noise_multiplier(z, f'the {field} entry of the noise '
+                                   'multipliers')
+        for field, z in zip(Diff2NoiseMultipliers._fields,
+                            Diff2NoiseMultipliers(*noise_multipliers))))
   return local, noise_multipliers
 
 
@@ -286,10 +286,12 @@ def epsilon_spent(
     local: the local steps of DIFF2-BVR-L-SGD, or None.
 
   Returns:
-    epsilon (inf when a used multiplier is 0).
+    epsilon (inf when a used multiplier is 0, under every method).
 
   Raises:
-    ValueError: for bad inputs, or 'pld' with local steps.
+    ValueError: for bad inputs (a negative, NaN or infinite multiplier, even
+      an unused one, is refused before any method runs), or 'pld' with local
+      steps.
   """
   accounting.validate_epsilon_delta(None, delta)
   local, z = _validate(num_rounds, restart_interval, noise_multipliers, local)

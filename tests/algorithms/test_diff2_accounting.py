@@ -136,6 +136,26 @@ def test_zero_noise_is_infinite_epsilon():
   assert math.isfinite(diff2_acc.epsilon_spent(100, 1, z, DELTA))
 
 
+@pytest.mark.parametrize('method', diff2_acc.METHODS)
+@pytest.mark.parametrize('bad', [-1.0, float('nan'), float('inf')])
+@pytest.mark.parametrize('position', [0, 1, 2])
+def test_every_method_refuses_an_invalid_noise_multiplier(method, bad,
+                                                          position):
+  multipliers = [10.0, 50.0, 4.0]
+  multipliers[position] = bad
+  local = diff2_acc.LocalSteps(3, 8, 100, 4) if method != 'pld' else None
+  with pytest.raises(ValueError, match='entry of the noise multipliers must '
+                     'be a non-negative finite number'):
+    diff2_acc.epsilon_spent(100, 10, Diff2NoiseMultipliers(*multipliers),
+                            DELTA, method=method, local=local)
+
+
+@pytest.mark.parametrize('method', diff2_acc.METHODS)
+def test_every_method_gives_infinite_epsilon_without_noise(method):
+  z = Diff2NoiseMultipliers(0.0, 50.0)
+  assert diff2_acc.epsilon_spent(100, 10, z, DELTA, method=method) == math.inf
+
+
 @pytest.mark.parametrize('call,match', [
     (lambda: diff2_acc.calibrate(100, 10, 0.0, DELTA), 'epsilon'),
     (lambda: diff2_acc.calibrate(100, 10, 1.0, 1.5), 'delta'),
