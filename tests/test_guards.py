@@ -56,3 +56,31 @@ def test_under_vmap_one_host_call_per_step_for_all_runs(monkeypatch):
   # One lane over its limit: still refused.
   with pytest.raises(Exception, match='over the limit'):
     jax.block_until_ready(jax.jit(jax.vmap(run))(jnp.arange(64.0) * 2))
+
+
+def test_several_conditions_share_one_check(monkeypatch):
+  messages = ('first broken', 'second broken')
+  with pytest.raises(ValueError, match='second broken'):
+    guards.refuse((False, True), jnp.ones(3), messages)
+  assert guards.refuse((False, False), 1.0, messages) == 1.0
+  calls = []
+  original = guards._raise_if  # pylint: disable=protected-access
+
+  def counting(flag, anchor, message):
+    calls.append(np.shape(flag))
+    return original(flag, anchor, message)
+
+  monkeypatch.setattr(guards, '_raise_if', counting)
+
+  def run(limit):
+    return guards.refuse((limit > 100, limit > 200), jnp.ones(3) * limit,
+                         ('over 100', 'over 200'))
+
+  out = jax.jit(jax.vmap(run))(jnp.arange(64.0))
+  assert np.all(np.isfinite(np.asarray(out)))
+  assert len(calls) == 1 and calls[0] == (64, 2)
+  with pytest.raises(Exception, match='over 100'):
+    jax.block_until_ready(jax.jit(jax.vmap(run))(jnp.arange(64.0) * 2))
+    jax.effects_barrier()
+  with pytest.raises(ValueError, match='flags for'):
+    guards.refuse((True,), 1.0, ('one', 'two'))
