@@ -38,7 +38,9 @@ Methods (`method=`):
 The noise multiplier is always the noise std over the sensitivity of ONE
 step's clipped sum under the neighbouring relation the noise was calibrated
 for (`ClippedStatistic.sensitivity(relation)`): the relation's factor is in
-the noise, so the accountant sees a unit-sensitivity mechanism.
+the noise, so the accountant sees a unit-sensitivity mechanism. It must be
+finite and >= 0 under every method (`dpsco_jax.checks.noise_multiplier`);
+0 is a Gaussian mechanism without noise, whose epsilon is `inf`.
 """
 
 import dataclasses
@@ -245,13 +247,12 @@ def dp_event(mechanism: noise_lib.NoiseMechanism, noise_multiplier: float,
     A `dp_accounting.DpEvent`.
 
   Raises:
-    ValueError: for bad inputs, or Poisson sampling with correlated noise
-      (its amplification is not accounted here).
+    ValueError: for bad inputs (a negative, NaN or infinite noise
+      multiplier among them), or Poisson sampling with correlated noise (its
+      amplification is not accounted here).
   """
   _validate_participation(participation)
-  noise_multiplier = float(noise_multiplier)
-  if not noise_multiplier >= 0:
-    raise ValueError(f'noise_multiplier must be >= 0, got {noise_multiplier}')
+  noise_multiplier = checks.noise_multiplier(noise_multiplier)
   if isinstance(participation, PoissonSampling):
     if not _is_iid(mechanism, participation.num_steps):
       raise ValueError(
@@ -285,7 +286,12 @@ def tree_aggregation_event(noise_multiplier: float, num_steps: int,
 
   Returns:
     A `dp_accounting.SingleEpochTreeAggregationDpEvent`.
+
+  Raises:
+    ValueError: for a negative, NaN or infinite noise multiplier (the RDP
+      accountant would report epsilon 0 for NaN) or a bad step count.
   """
+  noise_multiplier = checks.noise_multiplier(noise_multiplier)
   num_steps = checks.positive_int(num_steps, 'num_steps')
   size = restart_every or num_steps
   counts = [size] * (num_steps // size)
@@ -384,6 +390,17 @@ def gdp_delta(mu: float, epsilon: float) -> float:
                math.exp(epsilon) * stats.norm.cdf(-epsilon / mu - mu / 2))
 
 
+def _closed_form_epsilon(method: str, sensitivity: float,
+                         noise_multiplier: float, delta: float) -> float:
+  """epsilon of 'zcdp' or 'gdp_paper' for a run of this sensitivity."""
+  if noise_multiplier == 0:
+    return math.inf
+  mu = sensitivity / noise_multiplier
+  if method == 'zcdp':
+    return zcdp_epsilon(mu ** 2 / 2.0, delta)
+  return mu * math.sqrt(2.0 * math.log(2.5 / delta))
+
+
 def epsilon_spent(
     mechanism: noise_lib.NoiseMechanism,
     noise_multiplier: float,
@@ -402,7 +419,8 @@ def epsilon_spent(
 
   Args:
     mechanism: the noise mechanism used by the run.
-    noise_multiplier: noise std over one step's sensitivity.
+    noise_multiplier: noise std over one step's sensitivity; finite and
+      >= 0 (0 means no noise).
     participation: how batches were formed.
     delta: target delta.
     method: 'pld', 'rdp', 'zcdp' or 'gdp_paper' (module docstring).
@@ -410,18 +428,23 @@ def epsilon_spent(
       otherwise it is already in the noise multiplier).
 
   Returns:
-    epsilon (inf when there is no noise).
+    epsilon. A noise multiplier of 0 (a Gaussian mechanism without noise)
+    gives `inf` under every method.
+
+  Raises:
+    ValueError: for bad inputs: a noise multiplier that is negative, NaN or
+      infinite (refused before any method runs, so all four agree), a bad
+      delta, method or participation pattern.
   """
+  # Checked here, not per method: the closed forms would otherwise turn a
+  # negative multiplier into a negative (or mirrored) epsilon and NaN into
+  # NaN, while the dp_accounting methods refuse it.
+  noise_multiplier = checks.noise_multiplier(noise_multiplier)
   validate_epsilon_delta(None, delta)
   _check_method(method, participation)
   if method in ('zcdp', 'gdp_paper'):
     sensitivity = mechanism_sensitivity(mechanism, participation)
-    if noise_multiplier == 0:
-      return math.inf
-    mu = sensitivity / float(noise_multiplier)
-    if method == 'zcdp':
-      return zcdp_epsilon(mu ** 2 / 2.0, delta)
-    return mu * math.sqrt(2.0 * math.log(2.5 / delta))
+    return _closed_form_epsilon(method, sensitivity, noise_multiplier, delta)
   event = dp_event(mechanism, noise_multiplier, participation)
   accountant = _accountant(method, neighboring_relation, event)
   return float(accountant.compose(event).get_epsilon(delta))
@@ -453,16 +476,24 @@ def calibrate_noise_multiplier(
     neighboring_relation: see `epsilon_spent`.
 
   Returns:
-    The noise multiplier (node/step noise std over one step's sensitivity).
+    The noise multiplier (node/step noise std over one step's sensitivity):
+    finite and > 0, and `epsilon_spent` of it under the same method is at
+    most `epsilon`.
   """
   validate_epsilon_delta(epsilon, delta)
   _check_method(method, participation)
-  if method == 'zcdp':
+  if method in ('zcdp', 'gdp_paper'):
     sensitivity = mechanism_sensitivity(mechanism, participation)
-    return sensitivity / math.sqrt(2.0 * zcdp_rho(epsilon, delta))
-  if method == 'gdp_paper':
-    sensitivity = mechanism_sensitivity(mechanism, participation)
-    return sensitivity / paper_gdp_mu(epsilon, delta)
+    if method == 'zcdp':
+      value = sensitivity / math.sqrt(2.0 * zcdp_rho(epsilon, delta))
+    else:
+      value = sensitivity / paper_gdp_mu(epsilon, delta)
+    # The closed form inverts `epsilon_spent` exactly on paper, but rounding
+    # can leave the multiplier an ulp too small (epsilon 2 + 2e-15 for a
+    # target of 2): step up until the guarantee holds, as below.
+    while _closed_form_epsilon(method, sensitivity, value, delta) > epsilon:
+      value = math.nextafter(value, math.inf)
+    return value
 
   @functools.lru_cache(maxsize=None)
   def gap(z: float) -> float:

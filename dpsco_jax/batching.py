@@ -13,7 +13,9 @@ is computed for the batches it actually used:
   of a fixed size with a mask, so only a few shapes are ever compiled.
 
 `fixed_order_guard` checks, inside the training step, that batches really
-come in the fixed order a `FixedOrder` accounting claims.
+come in the fixed order a `FixedOrder` accounting claims: every example in
+one batch of the first epoch, at most once, and the same batches in the same
+order in every later epoch.
 
 Every sampler is deterministic given its seed and can resume mid-run:
 `sampler.iterate(start_step=k)` yields exactly the batches `k, k + 1, ...`
@@ -328,12 +330,17 @@ class FixedOrderGuardState(NamedTuple):
   Attributes:
     step: steps seen so far.
     fingerprints: `[steps_per_epoch, 2]` uint32, an order-invariant hash of
-      the example ids of each batch position in the first epoch. The ids
-      are indices into the training set: not noised, do not publish.
+      the example ids of each batch position in the first epoch.
+    seen: `[ceil(num_examples / 32)]` uint32, one bit per example: set once
+      the example has taken part in a first-epoch batch.
+
+  The fingerprints and the bitmap are functions of the ids of the training
+  examples (which examples were used, and when): not noised, do not publish.
   """
 
   step: jax.Array
   fingerprints: jax.Array
+  seen: jax.Array
 
 
 def _mix(ids: jax.Array, seed: int) -> jax.Array:
@@ -342,6 +349,20 @@ def _mix(ids: jax.Array, seed: int) -> jax.Array:
   x = (x ^ (x >> 16)) * jnp.uint32(0x85EBCA6B)
   x = (x ^ (x >> 13)) * jnp.uint32(0xC2B2AE35)
   return x ^ (x >> 16)
+
+
+def _ids_and_mask(example_ids: jax.Array, mask: Optional[jax.Array]
+                  ) -> tuple[jax.Array, jax.Array]:
+  """Flat integer ids and a flat bool mask of the same size, or a ValueError."""
+  example_ids = jnp.ravel(jnp.asarray(example_ids))
+  if not jnp.issubdtype(example_ids.dtype, jnp.integer):
+    raise ValueError(f'example_ids must be integers, got {example_ids.dtype}')
+  keep = (jnp.ones(example_ids.shape, bool) if mask is None else
+          jnp.ravel(jnp.asarray(mask, bool)))
+  if keep.shape != example_ids.shape:
+    raise ValueError(f'batch_mask has {keep.size} entries for '
+                     f'{example_ids.size} example ids')
+  return example_ids, keep
 
 
 def batch_fingerprint(example_ids: jax.Array,
@@ -361,14 +382,7 @@ def batch_fingerprint(example_ids: jax.Array,
   Returns:
     `[2]` uint32.
   """
-  example_ids = jnp.ravel(jnp.asarray(example_ids))
-  if not jnp.issubdtype(example_ids.dtype, jnp.integer):
-    raise ValueError(f'example_ids must be integers, got {example_ids.dtype}')
-  keep = (jnp.ones(example_ids.shape, bool) if mask is None else
-          jnp.ravel(jnp.asarray(mask, bool)))
-  if keep.shape != example_ids.shape:
-    raise ValueError(f'batch_mask has {keep.size} entries for '
-                     f'{example_ids.size} example ids')
+  example_ids, keep = _ids_and_mask(example_ids, mask)
   hashes = jnp.stack([_mix(example_ids, 0x9E3779B9),
                       _mix(example_ids, 0x7F4A7C15)], axis=-1)
   local = jnp.sum(jnp.where(keep[:, None], hashes, jnp.uint32(0)), axis=0,
@@ -376,22 +390,69 @@ def batch_fingerprint(example_ids: jax.Array,
   return parallel.psum(local, axis_name)
 
 
+class _IdChecks(NamedTuple):
+  """What `_check_ids` found in one (global) batch."""
+
+  out_of_range: jax.Array  # a kept id outside [0, num_examples)
+  repeated: jax.Array      # a kept id twice in the batch
+  seen_before: jax.Array   # a kept id already set in the bitmap
+  seen: jax.Array          # the bitmap with the batch's ids set
+
+
+def _check_ids(ids: jax.Array, keep: jax.Array, seen: jax.Array,
+               num_examples: int) -> _IdChecks:
+  """Range, within-batch repeats and the seen-bitmap for one batch's ids."""
+  # Sorted by id, then by the mask (padding first among equal ids): the kept
+  # copies of an id are neighbours, whatever padding shares their value.
+  ids, keep_sorted = jax.lax.sort((ids, keep.astype(jnp.int32)), num_keys=2)
+  keep = keep_sorted.astype(bool)
+  in_range = ids >= 0
+  if num_examples <= jnp.iinfo(ids.dtype).max:
+    in_range &= ids < num_examples
+  same_as_previous = jnp.concatenate([
+      jnp.zeros((1,), bool),
+      (ids[1:] == ids[:-1]) & keep[1:] & keep[:-1]])
+  # Each kept, in-range id once: setting its bit by an addition is then an
+  # exact OR (no carries), also when the batch itself is refused.
+  valid = keep & in_range & ~same_as_previous
+  safe = jnp.where(valid, ids, 0)
+  word = (safe >> 5).astype(jnp.int32)
+  bit = jnp.left_shift(jnp.uint32(1), (safe & 31).astype(jnp.uint32))
+  already = valid & ((seen[word] & bit) != 0)
+  seen = seen.at[word].add(jnp.where(valid & ~already, bit, jnp.uint32(0)))
+  return _IdChecks(out_of_range=jnp.any(keep & ~in_range),
+                   repeated=jnp.any(same_as_previous),
+                   seen_before=jnp.any(already), seen=seen)
+
+
 def fixed_order_guard(
     steps_per_epoch: int,
     *,
+    num_examples: int,
     axis_name: Optional[str] = None,
 ) -> optax.GradientTransformationExtraArgs:
-  """Refuses steps whose batch differs from the same position one epoch ago.
+  """Refuses batches that break the `FixedOrder(k, b)` participation.
 
   `FixedOrder(k, b)` accounting (DP-MF, DP-MEMF: paper 001 Algorithms 2-3,
   notes pitfall 15) assumes that the example in batch j takes part exactly
-  at steps `j, b + j, ..., (k-1) b + j`. A pipeline that reshuffles between
-  epochs breaks that: an example can then meet strategy columns whose
-  cross terms the sensitivity never counted. The guard fingerprints each
-  batch's set of example ids in the first epoch and, in every later epoch,
+  at steps `j, b + j, ..., (k-1) b + j`, and at no other step. The guard
   refuses (`dpsco_jax.guards.refuse`: ValueError when eager, NaN-poisoned
-  updates and a host-callback error under jit) a batch whose set differs.
-  The order of examples within a batch does not matter.
+  updates and a host-callback error under jit) a step whose batch
+
+  * holds an id outside `[0, num_examples)`;
+  * holds the same id twice (the example would count twice in one sum);
+  * in the first epoch, holds an id that an earlier batch of the first
+    epoch already held (kept in a bitmap of `num_examples` bits): the
+    example would take part at two positions of every epoch;
+  * in a later epoch, is not the set of ids at the same position of the
+    first epoch (a pipeline that reshuffles between epochs: an example can
+    then meet strategy columns whose cross terms the sensitivity never
+    counted). Batches are compared by fingerprint; the order of examples
+    within a batch does not matter.
+
+  Ids where `batch_mask` is False (padding) are ignored by every check, so
+  padding may repeat any id. With `axis_name`, the ids of all devices are
+  gathered, so a repeat across two devices is caught too.
 
   Place it after the private estimator in the chain, so it guards the
   updates that estimator produced.
@@ -399,31 +460,45 @@ def fixed_order_guard(
   Example:
     >>> tx = optax.chain(
     ...     noisy_gradient(loss_fn, ..., mechanism=noise.matrix_factorization(c)),
-    ...     fixed_order_guard(steps_per_epoch=100),
+    ...     fixed_order_guard(steps_per_epoch=100, num_examples=50_000),
     ...     optax.sgd(0.1, momentum=0.9))
-    >>> updates, state = tx.update(None, state, params, batch=batch,
-    ...                            example_ids=indices)
+    >>> for indices in FixedOrderBatches(50_000, 500, num_epochs=6):
+    ...   updates, state = tx.update(None, state, params,
+    ...                              batch=data[indices],
+    ...                              example_ids=indices)
 
   Args:
     steps_per_epoch: b, the batches per epoch.
+    num_examples: the size of the training set the ids index (ids are in
+      `[0, num_examples)`). Required: the first-epoch bitmap needs it, and
+      without it a repeated example would go unnoticed. The state holds
+      `ceil(num_examples / 32)` uint32 words.
     axis_name: the device axis when each device holds a shard of the batch
       (and of its ids).
 
   Returns:
     An `optax.GradientTransformationExtraArgs`: `update(updates, state,
     params=None, *, example_ids, batch_mask=None)`.
+
+  Raises:
+    ValueError: for a non-positive `steps_per_epoch` or `num_examples`; at
+      update time, see above.
   """
   steps_per_epoch = checks.positive_int(steps_per_epoch, 'steps_per_epoch')
+  num_examples = checks.positive_int(num_examples, 'num_examples')
+  words = -(-num_examples // 32)
 
   def init_fn(params):
     del params
     return FixedOrderGuardState(
         step=jnp.zeros((), jnp.int32),
-        fingerprints=jnp.zeros((steps_per_epoch, 2), jnp.uint32))
+        fingerprints=jnp.zeros((steps_per_epoch, 2), jnp.uint32),
+        seen=jnp.zeros((words,), jnp.uint32))
 
   def update_fn(updates, state, params=None, *, example_ids=None,
                 batch_mask=None, **extra_args):
     del params, extra_args
+    checks.state_type(state, FixedOrderGuardState, 'fixed_order_guard')
     if updates is None:
       raise ValueError('fixed_order_guard guards the updates of a private '
                        'estimator: place it after the estimator in the chain')
@@ -433,26 +508,44 @@ def fixed_order_guard(
           'update(..., example_ids=indices) (e.g. the indices yielded by '
           'batching.FixedOrderBatches); its accounting assumes the same '
           'batches in the same order every epoch')
-    fingerprint = batch_fingerprint(example_ids, batch_mask, axis_name)
+    ids, keep = _ids_and_mask(example_ids, batch_mask)
+    fingerprint = batch_fingerprint(ids, keep, axis_name)
+    # The whole batch, on every device: repeats across devices count.
+    found = _check_ids(parallel.gather(ids, axis_name),
+                       parallel.gather(keep, axis_name), state.seen,
+                       num_examples)
     position = state.step % steps_per_epoch
     first_epoch = state.step < steps_per_epoch
     stored = state.fingerprints[position]
     changed = jnp.logical_and(~first_epoch, jnp.any(fingerprint != stored))
+    seen_before = jnp.logical_and(first_epoch, found.seen_before)
     fingerprints = jnp.where(
         first_epoch, state.fingerprints.at[position].set(fingerprint),
         state.fingerprints)
+    seen = jnp.where(first_epoch, found.seen, state.seen)
     where = 'a step'
     if not isinstance(changed, jax.core.Tracer):
-      changed = bool(changed)
       where = f'step {int(state.step)}'
-    message = (
+    messages = (
+        f'the batch at {where} holds an example id outside [0, '
+        f'{num_examples}): ids must index the training set of num_examples '
+        f'= {num_examples} examples.',
+        f'the batch at {where} holds the same example id twice: the example '
+        'would count twice in one clipped sum, which FixedOrder accounting '
+        'does not assume (mask padding out with batch_mask).',
+        f'the batch at {where} holds an example that an earlier batch of '
+        'the first epoch already held: FixedOrder accounting assumes every '
+        'example in one batch per epoch, at the same position every epoch. '
+        'Use batching.FixedOrderBatches.',
         f'the batch at {where} is not the batch at the same position of the '
         f'first epoch (position = step mod {steps_per_epoch}): FixedOrder '
         'accounting assumes the same batches in the same order every epoch, '
         'and a pipeline that reshuffles between epochs invalidates it. Use '
         'batching.FixedOrderBatches, or account for the run as Shuffled.')
-    updates = guards.refuse(changed, updates, message)
+    updates = guards.refuse_any(
+        list(zip((found.out_of_range, found.repeated, seen_before, changed),
+                 messages)), updates)
     return updates, FixedOrderGuardState(step=state.step + 1,
-                                         fingerprints=fingerprints)
+                                         fingerprints=fingerprints, seen=seen)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -28,8 +28,9 @@ Privacy rules the module enforces:
 * Checkpoints hold NON-PRIVATE state (design convention 4): the noise key
   and buffers (`noise.NoiseState`) let anyone subtract the noise from the
   released params, and other states hold values computed from the data
-  without noise (fingerprints of example ids, clean prefix sums, previous
-  iterates; the Poisson sampler's seed reveals who was in which batch).
+  without noise (fingerprints and a bitmap of example ids, clean prefix
+  sums, previous iterates; the Poisson sampler's seed reveals who was in
+  which batch).
   Every checkpoint says so in its manifest (`"contains_nonprivate_state":
   true`) and in a `README.txt` member, and is created readable by its owner
   only (mode 0600). `export_release` writes the only file meant for

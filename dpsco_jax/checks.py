@@ -1,5 +1,6 @@
 """Argument checks shared by the modules, so every bad input reads the same."""
 
+import math
 from typing import Any
 
 
@@ -58,3 +59,36 @@ def state_type(state: Any, expected: Any, transformation: str) -> Any:
         f'{names} its init makes: the optimizer state belongs to another '
         'transformation (or to another position of an optax chain)')
   return state
+
+
+def noise_multiplier(value: Any, name: str = 'noise_multiplier') -> float:
+  """Returns `value` as a float, or raises if it is not a valid multiplier.
+
+  A noise multiplier is a noise standard deviation over a sensitivity: it is
+  finite and >= 0. Zero is accepted (no noise; the accountants report an
+  infinite epsilon for it). A negative value would be read as its absolute
+  value by a Gaussian and NaN or infinity make every epsilon meaningless, so
+  they are refused here, once, for the noise code and every accountant alike.
+
+  Example:
+    >>> noise_multiplier(1.1)
+    1.1
+
+  Args:
+    value: the argument (a Python or NumPy/JAX scalar).
+    name: the argument name used in the error message.
+
+  Returns:
+    `float(value)`.
+
+  Raises:
+    ValueError: if `value` is negative, NaN, infinite or not a number.
+  """
+  try:
+    number = float(value)
+  except (TypeError, ValueError):
+    number = math.nan
+  if not 0.0 <= number < math.inf:
+    raise ValueError(
+        f'{name} must be a non-negative finite number, got {value!r}')
+  return number

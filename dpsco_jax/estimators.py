@@ -52,6 +52,13 @@ as_key = keys.as_key
 def validate_noise_multiplier(noise_multiplier: float) -> float:
   """Returns the noise multiplier as a float, or raises if it is invalid.
 
+  The same check as the accountants' (`dpsco_jax.checks.noise_multiplier`),
+  so a multiplier the noise accepts is one the accounting accepts.
+
+  Example:
+    >>> validate_noise_multiplier(0.0)   # no noise: allowed, epsilon = inf
+    0.0
+
   Args:
     noise_multiplier: noise standard deviation over sensitivity.
 
@@ -61,12 +68,7 @@ def validate_noise_multiplier(noise_multiplier: float) -> float:
   Raises:
     ValueError: if negative, NaN or infinite.
   """
-  value = float(noise_multiplier)
-  if not (value >= 0.0 and value < float('inf')):
-    raise ValueError(
-        f'noise_multiplier must be a non-negative finite number, got '
-        f'{noise_multiplier!r}')
-  return value
+  return checks.noise_multiplier(noise_multiplier)
 
 
 def add_noise(

@@ -263,7 +263,7 @@ def setup_dpmemf(config: ml_collections.ConfigDict,
       dpsco_jax.dpmemf(
           example_loss, l2_clip=config.clip,
           noise_multiplier=privacy.noise_multiplier, strategy=strategy,
-          steps_per_epoch=sampler.steps_per_epoch,
+          steps_per_epoch=sampler.steps_per_epoch, num_examples=num_examples,
           key=jax.random.key(seed_for(config.seed, 'dpmemf/noise'))),
       optimizer(config))
   return Setup(tx, private_step(tx), lambda: unpadded(sampler),

@@ -240,7 +240,7 @@ def build(settings: Settings, num_examples: int) -> Run:
   else:
     private = dpsco_jax.dpmemf(quickstart.example_loss, strategy=strategy,
                                steps_per_epoch=sampler.steps_per_epoch,
-                               **common)
+                               num_examples=num_examples, **common)
   tx = optax.chain(private, optax.sgd(settings.learning_rate,
                                       momentum=settings.momentum))
   ledger = checkpoint.PrivacyLedger.create(

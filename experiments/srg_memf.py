@@ -220,7 +220,7 @@ def make_run(setup: Setup, decay: float, momentum: float, num_classes: int):
     else:
       common = dict(l2_clip=clip, noise_multiplier=setup.noise_multiplier,
                     strategy=setup.strategy, steps_per_epoch=b,
-                    key=noise_key)
+                    num_examples=n, key=noise_key)
       if setup.algorithm.startswith('dpmemf'):
         private = dpsco_jax.dpmemf(example_loss, **common)
       else:

@@ -294,3 +294,41 @@ def test_million_step_single_pass_runs_are_accounted_without_their_matrix():
                                   1e-6) < 2.0
   with pytest.raises(ValueError, match='steps'):
     accounting.mechanism_sensitivity(tree, accounting.single_epoch(steps - 1))
+
+
+@pytest.mark.parametrize('method', accounting.METHODS)
+@pytest.mark.parametrize('noise_multiplier', [-1.0, -1e-9, float('nan'),
+                                              float('inf'), float('-inf')])
+def test_every_method_refuses_an_invalid_noise_multiplier(method,
+                                                          noise_multiplier):
+  # The closed forms used to read -1 as 1 (or as a negative epsilon) and NaN
+  # as NaN, while the dp_accounting methods refused it.
+  with pytest.raises(ValueError, match='noise_multiplier must be a '
+                     'non-negative finite number'):
+    accounting.epsilon_spent(noise.tree(16), noise_multiplier,
+                             accounting.single_epoch(16), 1e-5, method=method)
+
+
+@pytest.mark.parametrize('method', accounting.METHODS)
+def test_every_method_gives_infinite_epsilon_without_noise(method):
+  assert accounting.epsilon_spent(noise.tree(16), 0.0,
+                                  accounting.single_epoch(16), 1e-5,
+                                  method=method) == math.inf
+
+
+@pytest.mark.parametrize('noise_multiplier', [-1.0, float('nan'),
+                                              float('inf')])
+def test_tree_event_refuses_an_invalid_noise_multiplier(noise_multiplier):
+  # dp_accounting's RDP accountant reports epsilon 0 for a NaN multiplier.
+  with pytest.raises(ValueError, match='noise_multiplier'):
+    accounting.tree_aggregation_event(noise_multiplier, 16)
+
+
+@pytest.mark.parametrize('method', accounting.METHODS)
+def test_calibrated_multipliers_are_valid_and_meet_the_target(method):
+  mechanism, participation = noise.tree(16), accounting.single_epoch(16)
+  z = accounting.calibrate_noise_multiplier(mechanism, participation, 2.0,
+                                            1e-5, method=method)
+  assert 0 < z < math.inf
+  assert accounting.epsilon_spent(mechanism, z, participation, 1e-5,
+                                  method=method) <= 2.0

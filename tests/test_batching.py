@@ -1,7 +1,11 @@
 """Batch samplers: the batches they form are the ones their accounting assumes."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from dpsco_jax import accounting
 from dpsco_jax import batching
@@ -106,3 +110,128 @@ def test_iteration_draws_the_same_stream_as_one_generator_per_run():
   for indices, mask in batching.PoissonBatches(40, 0.2, 9, seed=5):
     np.testing.assert_array_equal(indices[mask],
                                   np.flatnonzero(rng.random(40) < 0.2))
+
+
+# ----------------------------------------------------- fixed_order_guard
+
+UPDATES = jnp.ones(3)
+
+
+def guard_steps(guard, batches, masks=None):
+  """Eager updates of `guard` over `batches`; returns the last state."""
+  state = guard.init(None)
+  for t, ids in enumerate(batches):
+    mask = None if masks is None else masks[t]
+    out, state = guard.update(UPDATES, state, example_ids=np.asarray(ids),
+                              batch_mask=mask)
+    np.testing.assert_array_equal(out, UPDATES)
+  return state
+
+
+def test_guard_accepts_fixed_order_batches():
+  sampler = batching.FixedOrderBatches(50, 8, num_epochs=3, order_seed=2)
+  guard = batching.fixed_order_guard(sampler.steps_per_epoch,
+                                     num_examples=50)
+  state = guard_steps(guard, list(sampler))
+  # One bit per example of the first epoch (48 of the 50), set exactly once.
+  bits = np.unpackbits(np.asarray(state.seen).view(np.uint8))
+  assert bits.sum() == 48 and int(state.step) == 18
+
+
+@pytest.mark.parametrize('jit', [False, True], ids=['eager', 'jit'])
+def test_guard_refuses_an_example_twice_in_a_batch(jit):
+  guard = batching.fixed_order_guard(2, num_examples=10)
+  update = lambda state, ids: guard.update(UPDATES, state, example_ids=ids)
+  if jit:
+    update = jax.jit(update)
+  state = guard.init(None)
+  with pytest.raises(Exception) as info:
+    out, _ = update(state, jnp.array([0, 1, 2, 1]))
+    jax.block_until_ready(out)
+    jax.effects_barrier()
+  assert 'the same example id twice' in str(info.value)
+
+
+def test_guard_refuses_an_example_twice_in_the_first_epoch():
+  guard = batching.fixed_order_guard(3, num_examples=10)
+  state = guard_steps(guard, [[0, 1, 2], [3, 4, 5]])
+  with pytest.raises(ValueError, match='earlier batch of the first epoch'):
+    guard.update(UPDATES, state, example_ids=np.array([6, 7, 1]))
+  # The same batches one epoch later are what FixedOrder expects.
+  guard_steps(guard, [[0, 1, 2], [3, 4, 5], [6, 7, 8], [0, 1, 2]])
+
+
+@pytest.mark.parametrize('bad_id', [10, -1, 2 ** 31 - 1])
+def test_guard_refuses_an_id_outside_the_training_set(bad_id):
+  guard = batching.fixed_order_guard(2, num_examples=10)
+  with pytest.raises(ValueError, match=r'outside \[0, 10\)'):
+    guard.update(UPDATES, guard.init(None),
+                 example_ids=np.array([0, bad_id], np.int32))
+
+
+def test_guard_ignores_masked_padding_even_repeated_or_out_of_range():
+  guard = batching.fixed_order_guard(2, num_examples=10)
+  keep = np.array([True, True, True, False, False, False])
+  batches = [[0, 1, 2, 0, 0, 0], [3, 4, 5, 0, -1, 99]]
+  guard_steps(guard, batches * 3, [keep] * 6)
+  # Padding sharing a kept id's value hides neither a repeat in the batch
+  # (the kept copies become neighbours when sorted) nor a real change.
+  with pytest.raises(ValueError, match='the same example id twice'):
+    guard.update(UPDATES, guard.init(None),
+                 example_ids=np.array([4, 4, 1, 4]),
+                 batch_mask=np.array([True, False, True, True]))
+
+
+def test_guard_refusal_under_jit_poisons_the_updates(monkeypatch):
+  """Under jit the refused step's updates are NaN (the host error aside)."""
+  from dpsco_jax import guards  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(guards, '_raise_if',
+                      lambda flag, anchor, message: np.zeros(
+                          np.shape(flag)[:-1], bool))
+  guard = batching.fixed_order_guard(2, num_examples=10)
+  step = jax.jit(lambda state, ids: guard.update(UPDATES, state,
+                                                 example_ids=ids))
+  out, state = step(guard.init(None), jnp.array([0, 1]))
+  assert np.all(np.asarray(out) == 1.0)
+  out, _ = step(state, jnp.array([2, 0]))   # 0 again in the first epoch
+  assert np.all(np.isnan(np.asarray(out)))
+
+
+def test_guard_gathers_the_ids_of_all_devices():
+  """Each (vmapped) device holds a shard: a repeat across devices counts."""
+  guard = batching.fixed_order_guard(2, num_examples=16, axis_name='d')
+  step = jax.vmap(lambda state, ids: guard.update(UPDATES, state,
+                                                  example_ids=ids),
+                  in_axes=(None, 0), out_axes=(0, None), axis_name='d')
+  out, state = step(guard.init(None), jnp.arange(8).reshape(4, 2))
+  assert np.all(np.asarray(out) == 1.0)
+  # Example 3 on device 0 and on device 2 of the second batch.
+  with pytest.raises(Exception) as info:
+    out, _ = step(state, jnp.array([[8, 3], [9, 10], [11, 3], [12, 13]]))
+    jax.block_until_ready(out)
+    jax.effects_barrier()
+  assert 'the same example id twice' in str(info.value)
+
+
+def test_guard_state_stays_replicated_under_shard_map():
+  devices = jax.device_count()
+  mesh = jax.make_mesh((devices,), ('d',))
+  guard = batching.fixed_order_guard(2, num_examples=4 * devices,
+                                     axis_name='d')
+  step = jax.jit(jax.shard_map(
+      lambda state, ids: guard.update(UPDATES, state, example_ids=ids),
+      mesh=mesh, in_specs=(P(), P('d')), out_specs=(P(), P())))
+  state = jax.device_put(guard.init(None), NamedSharding(mesh, P()))
+  order = np.arange(4 * devices).reshape(2, 2 * devices)
+  for ids in list(order) * 2:
+    out, state = step(state, jax.device_put(ids, NamedSharding(mesh, P('d'))))
+    assert np.all(np.asarray(out) == 1.0)
+  bits = np.unpackbits(np.asarray(state.seen).view(np.uint8))
+  assert bits.sum() == 4 * devices and int(state.step) == 4
+
+
+def test_guard_needs_the_training_set_size():
+  with pytest.raises(TypeError, match='num_examples'):
+    batching.fixed_order_guard(3)  # pylint: disable=missing-kwoa
+  with pytest.raises(ValueError, match='num_examples'):
+    batching.fixed_order_guard(3, num_examples=0)

@@ -68,13 +68,14 @@ def _setup(name, *, key=KEY, noise_multiplier=1.5, num_steps=NUM_STEPS):
         strategies.workload(num_steps, 'true', momentum=0.9, decay=0.1),
         EPOCHS)
     private = dpsco_jax.dp_srg_memf(_loss, strategy=strategy,
-                                    steps_per_epoch=6, decay=0.1, **common)
+                                    steps_per_epoch=6, decay=0.1,
+                                    num_examples=NUM_EXAMPLES, **common)
     mechanism = dpsco_jax.dpmemf_mechanism(strategy)
   else:
     strategy = strategies.optimize_strategy(
         strategies.workload(num_steps, 'true', momentum=0.9), EPOCHS)
     private = dpsco_jax.dpmemf(_loss, strategy=strategy, steps_per_epoch=6,
-                               **common)
+                               num_examples=NUM_EXAMPLES, **common)
     mechanism = dpsco_jax.dpmemf_mechanism(strategy)
   tx = optax.chain(private, optax.sgd(0.1, momentum=0.9))
   participation = accounting.FixedOrder(EPOCHS, num_steps // EPOCHS)

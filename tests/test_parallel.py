@@ -198,3 +198,24 @@ def test_pmap_refuses_per_device_noise_keys():
       capture_output=True, text=True, timeout=300)
   assert 'RAISED True' in result.stdout, result.stdout + result.stderr
   assert 'ALL_NAN False' not in result.stdout
+
+
+def test_gather_concatenates_every_device_block_on_every_device():
+  blocks = jnp.arange(12).reshape(4, 3)
+  mask = jnp.array([[True], [False], [True], [True]])
+  gathered = jax.vmap(lambda x, m: (parallel.gather(x, 'd'),
+                                    parallel.gather(m, 'd')),
+                      axis_name='d')(blocks, mask)
+  for ids, keep in zip(*gathered):
+    np.testing.assert_array_equal(ids, jnp.arange(12))
+    np.testing.assert_array_equal(keep, mask.ravel())
+    assert keep.dtype == jnp.bool_
+  assert parallel.gather(blocks, None) is blocks
+  # Under shard_map the result is replicated: out_specs P() type-checks.
+  mesh = jax.make_mesh((NUM_DEVICES,), ('devices',))
+  ids = jax.device_put(jnp.arange(2 * NUM_DEVICES),
+                       NamedSharding(mesh, P('devices')))
+  out = jax.jit(jax.shard_map(lambda x: parallel.gather(x, 'devices'),
+                              mesh=mesh, in_specs=P('devices'),
+                              out_specs=P()))(ids)
+  np.testing.assert_array_equal(out, jnp.arange(2 * NUM_DEVICES))

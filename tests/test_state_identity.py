@@ -151,7 +151,7 @@ def _transformations():
           _loss, num_steps=8, beta=1.0, radius=10.0, **common),
       'dp_srg_memf': dpsco_jax.dp_srg_memf(_loss, strategy=strategy,
                                            steps_per_epoch=8, decay=0.1,
-                                           **common),
+                                           num_examples=32, **common),
       'diff2_gd': dpsco_jax.diff2_gd(
           _loss, grad_clip=1.0, diff_clip_factor=1.0, restart_interval=2,
           num_rounds=8, learning_rate=0.1,

@@ -31,7 +31,17 @@ Methods (`method=`):
 Calibration with 'pld' / 'rdp' keeps the paper's split (the ratios between
 z_1, z_2 and z_3 of the 'paper' calibration) and scales all multipliers by
 the smallest common factor that meets (epsilon, delta): less noise than the
-closed forms for the same guarantee.
+closed forms for the same guarantee. With local steps, 'rdp' measures the
+local steps' share of the split with its own subsampling bound instead of
+B.7 (z_1 and z_2 are the same either way: both accountants give a Gaussian
+round `alpha / (2 z^2)`).
+
+B.7 bounds the terms `j >= 3` by a constant for the Gaussian, so it has a
+floor: however large z_3, one local release costs at least
+`paper_subsampled_rdp(alpha, b / n_min, inf) > 0`. When the local releases'
+floor reaches their share of the budget, no z_3 meets it and the 'paper'
+calibration raises a ValueError that says so; dp_accounting's bound (method
+'rdp') tends to 0 and has no floor.
 
 Convention: noise multiplier = noise std over the replace-one sensitivity of
 the clipped sum, so `z = sigma n_min P / 2` for the server rounds and
@@ -45,7 +55,7 @@ References:
 """
 
 import math
-from typing import NamedTuple, Optional, Sequence, Union
+from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import dp_accounting
 from scipy import optimize
@@ -59,6 +69,11 @@ METHODS = ('pld', 'rdp', 'paper')
 # Integer orders for the 'paper' method's epsilon (B.7 needs integers).
 _PAPER_ORDERS = tuple(range(2, 257))
 BudgetSplit = Union[float, Sequence[float]]
+# The calibration searches double or halve a multiplier (or a common scale)
+# at most this many times from their start: 2^20 times more noise than the
+# start is far past any useful run, and dp_accounting's subsampling bound
+# loses precision (math domain error) for multipliers near 2^30.
+_MAX_DOUBLINGS = 20
 
 
 class LocalSteps(NamedTuple):
@@ -151,11 +166,11 @@ def _validate(num_rounds, restart_interval, noise_multipliers, local):
     if local.local_steps == 1:
       local = None  # K = 1 has no local steps.
   if noise_multipliers is not None:
-    noise_multipliers = Diff2NoiseMultipliers(*noise_multipliers)
-    for z in noise_multipliers:
-      if not (float(z) >= 0 and math.isfinite(float(z))):
-        raise ValueError(f'noise multipliers must be finite and >= 0, got '
-                         f'{noise_multipliers}')
+    noise_multipliers = Diff2NoiseMultipliers(*(
+        checks.noise_multiplier(z, f'the {field} entry of the noise '
+                                   'multipliers')
+        for field, z in zip(Diff2NoiseMultipliers._fields,
+                            Diff2NoiseMultipliers(*noise_multipliers))))
   return local, noise_multipliers
 
 
@@ -208,6 +223,13 @@ def diff2_dp_event(
   return dp_accounting.ComposedDpEvent(events)
 
 
+def _log_expm1(x: float) -> float:
+  """`log(e^x - 1)` for x >= 0, without overflow for a large x."""
+  if x == 0:
+    return -math.inf
+  return x + math.log(-math.expm1(-x))
+
+
 def paper_subsampled_rdp(order: int, sampling_ratio: float,
                          noise_multiplier: float) -> float:
   """RDP of a Gaussian on a without-replacement subsample, paper Lemma B.7.
@@ -217,16 +239,24 @@ def paper_subsampled_rdp(order: int, sampling_ratio: float,
   `1/(a-1) log(1 + g^2 C(a,2) min{4(e^eps(2) - 1), 2 e^eps(2)}
   + sum_{j=3}^a g^j C(a,j) e^{(j-1) eps(j)} 2)`, computed in log space.
 
+  The bound does not vanish with the noise: its limit as z grows (pass
+  `math.inf`) is `1/(a-1) log(1 + 2 sum_{j=3}^a g^j C(a,j))`.
+
   Example:
     >>> paper_subsampled_rdp(9, 0.01, 5.0)
+    >>> paper_subsampled_rdp(9, 0.01, math.inf)   # the floor, > 0
 
   Args:
     order: integer alpha >= 2.
     sampling_ratio: gamma = b / n.
-    noise_multiplier: z (std over the replace-one sensitivity of the sum).
+    noise_multiplier: z (std over the replace-one sensitivity of the sum);
+      `math.inf` gives the bound's floor.
 
   Returns:
     The RDP bound at `order` (inf without noise).
+
+  Raises:
+    ValueError: if `order` < 2.
   """
   order = int(order)
   if order < 2:
@@ -234,12 +264,13 @@ def paper_subsampled_rdp(order: int, sampling_ratio: float,
   if noise_multiplier == 0:
     return math.inf
   gamma = float(sampling_ratio)
-  eps = lambda j: j / (2.0 * noise_multiplier ** 2)
+  # Divisions, not `z ** 2`: a float power raises OverflowError for a huge z,
+  # a division goes to 0 (or inf for a tiny z) as the bound's limits do.
+  eps = lambda j: j / 2.0 / noise_multiplier / noise_multiplier
   log_gamma = math.log(gamma)
   log_binom = lambda j: (special.gammaln(order + 1) - special.gammaln(j + 1) -
                          special.gammaln(order - j + 1))
-  second = min(math.log(4.0) + math.log(math.expm1(eps(2))),
-               math.log(2.0) + eps(2))
+  second = min(math.log(4.0) + _log_expm1(eps(2)), math.log(2.0) + eps(2))
   terms = [0.0, 2 * log_gamma + log_binom(2) + second]
   terms += [j * log_gamma + log_binom(j) + (j - 1) * eps(j) + math.log(2.0)
             for j in range(3, order + 1)]
@@ -286,10 +317,12 @@ def epsilon_spent(
     local: the local steps of DIFF2-BVR-L-SGD, or None.
 
   Returns:
-    epsilon (inf when a used multiplier is 0).
+    epsilon (inf when a used multiplier is 0, under every method).
 
   Raises:
-    ValueError: for bad inputs, or 'pld' with local steps.
+    ValueError: for bad inputs (a negative, NaN or infinite multiplier, even
+      an unused one, is refused before any method runs), or 'pld' with local
+      steps.
   """
   accounting.validate_epsilon_delta(None, delta)
   local, z = _validate(num_rounds, restart_interval, noise_multipliers, local)
@@ -330,8 +363,73 @@ def _split(budget_split: BudgetSplit, local) -> tuple[float, float, float]:
   return 1 / u1, 1 / u2, 1 - 1 / u1 - 1 / u2
 
 
-def _paper_multipliers(num_rounds, restart_interval, epsilon, delta,
+def _smallest_meeting(gap: Callable[[float], float], what: str) -> float:
+  """The smallest x (to 1e-9) with `gap(x) <= 0`, for a decreasing `gap`.
+
+  x is a log multiplier or a log scale, searched from 0 by steps of log 2,
+  at most `_MAX_DOUBLINGS` each way, so the search ends (and never
+  overflows) whatever `gap` does.
+
+  Args:
+    gap: epsilon (or RDP) spent minus the budget, decreasing in x.
+    what: what x is the logarithm of, for the error message.
+
+  Returns:
+    x with `gap(x) <= 0`.
+
+  Raises:
+    ValueError: if `gap` is still positive at `_MAX_DOUBLINGS log 2`.
+  """
+  step = math.log(2.0)
+  upper = 0.0
+  for _ in range(_MAX_DOUBLINGS):
+    if gap(upper) <= 0:
+      break
+    upper += step
+  else:
+    if gap(upper) > 0:
+      raise ValueError(
+          f'no {what} up to 2^{_MAX_DOUBLINGS} times its start meets the '
+          'budget')
+  lower = upper - step
+  for _ in range(_MAX_DOUBLINGS):
+    if gap(lower) > 0:
+      break
+    lower -= step
+  else:
+    return lower  # Meets the budget with 2^-20 of the start: no root near.
+  xtol = 1e-9
+  x = optimize.brentq(gap, lower, upper, xtol=xtol)
+  # Brent's method may stop on either side of the root; step towards
+  # `upper` (where the budget is met) until the budget is met.
+  while gap(x) > 0:
+    x = min(x + xtol, upper)
+    xtol *= 2.0
+  return x
+
+
+def _local_rdp(method: str, order: int,
+               local: LocalSteps) -> Callable[[float], float]:
+  """RDP at `order` of one local release, as a function of z_3."""
+  gamma = local.local_batch_size / local.min_client_size
+  if method == 'paper':
+    return lambda z: paper_subsampled_rdp(order, gamma, z)
+
+  def accountant_rdp(z: float) -> float:
+    event = dp_accounting.SampledWithoutReplacementDpEvent(
+        local.min_client_size, local.local_batch_size,
+        dp_accounting.GaussianDpEvent(z))
+    accountant = dp_accounting.rdp.RdpAccountant(
+        orders=[order],
+        neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
+    return float(accountant.compose(event).rdp[0])
+
+  return accountant_rdp
+
+
+def _split_multipliers(method, num_rounds, restart_interval, epsilon, delta,
                        budget_split, local) -> Diff2NoiseMultipliers:
+  """The multipliers that give each part its share of the RDP at alpha."""
   order = paper_order(epsilon, delta)
   restarts, differences, local_releases = _counts(num_rounds,
                                                   restart_interval, local)
@@ -347,17 +445,27 @@ def _paper_multipliers(num_rounds, restart_interval, epsilon, delta,
   z2 = multiplier(differences, share_difference) if differences else 0.0
   z3 = 0.0
   if local_releases:
-    gamma = local.local_batch_size / local.min_client_size
-    target = share_local * epsilon / 2
-    gap = lambda z: local_releases * paper_subsampled_rdp(order, gamma,
-                                                          z) - target
-    upper = 1.0
-    while gap(upper) > 0:
-      upper *= 2.0
-    z3 = optimize.brentq(gap, upper / 2 if upper > 1 else 1e-3, upper,
-                         xtol=1e-9 * upper)
-    while gap(z3) > 0:
-      z3 *= 1 + 1e-9
+    budget = share_local * epsilon / 2
+    rdp = _local_rdp(method, order, local)
+    if method == 'paper':
+      floor = local_releases * rdp(math.inf)
+      if floor >= budget:
+        gamma = local.local_batch_size / local.min_client_size
+        raise ValueError(
+            f"the paper's subsampling bound (Lemma B.7) cannot fit the local "
+            f'steps into their share of the budget at any noise: at order '
+            f'alpha = {order}, {local_releases} local releases at sampling '
+            f'ratio b / n_min = {gamma:.4g} cost at least {floor:.4g} of RDP '
+            f'however large z_3 is (B.7 bounds its terms j >= 3 by a '
+            f'constant), and their share is {budget:.4g} ({share_local:.4g} '
+            f'of epsilon / 2). Use method=\'rdp\' (its bound has no floor), '
+            f'a larger local share (budget_split), a larger epsilon, a '
+            f'smaller local_batch_size / min_client_size, or fewer local '
+            f'steps or rounds.')
+    log_z3 = _smallest_meeting(
+        lambda log_z: local_releases * rdp(math.exp(log_z)) - budget,
+        'local noise multiplier z_3')
+    z3 = math.exp(log_z3)
   return Diff2NoiseMultipliers(z1, z2, z3)
 
 
@@ -377,6 +485,12 @@ def calibrate(
     >>> calibrate(2000, 20, 3.0, 1e-5, method='paper')   # the paper's
     Diff2NoiseMultipliers(restart=19.36..., difference=168.8..., local=0.0)
     >>> calibrate(2000, 20, 3.0, 1e-5)                   # PLD, less noise
+    >>> calibrate(60, 6, 4.0, 1e-5, local=LocalSteps(3, 5, 20, 4))  # RDP
+    Diff2NoiseMultipliers(restart=6.34..., difference=14.17..., local=5.67...)
+    >>> calibrate(60, 6, 4.0, 1e-5, method='paper',
+    ...           local=LocalSteps(3, 5, 20, 4))
+    Traceback (most recent call last):
+    ValueError: the paper's subsampling bound (Lemma B.7) cannot fit ...
 
   Args:
     num_rounds: R, fixed before training (the noise depends on it).
@@ -394,37 +508,38 @@ def calibrate(
 
   Returns:
     `Diff2NoiseMultipliers` (z_2 = 0 when T = 1, z_3 = 0 without local
-    steps).
+    steps) whose `epsilon_spent` under the same method is at most `epsilon`
+    ('pld' and 'rdp': within a relative 1e-6 of it).
 
   Raises:
-    ValueError: for bad inputs.
+    ValueError: for bad inputs, 'pld' with local steps, or when no noise
+      meets the budget: with 'paper', the local releases' B.7 floor reaches
+      their share (module docstring); with any method, a multiplier 2^20
+      times its starting point still not enough (a bounded search).
   """
   accounting.validate_epsilon_delta(epsilon, delta)
   local, _ = _validate(num_rounds, restart_interval, None, local)
   method = method or ('pld' if local is None else 'rdp')
   if method not in METHODS:
     raise ValueError(f'method must be one of {METHODS}, got {method!r}')
+  if method == 'pld' and local is not None:
+    raise ValueError("'pld' cannot account the local steps' sampling "
+                     "without replacement; use 'rdp' or 'paper'")
   if budget_split is None:
     budget_split = 1.25 if local is None else (3.0, 3.0)
-  paper = _paper_multipliers(num_rounds, restart_interval, float(epsilon),
-                             float(delta), budget_split, local)
+  split = _split_multipliers(method, num_rounds, restart_interval,
+                             float(epsilon), float(delta), budget_split, local)
   if method == 'paper':
-    return paper
+    return split
+
+  scaled = lambda log_scale: Diff2NoiseMultipliers(
+      *(math.exp(log_scale) * z for z in split))
 
   def gap(log_scale: float) -> float:
-    scaled = Diff2NoiseMultipliers(*(math.exp(log_scale) * z for z in paper))
-    return epsilon_spent(num_rounds, restart_interval, scaled, delta,
-                         method=method, local=local) - epsilon
+    return epsilon_spent(num_rounds, restart_interval, scaled(log_scale),
+                         delta, method=method, local=local) - epsilon
 
-  # The paper's multipliers meet the target (their bound is looser), so the
-  # common scale is at most 1.
-  upper = 0.0
-  while gap(upper) > 0:
-    upper += math.log(2.0)
-  lower = upper - math.log(2.0)
-  while gap(lower) <= 0:
-    lower -= math.log(2.0)
-  log_scale = optimize.brentq(gap, lower, upper, xtol=1e-7)
-  while gap(log_scale) > 0:
-    log_scale += 1e-7
-  return Diff2NoiseMultipliers(*(math.exp(log_scale) * z for z in paper))
+  # The split meets the target at scale 1 (the RDP at alpha is epsilon / 2
+  # and its conversion costs at most epsilon / 2), so the search starts
+  # there and only goes down.
+  return scaled(_smallest_meeting(gap, 'common scale of the multipliers'))

@@ -11,7 +11,7 @@ the result to any optax optimizer (the paper: SGD with momentum 0.9):
         method='zcdp')                       # or the tighter default 'pld'
     tx = optax.chain(
         dpmemf(loss_fn, l2_clip=1.0, noise_multiplier=z, strategy=c,
-               steps_per_epoch=b, key=0),
+               steps_per_epoch=b, num_examples=n, key=0),
         optax.sgd(lr, momentum=0.9))
 
 Corrections to the printed Algorithm 2 (notes §1.5, pitfall 13): the step
@@ -24,7 +24,9 @@ method='zcdp')` returns.
 
 Accounting assumes `FixedOrder(k, b)`: the same batches in the same public
 order every epoch, no amplification. `dpmemf` checks it (see
-`batching.fixed_order_guard`) from the example ids passed to each update.
+`batching.fixed_order_guard`) from the example ids passed to each update:
+ids in `[0, num_examples)`, each example in one batch of the first epoch at
+most once, the same batches in every later epoch.
 """
 
 from typing import Any, Callable, Optional
@@ -69,6 +71,7 @@ def dpmemf(
     strategy: np.ndarray,
     steps_per_epoch: int,
     key: estimators.KeyLike = None,
+    num_examples: Optional[int] = None,
     check_order: bool = True,
     storage: str = 'buffer',
     neighboring_relation: neighboring.NeighboringRelation = (
@@ -82,14 +85,16 @@ def dpmemf(
   Outputs `(sum_d clip(grad l(x_t; d)) + z Delta (C^-1 xi)_t) / B` at step
   `t = i b + j` with `Delta = l2_clip` (twice that under replace-one); chain
   an optax optimizer after it. The run refuses to go past the `k b` steps of
-  the strategy, and, with `check_order=True`, refuses a batch whose examples
-  differ from those at the same position of the first epoch.
+  the strategy, and, with `check_order=True`, refuses a batch that breaks
+  the fixed order: an example twice in the first epoch (or twice in a
+  batch), an id outside `[0, num_examples)`, or examples that differ from
+  those at the same position of the first epoch.
 
   Example:
     >>> c = strategies.optimize_strategy(strategies.workload(600), 6)
     >>> tx = optax.chain(
     ...     dpmemf(loss_fn, l2_clip=1.0, noise_multiplier=2.72, strategy=c,
-    ...            steps_per_epoch=100, key=0),
+    ...            steps_per_epoch=100, num_examples=50_000, key=0),
     ...     optax.sgd(0.5, momentum=0.9))
     >>> state = tx.init(params)
     >>> for indices in batching.FixedOrderBatches(50_000, 500, num_epochs=6):
@@ -109,6 +114,8 @@ def dpmemf(
       None (default): a fresh secret key from OS entropy
       (`dpsco_jax.keys`); an int seed makes the noise known to anyone
       who knows the seed. Never give one key to two runs.
+    num_examples: the training set size the `example_ids` index; required
+      with `check_order` (`batching.fixed_order_guard`).
     check_order: verify the fixed batch order from `example_ids`. Only turn
       it off when the pipeline is known to repeat its batches.
     storage: how the MF noise is streamed (`noise.matrix_factorization`).
@@ -121,6 +128,10 @@ def dpmemf(
     An `optax.GradientTransformationExtraArgs`; call
     `update(None, state, params, batch=batch, example_ids=ids,
     batch_mask=None)` (`example_ids` only needed with `check_order`).
+
+  Raises:
+    ValueError: for bad arguments, `num_examples` missing with
+      `check_order`.
   """
   mechanism = epoch_mechanism(strategy, storage, steps_per_epoch)
   estimator = estimators.noisy_gradient(
@@ -128,7 +139,8 @@ def dpmemf(
       mechanism=mechanism, key=key, neighboring_relation=neighboring_relation,
       normalize_by=normalize_by, microbatch_size=microbatch_size,
       axis_name=axis_name)
-  return with_order_check(estimator, steps_per_epoch, check_order, axis_name)
+  return with_order_check(estimator, steps_per_epoch, check_order, axis_name,
+                          num_examples)
 
 
 def epoch_mechanism(strategy: np.ndarray, storage: str,
@@ -157,21 +169,35 @@ def epoch_mechanism(strategy: np.ndarray, storage: str,
 
 def with_order_check(estimator: optax.GradientTransformationExtraArgs,
                      steps_per_epoch: int, check_order: bool,
-                     axis_name: Optional[str]
+                     axis_name: Optional[str], num_examples: Optional[int]
                      ) -> optax.GradientTransformationExtraArgs:
   """Chains `batching.fixed_order_guard` after a fixed-order estimator.
+
+  Example:
+    >>> tx = with_order_check(estimator, 100, True, None, 50_000)
 
   Args:
     estimator: the private estimator (DP-MEMF's, DP-SRG-MEMF's).
     steps_per_epoch: b.
     check_order: False returns the estimator alone.
     axis_name: the device axis, or None.
+    num_examples: the training set size (required when `check_order`).
 
   Returns:
     The estimator, followed by the order check when `check_order`.
+
+  Raises:
+    ValueError: if `check_order` and `num_examples` is None.
   """
   if not check_order:
     return estimator
+  if num_examples is None:
+    raise ValueError(
+        'the fixed-order check needs num_examples, the size of the training '
+        'set the example ids index (to catch an example repeated within '
+        'the first epoch); pass num_examples=..., or check_order=False when '
+        'the pipeline is known to repeat its batches')
   return optax.chain(
       estimator,
-      batching.fixed_order_guard(steps_per_epoch, axis_name=axis_name))
+      batching.fixed_order_guard(steps_per_epoch, num_examples=num_examples,
+                                 axis_name=axis_name))

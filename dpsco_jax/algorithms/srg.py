@@ -681,6 +681,7 @@ def dp_srg_memf(
     steps_per_epoch: int,
     decay: float,
     key: estimators.KeyLike = None,
+    num_examples: Optional[int] = None,
     check_order: bool = True,
     storage: str = 'buffer',
     neighboring_relation: neighboring.NeighboringRelation = (
@@ -714,7 +715,8 @@ def dp_srg_memf(
     ...     strategies.workload(120, 'true', momentum=0.9, decay=c), 1)
     >>> tx = optax.chain(
     ...     dp_srg_memf(loss_fn, l2_clip=1.0, noise_multiplier=52.7,
-    ...                 strategy=C, steps_per_epoch=120, decay=c, key=0),
+    ...                 strategy=C, steps_per_epoch=120, decay=c,
+    ...                 num_examples=60_000, key=0),
     ...     optax.sgd(0.5, momentum=0.9))
 
   Args:
@@ -730,6 +732,8 @@ def dp_srg_memf(
       None (default): a fresh secret key from OS entropy
       (`dpsco_jax.keys`); an int seed makes the noise known to anyone
       who knows the seed. Never give one key to two runs.
+    num_examples: the training set size the `example_ids` index; required
+      with `check_order`.
     check_order: verify the fixed batch order from `example_ids`
       (`batching.fixed_order_guard`).
     storage: how the MF noise is streamed (`noise.matrix_factorization`).
@@ -741,6 +745,10 @@ def dp_srg_memf(
   Returns:
     An `optax.GradientTransformationExtraArgs`; call `update(None, state,
     params, batch=batch, example_ids=ids, batch_mask=None)`.
+
+  Raises:
+    ValueError: for bad arguments, `num_examples` missing with
+      `check_order`.
   """
   decay = validate_decay(decay)
   mechanism = mf.epoch_mechanism(strategy, storage, steps_per_epoch)
@@ -765,7 +773,7 @@ def dp_srg_memf(
       neighboring_relation=neighboring_relation, normalize_by=normalize_by,
       microbatch_size=microbatch_size, axis_name=axis_name)
   return mf.with_order_check(estimator, steps_per_epoch, check_order,
-                             axis_name)
+                             axis_name, num_examples)
 
 
 class SrgdParameters(NamedTuple):

@@ -136,6 +136,26 @@ def test_zero_noise_is_infinite_epsilon():
   assert math.isfinite(diff2_acc.epsilon_spent(100, 1, z, DELTA))
 
 
+@pytest.mark.parametrize('method', diff2_acc.METHODS)
+@pytest.mark.parametrize('bad', [-1.0, float('nan'), float('inf')])
+@pytest.mark.parametrize('position', [0, 1, 2])
+def test_every_method_refuses_an_invalid_noise_multiplier(method, bad,
+                                                          position):
+  multipliers = [10.0, 50.0, 4.0]
+  multipliers[position] = bad
+  local = diff2_acc.LocalSteps(3, 8, 100, 4) if method != 'pld' else None
+  with pytest.raises(ValueError, match='entry of the noise multipliers must '
+                     'be a non-negative finite number'):
+    diff2_acc.epsilon_spent(100, 10, Diff2NoiseMultipliers(*multipliers),
+                            DELTA, method=method, local=local)
+
+
+@pytest.mark.parametrize('method', diff2_acc.METHODS)
+def test_every_method_gives_infinite_epsilon_without_noise(method):
+  z = Diff2NoiseMultipliers(0.0, 50.0)
+  assert diff2_acc.epsilon_spent(100, 10, z, DELTA, method=method) == math.inf
+
+
 @pytest.mark.parametrize('call,match', [
     (lambda: diff2_acc.calibrate(100, 10, 0.0, DELTA), 'epsilon'),
     (lambda: diff2_acc.calibrate(100, 10, 1.0, 1.5), 'delta'),
@@ -160,3 +180,77 @@ def test_zero_noise_is_infinite_epsilon():
 def test_bad_inputs(call, match):
   with pytest.raises(ValueError, match=match):
     call()
+
+
+# Two BVR runs whose calibration used to crash with OverflowError: the root
+# bracket of z_3 started at 1e-3, where B.7's e^{eps(2)} overflows, and with
+# a large sampling ratio the doubling search never ended (B.7's floor).
+SMALL_RATIO = diff2_acc.LocalSteps(4, 16, 1000, 10)   # b / n_min = 0.016
+LARGE_RATIO = diff2_acc.LocalSteps(3, 5, 20, 4)       # b / n_min = 0.25
+
+
+@pytest.mark.parametrize('local', [SMALL_RATIO, LARGE_RATIO],
+                         ids=['small_ratio', 'large_ratio'])
+def test_rdp_calibration_with_local_steps_meets_the_target_tightly(local):
+  z = diff2_acc.calibrate(60, 6, 4.0, DELTA, local=local)  # 'rdp' default
+  assert all(0 < m < math.inf for m in z)
+  spent = diff2_acc.epsilon_spent(60, 6, z, DELTA, local=local)
+  assert 4.0 * (1 - 1e-6) <= spent <= 4.0
+
+
+def test_paper_calibration_with_a_small_sampling_ratio_meets_the_target():
+  z = diff2_acc.calibrate(60, 6, 4.0, DELTA, method='paper',
+                          local=SMALL_RATIO)
+  # The local steps get exactly their third of the RDP budget at alpha.
+  order = diff2_acc.paper_order(4.0, DELTA)
+  releases = (4 - 1) * math.ceil(60 / 10)
+  assert releases * diff2_acc.paper_subsampled_rdp(
+      order, 16 / 1000, z.local) == pytest.approx(4.0 / 2 / 3, rel=1e-8)
+  spent = diff2_acc.epsilon_spent(60, 6, z, DELTA, method='paper',
+                                  local=SMALL_RATIO)
+  # alpha = 7 makes log(1/delta) / (alpha - 1) = 1.92 < epsilon / 2: the
+  # closed form's fixed order leaves about 10% unspent (3.607).
+  assert 0.9 * 4.0 <= spent <= 4.0
+
+
+def test_paper_calibration_refuses_a_budget_below_the_b7_floor():
+  order = diff2_acc.paper_order(4.0, DELTA)
+  releases = (3 - 1) * math.ceil(60 / 4)
+  floor = releases * diff2_acc.paper_subsampled_rdp(order, 5 / 20, math.inf)
+  # 30 releases at ratio 0.25 cost at least 4.40 of RDP at alpha = 7 however
+  # much noise: more than the local third (0.667), even more than the whole
+  # RDP budget epsilon / 2 = 2, so no budget split can help.
+  assert floor == pytest.approx(4.402, abs=1e-3)
+  with pytest.raises(ValueError, match=r'B\.7\) cannot fit the local steps '
+                     r'into their share of the budget at any noise'):
+    diff2_acc.calibrate(60, 6, 4.0, DELTA, method='paper', local=LARGE_RATIO)
+
+
+@pytest.mark.parametrize('method', diff2_acc.METHODS)
+def test_calibration_spends_the_target_for_each_method(method):
+  # epsilon = 2 log(1/delta) / 6 makes the paper's conversion term exactly
+  # epsilon / 2 (alpha = 7), so even the closed form is tight.
+  epsilon = 2 * math.log(1 / DELTA) / 6 * (1 + 1e-12)
+  local = None if method == 'pld' else diff2_acc.LocalSteps(5, 32, 800, 8)
+  z = diff2_acc.calibrate(60, 6, epsilon, DELTA, method=method, local=local)
+  spent = diff2_acc.epsilon_spent(60, 6, z, DELTA, method=method,
+                                  local=local)
+  assert 0.99 * epsilon <= spent <= epsilon
+
+
+def test_paper_subsampling_bound_has_a_floor_and_never_overflows():
+  floor = diff2_acc.paper_subsampled_rdp(7, 0.25, math.inf)
+  # 1/(a-1) log(1 + 2 sum_{j>=3} g^j C(a, j)), by hand.
+  by_hand = math.log(1 + 2 * sum(0.25 ** j * math.comb(7, j)
+                                 for j in range(3, 8))) / 6
+  assert floor == pytest.approx(by_hand, rel=1e-12)
+  assert diff2_acc.paper_subsampled_rdp(7, 0.25, 1e200) == pytest.approx(
+      floor, rel=1e-12)
+  assert floor < diff2_acc.paper_subsampled_rdp(7, 0.25, 100.0)
+  assert diff2_acc.paper_subsampled_rdp(7, 0.25, 1e-3) > 1e5
+  assert diff2_acc.paper_subsampled_rdp(7, 0.25, 1e-200) == math.inf
+
+
+def test_calibration_search_is_bounded():
+  with pytest.raises(ValueError, match='no z up to 2'):
+    diff2_acc._smallest_meeting(lambda x: 1.0, 'z')

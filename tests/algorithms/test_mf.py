@@ -68,7 +68,7 @@ def test_zero_noise_huge_clip_is_non_private_momentum_sgd():
   tx = optax.chain(
       dpsco_jax.dpmemf(loss_fn, l2_clip=1e6, noise_multiplier=0.0,
                        strategy=strategy(), steps_per_epoch=STEPS_PER_EPOCH,
-                       key=0),
+                       num_examples=NUM_EXAMPLES, key=0),
       optax.sgd(0.1, momentum=0.9))
   got, _ = train(tx, params, data, order)
   batches = [jax.tree_util.tree_map(lambda x, i=i: x[i], data) for i in order]
@@ -86,7 +86,7 @@ def test_noise_is_clip_over_batch_times_inverse_strategy_times_z():
   clip, multiplier = 0.5, 3.0
   tx = dpsco_jax.dpmemf(zero_loss, l2_clip=clip, noise_multiplier=multiplier,
                         strategy=strategy(), steps_per_epoch=STEPS_PER_EPOCH,
-                        key=11)
+                        num_examples=NUM_EXAMPLES, key=11)
   state = tx.init(params)
   outputs = []
   for indices in order:
@@ -132,7 +132,7 @@ def test_reshuffled_epoch_is_refused_eagerly():
                                              seed=1))
   tx = dpsco_jax.dpmemf(loss_fn, l2_clip=1.0, noise_multiplier=1.0,
                         strategy=strategy(), steps_per_epoch=STEPS_PER_EPOCH,
-                        key=0)
+                        num_examples=NUM_EXAMPLES, key=0)
   state = tx.init(params)
   with pytest.raises(ValueError, match='reshuffles'):
     for indices in reshuffled:
@@ -152,7 +152,7 @@ def test_reshuffled_epoch_is_refused_under_jit():
   tx = optax.chain(
       dpsco_jax.dpmemf(loss_fn, l2_clip=1.0, noise_multiplier=1.0,
                        strategy=strategy(), steps_per_epoch=STEPS_PER_EPOCH,
-                       key=0),
+                       num_examples=NUM_EXAMPLES, key=0),
       optax.sgd(0.1))
   with pytest.raises(Exception) as info:
     params_out, _ = train(tx, params, data, order)
@@ -169,7 +169,7 @@ def test_order_within_a_batch_does_not_matter():
   tx = optax.chain(
       dpsco_jax.dpmemf(loss_fn, l2_clip=1.0, noise_multiplier=1.0,
                        strategy=strategy(), steps_per_epoch=STEPS_PER_EPOCH,
-                       key=0),
+                       num_examples=NUM_EXAMPLES, key=0),
       optax.sgd(0.1))
   got, _ = train(tx, params, data, order)
   jax.effects_barrier()
@@ -180,7 +180,8 @@ def test_order_within_a_batch_does_not_matter():
 def test_example_ids_are_required_unless_the_check_is_off():
   params, batch = make_problem(batch_size=BATCH)
   kwargs = dict(l2_clip=1.0, noise_multiplier=1.0, strategy=strategy(),
-                steps_per_epoch=STEPS_PER_EPOCH, key=0)
+                steps_per_epoch=STEPS_PER_EPOCH, num_examples=NUM_EXAMPLES,
+                key=0)
   tx = dpsco_jax.dpmemf(loss_fn, **kwargs)
   with pytest.raises(ValueError, match='example_ids'):
     tx.update(None, tx.init(params), params, batch=batch)
@@ -193,7 +194,7 @@ def test_refuses_to_run_past_the_strategy():
   data, order = dataset(), fixed_order()
   tx = dpsco_jax.dpmemf(loss_fn, l2_clip=1.0, noise_multiplier=1.0,
                         strategy=strategy(), steps_per_epoch=STEPS_PER_EPOCH,
-                        key=0)
+                        num_examples=NUM_EXAMPLES, key=0)
   state = tx.init(params)
   for indices in order + order[:1]:
     batch = jax.tree_util.tree_map(lambda x, i=indices: x[i], data)
@@ -210,7 +211,7 @@ _DEVICES_SCRIPT = """
 import jax, jax.numpy as jnp, numpy as np
 from dpsco_jax import batching
 devices = 4
-guard = batching.fixed_order_guard(2, axis_name='d')
+guard = batching.fixed_order_guard(2, num_examples=100, axis_name='d')
 ids = np.arange(32).reshape(2, devices, 4)  # [position, device, ids]
 step = lambda state, ids: guard.update(jnp.ones(3), state, example_ids=ids)
 pmapped = jax.pmap(step, axis_name='d', in_axes=(None, 0))
@@ -261,16 +262,19 @@ def test_guard_across_devices_uses_the_global_batch():
     (dict(noise_multiplier=-1.0), 'noise_multiplier'),
     (dict(l2_clip=0.0), 'clip'),
     (dict(strategy=np.triu(np.ones((6, 6)))), 'lower-triangular'),
+    (dict(num_examples=None), 'num_examples'),
+    (dict(num_examples=0), 'num_examples'),
 ])
 def test_bad_arguments_raise(kwargs, match):
   arguments = dict(l2_clip=1.0, noise_multiplier=1.0, strategy=strategy(),
-                   steps_per_epoch=STEPS_PER_EPOCH, key=0)
+                   steps_per_epoch=STEPS_PER_EPOCH,
+                   num_examples=NUM_EXAMPLES, key=0)
   arguments.update(kwargs)
   with pytest.raises(ValueError, match=match):
     dpsco_jax.dpmemf(loss_fn, **arguments)
 
 
 def test_guard_needs_an_estimator_before_it():
-  guard = batching.fixed_order_guard(3)
+  guard = batching.fixed_order_guard(3, num_examples=10)
   with pytest.raises(ValueError, match='after the estimator'):
     guard.update(None, guard.init(None), example_ids=np.arange(4))

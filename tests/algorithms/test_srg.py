@@ -453,7 +453,8 @@ def test_srg_memf_with_zero_decay_is_dpmemf():
   order = list(dpsco_jax.batching.FixedOrderBatches(
       steps_per_epoch * BATCH, BATCH, num_epochs, order_seed=1))
   common = dict(l2_clip=0.3, noise_multiplier=1.2, strategy=strategy,
-                steps_per_epoch=steps_per_epoch, key=6)
+                steps_per_epoch=steps_per_epoch,
+                num_examples=steps_per_epoch * BATCH, key=6)
 
   def train(private):
     tx = optax.chain(private, optax.sgd(0.2, momentum=0.9))
@@ -482,7 +483,8 @@ def test_srg_memf_refuses_a_reshuffled_epoch():
                               classes=CLASSES)
   tx = srg.dp_srg_memf(loss_fn, l2_clip=1.0, noise_multiplier=1.0,
                        strategy=np.eye(2 * steps_per_epoch),
-                       steps_per_epoch=steps_per_epoch, decay=0.1, key=0)
+                       steps_per_epoch=steps_per_epoch, decay=0.1,
+                       num_examples=steps_per_epoch * BATCH, key=0)
   state = tx.init(params)
   order = [np.arange(BATCH), np.arange(BATCH, 2 * BATCH),
            np.arange(BATCH, 2 * BATCH)]  # epoch 2 starts with batch 2

@@ -66,7 +66,8 @@ def test_scanned_run_equals_the_library_steps_one_by_one():
       dpsco_jax.dp_srg_memf(
           srg_memf.example_loss, l2_clip=clip,
           noise_multiplier=setup.noise_multiplier, strategy=setup.strategy,
-          steps_per_epoch=b, decay=decay, key=noise_key),
+          steps_per_epoch=b, decay=decay, num_examples=num_train,
+          key=noise_key),
       optax.sgd(lr, momentum=config.momentum))
   params = {'w': jnp.zeros((64, 10)), 'b': jnp.zeros((10,))}
   state = tx.init(params)
