@@ -99,11 +99,19 @@ def refuse_any(conditions: Sequence[tuple[Any, str]], tree: PyTree) -> PyTree:
   else:
     flags = jnp.stack([jnp.asarray(f, bool) for f, _ in traced], axis=-1)
     message = tuple(m for _, m in traced)
-  # The output depends on the callback's (always False) result, so the check
-  # can be neither dropped nor moved before the values it guards.
-  checked = jax.pure_callback(
-      functools.partial(_raise_if, message=message),
-      jax.ShapeDtypeStruct((), jnp.bool_), flags, anchor,
-      vmap_method='expand_dims')
+  callback = functools.partial(_raise_if, message=message)
+
+  def host_check(flags, anchor):
+    return jax.pure_callback(callback, jax.ShapeDtypeStruct((), jnp.bool_),
+                             flags, anchor, vmap_method='expand_dims')
+
+  # The host round trip is made only when a flag holds (a step that passes
+  # its checks pays for a `cond`, not a callback; under `vmap` the `cond`
+  # becomes a select and the one batched call runs every step). The output
+  # depends on the callback's (always False) result, so the check can be
+  # neither dropped nor moved before the values it guards.
+  checked = jax.lax.cond(flag, host_check,
+                         lambda flags, anchor: jnp.zeros((), jnp.bool_),
+                         flags, anchor)
   return jax.tree_util.tree_map(
       lambda x: jnp.where(checked, jnp.nan, x), poisoned)
