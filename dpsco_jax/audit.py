@@ -1100,3 +1100,301 @@ def run_gradient_canary_audit(
       delta=delta, key=key, alpha=alpha,
       calibration_fraction=calibration_fraction,
       num_thresholds=num_thresholds, max_parallel=max_parallel, name=name)
+
+
+# ---------------------------------------------------------------------------
+# Black-box input canaries.
+# ---------------------------------------------------------------------------
+
+
+def _batched(data: PyTree, steps_per_epoch: int, batch_size: int) -> PyTree:
+  def reshape(leaf):
+    leaf = jnp.asarray(leaf)
+    if leaf.ndim < 1 or leaf.shape[0] != steps_per_epoch * batch_size:
+      raise ValueError(
+          f'the data must hold steps_per_epoch * batch_size = '
+          f'{steps_per_epoch * batch_size} examples (leading axis), got a '
+          f'leaf of shape {leaf.shape}')
+    return leaf.reshape((steps_per_epoch, batch_size) + leaf.shape[1:])
+  return jax.tree_util.tree_map(reshape, data)
+
+
+def input_canary_train_fn(
+    make_transformation: MakeTransformation,
+    *,
+    loss_fn: Callable[[PyTree, PyTree], jax.Array],
+    params: PyTree,
+    data: PyTree,
+    canary: PyTree,
+    score_fn: Callable[[PyTree, PyTree], jax.Array],
+    num_steps: int,
+    batch_size: int,
+    steps_per_epoch: Optional[int] = None,
+    canary_batch: int = 0,
+    replacement: Optional[PyTree] = None,
+    output_fn: Optional[Callable[[PyTree, PyTree], PyTree]] = None,
+) -> TrainFn:
+  """The black-box input-canary run as `train_fn(key, include)`.
+
+  Trains from `params` on `data` (`steps_per_epoch * batch_size` examples
+  taken in a fixed order of batches, step t using batch
+  `t mod steps_per_epoch`, with `example_ids`) and scores the final params.
+  The canary takes the first slot of batch `canary_batch`; that slot's
+  own data example is never used by either arm. The neighbouring data set:
+
+  * `replacement=None` (add/remove): the canary's slot is masked out
+    (`batch_mask`), so the run sees the data set WITHOUT the canary. Build
+    the transformation with `normalize_by=batch_size`: the library refuses
+    a mask without a public normalizer, and the normalizer is then the same
+    in both arms.
+  * `replacement` given (replace-one): that example takes the slot.
+
+  Args:
+    make_transformation: `(loss_fn, key) -> transformation`.
+    loss_fn: `loss_fn(params, example) -> scalar` for ONE example.
+    params: the initial params (the same in every run).
+    data: a pytree of examples with leading axis
+      `steps_per_epoch * batch_size`.
+    canary: one example (the data's structure without the leading axis),
+      e.g. mislabeled or out of distribution.
+    score_fn: `(final_params, canary) -> scalar`, higher meaning "more
+      likely trained on the canary", e.g. `-loss_fn(params, canary)`.
+    num_steps: steps per run.
+    batch_size: examples per batch.
+    steps_per_epoch: batches per epoch (default `num_steps`: one pass).
+    canary_batch: the batch holding the canary.
+    replacement: the example replacing the canary in the out arm
+      (replace-one), or None (add/remove, masked out).
+    output_fn: `(params, state) -> final params` to score (default: the
+      params after the last step; e.g. `lambda p, s: final_params(s)` for
+      Accelerated-DP-SRGD's y_T).
+
+  Returns:
+    `train_fn(key, include) -> score`.
+  """
+  num_steps = checks.positive_int(num_steps, 'num_steps')
+  batch_size = checks.positive_int(batch_size, 'batch_size')
+  steps_per_epoch = _steps_per_epoch(steps_per_epoch, num_steps)
+  if not 0 <= canary_batch < steps_per_epoch:
+    raise ValueError(f'canary_batch must be in [0, {steps_per_epoch}), got '
+                     f'{canary_batch!r}')
+  batches = _batched(data, steps_per_epoch, batch_size)
+  example_ids = jnp.arange(steps_per_epoch * batch_size,
+                           dtype=jnp.int32).reshape(steps_per_epoch,
+                                                    batch_size)
+  masked = replacement is None
+  neighbour = canary if masked else replacement
+
+  def train_fn(key, include):
+    slot = jax.tree_util.tree_map(
+        lambda c, n: jnp.where(include, jnp.asarray(c), jnp.asarray(n)),
+        canary, neighbour)
+    run_batches = jax.tree_util.tree_map(
+        lambda leaf, s: leaf.at[canary_batch, 0].set(s.astype(leaf.dtype)),
+        batches, slot)
+    masks = jnp.ones((steps_per_epoch, batch_size), bool).at[
+        canary_batch, 0].set(include)
+    tx = make_transformation(loss_fn, key)
+
+    def step(carry, t):
+      params, state = carry
+      position = t % steps_per_epoch
+      batch = jax.tree_util.tree_map(lambda leaf: leaf[position], run_batches)
+      extra = {'batch_mask': masks[position]} if masked else {}
+      updates, state = tx.update(None, state, params, batch=batch,
+                                 example_ids=example_ids[position], **extra)
+      return (optax.apply_updates(params, updates), state), None
+
+    (final, state), _ = jax.lax.scan(step, (params, tx.init(params)),
+                                     jnp.arange(num_steps))
+    if output_fn is not None:
+      final = output_fn(final, state)
+    return jnp.asarray(score_fn(final, canary), jnp.float32)
+
+  return train_fn
+
+
+def run_input_canary_audit(
+    make_transformation: MakeTransformation,
+    *,
+    loss_fn: Callable[[PyTree, PyTree], jax.Array],
+    params: PyTree,
+    data: PyTree,
+    canary: PyTree,
+    score_fn: Callable[[PyTree, PyTree], jax.Array],
+    num_steps: int,
+    batch_size: int,
+    num_runs: int,
+    claimed_epsilon: float,
+    delta: float,
+    key: Any,
+    steps_per_epoch: Optional[int] = None,
+    canary_batch: int = 0,
+    replacement: Optional[PyTree] = None,
+    output_fn: Optional[Callable[[PyTree, PyTree], PyTree]] = None,
+    alpha: float = 0.05,
+    calibration_fraction: float = 0.25,
+    num_thresholds: int = 5,
+    max_parallel: Optional[int] = None,
+    name: str = 'black-box input canary',
+) -> AuditReport:
+  """Black-box input-canary audit: your loss, data, canary and score.
+
+  Only the final params are scored (what a model's user sees), so the bound
+  is usually far below the white-box one (`run_gradient_canary_audit`):
+  noise from steps the canary missed, and data gradients along the
+  canary's, hide it. A bound above the claim is still proof of a bug.
+
+  Example:
+    >>> report = run_input_canary_audit(
+    ...     lambda loss_fn, key: dpsco_jax.dpsgd(
+    ...         loss_fn, l2_clip=1.0, noise_multiplier=z, num_steps=4,
+    ...         normalize_by=8, key=key),
+    ...     loss_fn=loss_fn, params=params, data=data, canary=canary,
+    ...     score_fn=lambda p, c: -loss_fn(p, c), num_steps=4, batch_size=8,
+    ...     steps_per_epoch=1, num_runs=2000, claimed_epsilon=2.0,
+    ...     delta=1e-5, key=0)
+
+  Args:
+    make_transformation, loss_fn, params, data, canary, score_fn,
+      num_steps, batch_size, steps_per_epoch, canary_batch, replacement,
+      output_fn: see `input_canary_train_fn`.
+    num_runs: runs per arm.
+    claimed_epsilon: the epsilon claimed for this run.
+    delta: the delta of the claim.
+    key: key or int seed the runs' noise keys are split from.
+    alpha, calibration_fraction, num_thresholds, max_parallel, name: see
+      `run_canary_audit`.
+
+  Returns:
+    The `AuditReport`.
+  """
+  train_fn = input_canary_train_fn(
+      make_transformation, loss_fn=loss_fn, params=params, data=data,
+      canary=canary, score_fn=score_fn, num_steps=num_steps,
+      batch_size=batch_size, steps_per_epoch=steps_per_epoch,
+      canary_batch=canary_batch, replacement=replacement,
+      output_fn=output_fn)
+  return run_canary_audit(
+      train_fn, num_runs=num_runs, claimed_epsilon=claimed_epsilon,
+      delta=delta, key=key, alpha=alpha,
+      calibration_fraction=calibration_fraction,
+      num_thresholds=num_thresholds, max_parallel=max_parallel, name=name)
+
+
+# ---------------------------------------------------------------------------
+# One run, many canaries.
+# ---------------------------------------------------------------------------
+
+
+def run_one_run_gradient_audit(
+    make_transformation: MakeTransformation,
+    *,
+    num_canaries: int,
+    num_steps: int,
+    batch_size: int,
+    claimed_epsilon: float,
+    delta: float,
+    key: Any,
+    steps_per_epoch: Optional[int] = None,
+    canary_norm: float = 1e3,
+    score_sign: float = 1.0,
+    release_fn: Optional[Callable[[PyTree, PyTree], PyTree]] = None,
+    num_positive_guesses: Optional[int] = None,
+    num_negative_guesses: Optional[int] = None,
+    alpha: float = 0.05,
+    name: str = 'one-run gradient canaries',
+) -> AuditReport:
+  """One-run audit (Steinke, Nasr, Jagielski 2023) with gradient canaries.
+
+  ONE run of `make_transformation` on a model of `num_canaries` parameters:
+  canary i has gradient `canary_norm e_i` and sits in batch
+  `i mod steps_per_epoch`; each is included independently with
+  probability 1/2 (drawn from a key independent of the noise key), an
+  excluded canary's slot holding a zero-gradient example (the add/remove
+  neighbour, as in `gradient_canary_train_fn`). Canary i's score is
+  `score_sign` times the sum, over the steps where its batch was used, of
+  the released update's coordinate i; then `one_run_epsilon_lower_bound`.
+
+  The score weighs the canary's own steps only (right for i.i.d. noise;
+  valid but looser for correlated noise). Use `score_sign=-1` when the
+  release is a descent step (an optimizer such as `optax.sgd` chained after
+  the estimator). Needs `steps_per_epoch * batch_size >= num_canaries`.
+
+  Example:
+    >>> report = run_one_run_gradient_audit(
+    ...     lambda loss_fn, key: dpsco_jax.dpsgd(
+    ...         loss_fn, l2_clip=1.0, noise_multiplier=z, num_steps=4,
+    ...         key=key),
+    ...     num_canaries=1000, num_steps=4, batch_size=250,
+    ...     claimed_epsilon=2.0, delta=1e-5, key=0)
+
+  Args:
+    make_transformation: `(loss_fn, key) -> transformation`.
+    num_canaries: m.
+    num_steps: steps of the run.
+    batch_size: examples per batch (canaries and zero-gradient fillers).
+    claimed_epsilon: the epsilon claimed for this run.
+    delta: the delta of the claim.
+    key: key or int seed (split into the inclusion and noise keys).
+    steps_per_epoch: batches per epoch (default `num_steps`).
+    canary_norm: the canaries' gradient norm (above the clip norm).
+    score_sign: +1 when the release moves along the gradient (a raw
+      estimator output), -1 after a descent step.
+    release_fn: `(updates, state) -> pytree` released (default: updates).
+    num_positive_guesses, num_negative_guesses: k+ and k- (default m // 10
+      each), fixed in advance.
+    alpha: error probability (confidence `1 - alpha`).
+    name: what was audited.
+
+  Returns:
+    An `AuditReport` with `method='one-run'` and its `one_run` bound.
+  """
+  m = checks.positive_int(num_canaries, 'num_canaries')
+  num_steps = checks.positive_int(num_steps, 'num_steps')
+  batch_size = checks.positive_int(batch_size, 'batch_size')
+  steps_per_epoch = _steps_per_epoch(steps_per_epoch, num_steps)
+  if steps_per_epoch * batch_size < m:
+    raise ValueError(f'{m} canaries need steps_per_epoch * batch_size >= '
+                     f'{m}, got {steps_per_epoch * batch_size}')
+  inclusion_key, noise_key = _run_keys(key, 2)
+  included = jax.random.bernoulli(inclusion_key, 0.5, (m,))
+  canaries = jnp.arange(m)
+  batch_of = canaries % steps_per_epoch
+  data = jnp.zeros((steps_per_epoch, batch_size, m), jnp.float32).at[
+      batch_of, canaries // steps_per_epoch, canaries].set(
+          canary_norm * included.astype(jnp.float32))
+  example_ids = jnp.arange(steps_per_epoch * batch_size,
+                           dtype=jnp.int32).reshape(steps_per_epoch,
+                                                    batch_size)
+
+  def run(key, data):
+    tx = make_transformation(linear_loss, key)
+    params = jnp.zeros(m, jnp.float32)
+
+    def step(carry, t):
+      params, state = carry
+      position = t % steps_per_epoch
+      params, state, release = _update_and_release(
+          tx, state, params, release_fn, batch={'x': data[position]},
+          example_ids=example_ids[position])
+      return (params, state), release
+
+    _, releases = jax.lax.scan(step, (params, tx.init(params)),
+                               jnp.arange(num_steps))
+    return releases
+
+  # The noise key is an argument of the compiled program (traced), like
+  # every run's key in the many-run audits.
+  releases = np.asarray(jax.jit(run)(noise_key, data), np.float64)
+  own_steps = (np.arange(num_steps)[:, None] % steps_per_epoch ==
+               np.asarray(batch_of)[None, :])
+  scores = float(score_sign) * (releases * own_steps).sum(axis=0)
+  bound = one_run_epsilon_lower_bound(
+      scores, np.asarray(included), delta=delta, alpha=alpha,
+      num_positive_guesses=num_positive_guesses,
+      num_negative_guesses=num_negative_guesses)
+  return AuditReport(
+      name=name, method='one-run', claimed_epsilon=float(claimed_epsilon),
+      epsilon_lower_bound=bound.epsilon, delta=float(delta),
+      alpha=float(alpha), num_runs=m, one_run=bound)
