@@ -595,7 +595,7 @@ def plot_roc(reports: Union[AuditReport, Sequence[AuditReport]],
   for report in reports:
     if report.bound is None:
       raise ValueError(f'{report.name}: a one-run report has no ROC curve')
-  columns = min(3, len(reports))
+  columns = 2 if len(reports) == 4 else min(3, len(reports))
   rows = -(-len(reports) // columns)
   figure, axes = plt.subplots(rows, columns, figsize=(4.6 * columns,
                                                       4.4 * rows),
