@@ -43,10 +43,10 @@ import math
 from typing import Any, Callable, Optional, Sequence, Union
 
 import jax
+from jax import flatten_util
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import flatten_util
 from scipy import stats
 
 from dpsco_jax import checks
@@ -352,7 +352,8 @@ def one_run_p_value(num_canaries: int, num_guesses: int, num_correct: int,
   included independently with probability 1/2, any r guesses made from the
   output of an (eps, delta)-DP run have W correct guesses with
 
-      P[W >= v] <= P[B >= v] + 2 m delta max_{1 <= i <= v} P[v - i <= B < v] / i,
+      P[W >= v] <= P[B >= v]
+                   + 2 m delta max_{1 <= i <= v} P[v - i <= B < v] / i,
 
   B ~ Binomial(r, e^eps / (1 + e^eps)). With delta = 0 this is the pure-DP
   statement that W is dominated by B.
@@ -586,9 +587,9 @@ def plot_roc(reports: Union[AuditReport, Sequence[AuditReport]],
   Raises:
     ValueError: if a report has no ROC (a one-run report).
   """
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use('Agg')
-  from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
+  # A bare Figure (no pyplot) leaves the caller's backend and open figures
+  # alone.
+  from matplotlib import figure as mpl_figure  # pylint: disable=g-import-not-at-top
 
   if isinstance(reports, AuditReport):
     reports = [reports]
@@ -597,9 +598,8 @@ def plot_roc(reports: Union[AuditReport, Sequence[AuditReport]],
       raise ValueError(f'{report.name}: a one-run report has no ROC curve')
   columns = 2 if len(reports) == 4 else min(3, len(reports))
   rows = -(-len(reports) // columns)
-  figure, axes = plt.subplots(rows, columns, figsize=(4.6 * columns,
-                                                      4.4 * rows),
-                              squeeze=False)
+  figure = mpl_figure.Figure(figsize=(4.6 * columns, 4.4 * rows))
+  axes = figure.subplots(rows, columns, squeeze=False)
   for axis, report in zip(axes.ravel(), reports):
     bound = report.bound
     floor = 0.5 / max(bound.num_out, 1)
@@ -631,7 +631,6 @@ def plot_roc(reports: Union[AuditReport, Sequence[AuditReport]],
     figure.suptitle(title)
   figure.tight_layout()
   figure.savefig(path, dpi=120)
-  plt.close(figure)
 
 
 # ---------------------------------------------------------------------------
@@ -713,6 +712,10 @@ def candidate_thresholds(calibration_in: np.ndarray,
   levels towards both tails (where privacy is lost); each is scored by the
   bound it gives on the held-out runs, and the best distinct ones are kept.
   They are then fixed for the evaluation runs, which never influenced them.
+
+  Example:
+    >>> thresholds = candidate_thresholds(held_in, held_out, delta=1e-5,
+    ...                                   alpha=0.05, num_thresholds=5)
 
   Args:
     calibration_in: held-out scores with the canary.
@@ -889,6 +892,9 @@ def run_canary_audit(
 
 def linear_loss(params: jax.Array, example: PyTree) -> jax.Array:
   """The white-box canary loss `<params, x>`: its gradient is `x` everywhere.
+
+  Example:
+    >>> linear_loss(jnp.ones(3), {'x': jnp.array([1.0, 2.0, 3.0])})   # 6.0
 
   Args:
     params: a flat parameter vector `[d]`.
