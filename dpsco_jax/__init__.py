@@ -22,10 +22,14 @@ The curated public API. Modules, one concern each:
 * `dpsco_jax.batching`: batch formation matching the accounting, and the
   in-step check of a fixed batch order;
 * `dpsco_jax.checkpoint`: checkpoint and resume with a privacy ledger, and
-  releases that hold only what is safe to publish.
+  releases that hold only what is safe to publish;
+* `dpsco_jax.audit`: empirical privacy auditing: canary runs of any
+  transformation (or your own training loop) as one vmapped program, and
+  epsilon lower bounds (Clopper-Pearson, one-run) to set beside the claim.
 """
 
 from dpsco_jax import accounting
+from dpsco_jax import audit
 from dpsco_jax import batching
 from dpsco_jax import checkpoint
 from dpsco_jax import clipping
@@ -87,6 +91,7 @@ from dpsco_jax.strategies import workload
 
 __all__ = (
     'accounting',
+    'audit',
     'batching',
     'checkpoint',
     'clipping',

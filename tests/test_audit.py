@@ -1,0 +1,451 @@
+"""Tests of `dpsco_jax.audit`: the statistics, and audits of every family.
+
+Every family is audited with a white-box gradient canary on a tiny model
+(d = 4, batch 8, 8 steps) at a claimed epsilon of 2 (delta 1e-5), from the
+library's own accountant for the mechanism and participation the run uses.
+Three things are asserted per family:
+
+* the correct build's lower bound stays below the claim;
+* a null audit (no canary in either arm) gives about 0;
+* planted bugs (noise on the mean instead of the sum, i.e. the noise
+  multiplier divided by the batch size, and sigma / 10) push the bound
+  ABOVE the claim, so the auditor would catch them.
+
+The correct build's bound is far from the claim (about 0.3-0.6 against 2)
+and a bug's far above it (about 5): the assertions are not on a knife edge,
+and each can fail (the bound of a correct build fails the bug assertion,
+a build with a bug fails the correct-build one, and the null audit, run on
+the leakiest build, fails once the canary is put back).
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from scipy import stats
+
+import dpsco_jax
+from dpsco_jax import accounting
+from dpsco_jax import audit
+from dpsco_jax.algorithms import diff2_accounting
+from dpsco_jax.neighboring import NeighboringRelation
+
+DELTA = 1e-5
+TARGET_EPSILON = 2.0
+NUM_STEPS = 8
+STEPS_PER_EPOCH = 4            # two epochs in a fixed order
+BATCH_SIZE = 8
+NUM_RUNS = 1000                # per arm; 2000 runs per audit, one program
+
+
+# ---------------------------------------------------------------------------
+# Statistics.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize('k,n,alpha', [(0, 50, 0.05), (3, 50, 0.05),
+                                       (25, 50, 0.01), (49, 50, 0.1),
+                                       (50, 50, 0.05), (7, 1000, 0.001)])
+def test_clopper_pearson_matches_beta_quantiles(k, n, alpha):
+  upper = audit.clopper_pearson_upper(k, n, alpha)
+  lower = audit.clopper_pearson_lower(k, n, alpha)
+  expected_upper = 1.0 if k == n else stats.beta.ppf(1 - alpha, k + 1, n - k)
+  expected_lower = 0.0 if k == 0 else stats.beta.ppf(alpha, k, n - k + 1)
+  np.testing.assert_allclose(upper, expected_upper, rtol=1e-10)
+  np.testing.assert_allclose(lower, expected_lower, rtol=1e-10)
+  assert lower <= k / n <= upper
+
+
+def test_clopper_pearson_covers_at_its_level():
+  # One-sided: the upper bound falls below the truth in about alpha of the
+  # experiments, never much more.
+  rng = np.random.default_rng(0)
+  p, n, alpha = 0.1, 200, 0.1
+  counts = rng.binomial(n, p, size=4000)
+  misses = np.mean(audit.clopper_pearson_upper(counts, n, alpha) < p)
+  assert misses <= alpha
+  misses = np.mean(audit.clopper_pearson_lower(counts, n, alpha) > p)
+  assert misses <= alpha
+
+
+def test_clopper_pearson_rejects_bad_counts():
+  with pytest.raises(ValueError):
+    audit.clopper_pearson_upper(5, 4, 0.05)
+  with pytest.raises(ValueError):
+    audit.clopper_pearson_lower(1, 4, 1.5)
+
+
+def test_epsilon_from_rates():
+  np.testing.assert_allclose(audit.epsilon_from_rates(0.5, 0.05, 0.0),
+                             math.log(10))
+  # The second inequality: 1 - FPR <= e^eps (1 - TPR) + delta.
+  np.testing.assert_allclose(audit.epsilon_from_rates(0.99, 0.5, 0.0),
+                             math.log(50))
+  assert audit.epsilon_from_rates(0.3, 0.5, 0.0) == 0.0
+  assert audit.epsilon_from_rates(1e-6, 0.0, 1e-5) == 0.0
+
+
+def _gdp_scores(mu, n, seed):
+  rng = np.random.default_rng(seed)
+  return rng.normal(mu, 1.0, n), rng.normal(0.0, 1.0, n)
+
+
+@pytest.mark.parametrize('mu', [1.0, 2.0, 3.0])
+def test_epsilon_lower_bound_below_gaussian_truth(mu):
+  # Scores of a mu-GDP mechanism: N(mu, 1) with the canary, N(0, 1) without.
+  scores_in, scores_out = _gdp_scores(mu, 20000, seed=int(mu))
+  truth = accounting.epsilon_for_gdp(mu, DELTA)
+  bound = audit.epsilon_lower_bound(scores_in, scores_out, DELTA,
+                                    thresholds=np.linspace(-1, 5, 13))
+  assert 0.0 < bound.epsilon < truth
+  # Not vacuous: within a factor of the truth with 20k samples per arm.
+  assert bound.epsilon > 0.3 * truth
+  assert bound.thresholds.shape == bound.tpr.shape == bound.epsilons.shape
+  assert np.all(bound.tpr_lower <= bound.tpr)
+  assert np.all(bound.fpr_upper >= bound.fpr)
+  assert bound.roc_fpr[0] == 0 and bound.roc_tpr[-1] == 1
+
+
+def test_epsilon_lower_bound_is_zero_without_signal():
+  scores_in, scores_out = _gdp_scores(0.0, 5000, seed=7)
+  bound = audit.epsilon_lower_bound(scores_in, scores_out, DELTA,
+                                    thresholds=np.linspace(-3, 3, 25))
+  assert bound.epsilon < 0.1
+
+
+def test_epsilon_lower_bound_pays_for_every_threshold():
+  # Bonferroni: the same threshold tried 20 times gives a lower bound.
+  scores_in, scores_out = _gdp_scores(2.0, 2000, seed=3)
+  once = audit.epsilon_lower_bound(scores_in, scores_out, DELTA,
+                                   thresholds=[2.0])
+  twenty = audit.epsilon_lower_bound(scores_in, scores_out, DELTA,
+                                     thresholds=[2.0] * 20)
+  assert twenty.epsilon < once.epsilon
+
+
+def test_epsilon_lower_bound_rejects_non_finite_scores():
+  with pytest.raises(ValueError, match='non-finite'):
+    audit.epsilon_lower_bound([1.0, np.nan], [0.0, 1.0], DELTA,
+                              thresholds=[0.5])
+
+
+def test_one_run_p_value_is_the_binomial_tail_without_delta():
+  q = 1 / (1 + math.exp(-1.0))
+  np.testing.assert_allclose(
+      audit.one_run_p_value(1000, 100, 70, 1.0, 0.0),
+      stats.binom.sf(69, 100, q), rtol=1e-12)
+  # The delta term only adds.
+  assert audit.one_run_p_value(1000, 100, 70, 1.0, 1e-3) > (
+      audit.one_run_p_value(1000, 100, 70, 1.0, 0.0))
+
+
+def test_one_run_bound_below_gaussian_truth():
+  # m canaries, each a mu-GDP Gaussian mechanism on its own coordinate.
+  mu, m = 3.0, 5000
+  rng = np.random.default_rng(11)
+  included = rng.random(m) < 0.5
+  scores = rng.normal(mu * included, 1.0)
+  bound = audit.one_run_epsilon_lower_bound(
+      scores, included, delta=DELTA, num_positive_guesses=250,
+      num_negative_guesses=250)
+  truth = accounting.epsilon_for_gdp(mu, DELTA)
+  assert 1.0 < bound.epsilon < truth
+  assert bound.num_guesses == 500 and bound.num_correct <= 500
+  assert bound.p_value < 0.05
+
+
+def test_one_run_bound_is_zero_for_random_guesses():
+  rng = np.random.default_rng(12)
+  included = rng.random(5000) < 0.5
+  bound = audit.one_run_epsilon_lower_bound(
+      rng.normal(size=5000), included, delta=DELTA)
+  assert bound.epsilon < 0.3
+
+
+# ---------------------------------------------------------------------------
+# Every family, white-box gradient canary.
+# ---------------------------------------------------------------------------
+
+
+def _strategy():
+  return dpsco_jax.optimize_strategy(dpsco_jax.workload(NUM_STEPS),
+                                     num_epochs=NUM_STEPS // STEPS_PER_EPOCH)
+
+
+def _library_family(name):
+  """(claimed epsilon fn, noise multiplier, builder, runner kwargs)."""
+  fixed_order = accounting.FixedOrder(NUM_STEPS // STEPS_PER_EPOCH,
+                                      STEPS_PER_EPOCH)
+  epochs = dict(steps_per_epoch=STEPS_PER_EPOCH)
+  if name == 'dpsgd':
+    mechanism, participation = dpsco_jax.dpsgd_mechanism(NUM_STEPS), (
+        fixed_order)
+
+    def build(z):
+      return lambda loss_fn, key: dpsco_jax.dpsgd(
+          loss_fn, l2_clip=1.0, noise_multiplier=z, num_steps=NUM_STEPS,
+          key=key)
+    kwargs = epochs
+  elif name == 'dpftrl':
+    mechanism, participation = dpsco_jax.dpftrl_mechanism(NUM_STEPS), (
+        fixed_order)
+
+    def build(z):
+      return lambda loss_fn, key: optax.chain(
+          dpsco_jax.dpftrl(loss_fn, l2_clip=1.0, noise_multiplier=z,
+                           num_steps=NUM_STEPS, key=key),
+          optax.sgd(0.1, momentum=0.9))
+    kwargs = epochs
+  elif name == 'dpmemf':
+    strategy = _strategy()
+    mechanism, participation = dpsco_jax.dpmemf_mechanism(strategy), (
+        fixed_order)
+
+    def build(z):
+      return lambda loss_fn, key: dpsco_jax.dpmemf(
+          loss_fn, l2_clip=1.0, noise_multiplier=z, strategy=strategy,
+          steps_per_epoch=STEPS_PER_EPOCH, key=key)
+    kwargs = epochs
+  elif name == 'dp_srg_memf':
+    strategy = _strategy()
+    mechanism, participation = dpsco_jax.dpmemf_mechanism(strategy), (
+        fixed_order)
+
+    def build(z):
+      return lambda loss_fn, key: optax.chain(
+          dpsco_jax.dp_srg_memf(loss_fn, l2_clip=1.0, noise_multiplier=z,
+                                strategy=strategy,
+                                steps_per_epoch=STEPS_PER_EPOCH, decay=0.5,
+                                key=key),
+          optax.sgd(0.1))
+    kwargs = epochs
+  elif name == 'accelerated_dp_srgd':
+    # Single pass (the algorithm's own accounting), canary in batch 2.
+    mechanism = dpsco_jax.srg_mechanism(NUM_STEPS)
+    participation = accounting.single_epoch(NUM_STEPS)
+
+    def build(z):
+      return lambda loss_fn, key: dpsco_jax.accelerated_dp_srgd(
+          loss_fn, l2_clip=1.0, noise_multiplier=z, num_steps=NUM_STEPS,
+          beta=10.0, radius=None, key=key)
+    kwargs = dict(steps_per_epoch=NUM_STEPS, canary_batch=2)
+  else:
+    raise ValueError(name)
+  z = accounting.calibrate_noise_multiplier(mechanism, participation,
+                                            TARGET_EPSILON, DELTA)
+  claimed = accounting.epsilon_spent(mechanism, z, participation, DELTA)
+  return claimed, z, build, kwargs
+
+
+def _dp_gd_family():
+  # DIFF2 with a restart every round (DP-GD), one client holding the whole
+  # batch: the canary takes part in every round; replace-one neighbours.
+  z = diff2_accounting.calibrate(num_rounds=NUM_STEPS, restart_interval=1,
+                                 epsilon=TARGET_EPSILON,
+                                 delta=DELTA).restart
+  claimed = diff2_accounting.epsilon_spent(
+      NUM_STEPS, 1, dpsco_jax.Diff2NoiseMultipliers(z, 0.0), DELTA)
+
+  def build(z):
+    return lambda loss_fn, key: dpsco_jax.dp_gd(
+        loss_fn, learning_rate=0.1, grad_clip=1.0, noise_multiplier=z,
+        num_rounds=NUM_STEPS, key=key)
+  return claimed, z, build, dict(
+      steps_per_epoch=1, neighboring_relation=NeighboringRelation.REPLACE_ONE)
+
+
+@functools.lru_cache(maxsize=None)
+def _family(name):
+  # Calibrated once per family: the accountant's search is the slow part.
+  return _dp_gd_family() if name == 'dp_gd' else _library_family(name)
+
+
+def _audit(build, kwargs, claimed, *, canary_norm=1e3, seed=0):
+  return audit.run_gradient_canary_audit(
+      build, num_steps=NUM_STEPS, batch_size=BATCH_SIZE, num_runs=NUM_RUNS,
+      claimed_epsilon=claimed, delta=DELTA, key=seed,
+      canary_norm=canary_norm, **kwargs)
+
+
+FAMILIES = ('dpsgd', 'dpftrl', 'dpmemf', 'dp_srg_memf',
+            'accelerated_dp_srgd', 'dp_gd')
+
+
+@pytest.mark.parametrize('name', FAMILIES)
+def test_correct_build_stays_below_claim_and_null_is_zero(name):
+  claimed, z, build, kwargs = _family(name)
+  assert claimed == pytest.approx(TARGET_EPSILON, rel=1e-3)
+  report = _audit(build(z), kwargs, claimed)
+  assert report.epsilon_lower_bound < claimed, report.to_markdown()
+  assert not report.exceeds_claim
+  # The canary is seen (the audit is not blind) ...
+  assert report.epsilon_lower_bound > 0.1, report.to_markdown()
+  # ... and without it in either arm there is nothing to see, even in the
+  # leakiest build (sigma / 10, where the canary gives a bound above 5):
+  # the bound measures the canary, not the noise level.
+  null = _audit(build(z / 10), kwargs, claimed, canary_norm=0.0, seed=1)
+  assert null.epsilon_lower_bound < 0.1, null.to_markdown()
+
+
+# Noise on the mean instead of the sum: the std is divided by the batch
+# size, i.e. the multiplier is z / B while the run claims z's epsilon.
+BUGS = {'noise on the mean': BATCH_SIZE, 'sigma / 10': 10.0}
+
+
+@pytest.mark.parametrize('name', FAMILIES)
+@pytest.mark.parametrize('bug', sorted(BUGS))
+def test_planted_bug_is_caught(name, bug):
+  claimed, z, build, kwargs = _family(name)
+  report = _audit(build(z / BUGS[bug]), kwargs, claimed, seed=2)
+  assert report.epsilon_lower_bound > claimed, report.to_markdown()
+  assert report.exceeds_claim
+  assert 'VIOLATION' in report.to_markdown()
+
+
+def test_diff2_with_difference_rounds_stays_below_claim():
+  # DIFF2-GD proper (restart every 4 rounds): the linear canary has no
+  # gradient differences, so only restarts reveal it; still a lower bound.
+  z = diff2_accounting.calibrate(num_rounds=NUM_STEPS, restart_interval=4,
+                                 epsilon=TARGET_EPSILON, delta=DELTA)
+  claimed = diff2_accounting.epsilon_spent(NUM_STEPS, 4, z, DELTA)
+
+  def build(loss_fn, key):
+    return dpsco_jax.diff2_gd(
+        loss_fn, learning_rate=0.1, grad_clip=1.0, diff_clip_factor=1.0,
+        restart_interval=4, num_rounds=NUM_STEPS, noise_multipliers=z,
+        key=key)
+  report = _audit(build, dict(
+      steps_per_epoch=1,
+      neighboring_relation=NeighboringRelation.REPLACE_ONE), claimed)
+  assert 0.1 < report.epsilon_lower_bound < claimed
+
+
+# ---------------------------------------------------------------------------
+# Black-box, one-run and hand-written loops.
+# ---------------------------------------------------------------------------
+
+
+def _logistic_problem():
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(BATCH_SIZE, 4)).astype(np.float32)
+  x[:, 0] = 0.0       # the canary's feature is unused by the data
+  data = {'x': x, 'y': rng.integers(0, 2, BATCH_SIZE).astype(np.int32)}
+  canary = {'x': np.array([10.0, 0, 0, 0], np.float32),
+            'y': np.array(1, np.int32)}
+
+  def loss_fn(params, example):
+    logit = jnp.vdot(params['w'], example['x']) + params['b']
+    return jax.nn.softplus(-(2 * example['y'] - 1) * logit)
+  params = {'w': jnp.zeros(4), 'b': jnp.zeros(())}
+  return loss_fn, params, data, canary
+
+
+@pytest.mark.parametrize('divisor', [1.0, 10.0])
+def test_black_box_input_canary(divisor):
+  # Full-batch DP-SGD, 4 steps; the canary is masked out in the out arm
+  # (add/remove), so the transformation has a public normalizer.
+  loss_fn, params, data, canary = _logistic_problem()
+  steps = 4
+  mechanism = dpsco_jax.dpsgd_mechanism(steps)
+  participation = accounting.FixedOrder(steps, 1)
+  z = accounting.calibrate_noise_multiplier(mechanism, participation,
+                                            TARGET_EPSILON, DELTA)
+  report = audit.run_input_canary_audit(
+      lambda loss_fn, key: optax.chain(
+          dpsco_jax.dpsgd(loss_fn, l2_clip=1.0,
+                          noise_multiplier=z / divisor, num_steps=steps,
+                          normalize_by=BATCH_SIZE, key=key),
+          optax.sgd(0.01)),
+      loss_fn=loss_fn, params=params, data=data, canary=canary,
+      score_fn=lambda p, c: -loss_fn(p, c), num_steps=steps,
+      batch_size=BATCH_SIZE, steps_per_epoch=1, num_runs=NUM_RUNS,
+      claimed_epsilon=TARGET_EPSILON, delta=DELTA, key=5)
+  if divisor == 1.0:
+    assert 0.0 < report.epsilon_lower_bound < TARGET_EPSILON
+  else:
+    assert report.epsilon_lower_bound > TARGET_EPSILON
+
+
+@pytest.mark.parametrize('divisor', [1.0, 10.0])
+def test_one_run_gradient_canaries(divisor):
+  steps = 4
+  mechanism = dpsco_jax.dpsgd_mechanism(steps)
+  z = accounting.calibrate_noise_multiplier(
+      mechanism, accounting.single_epoch(steps), TARGET_EPSILON, DELTA)
+  report = audit.run_one_run_gradient_audit(
+      lambda loss_fn, key: dpsco_jax.dpsgd(
+          loss_fn, l2_clip=1.0, noise_multiplier=z / divisor,
+          num_steps=steps, key=key),
+      num_canaries=1000, num_steps=steps, batch_size=250,
+      claimed_epsilon=TARGET_EPSILON, delta=DELTA, key=6)
+  assert report.method == 'one-run'
+  if divisor == 1.0:
+    assert report.epsilon_lower_bound < TARGET_EPSILON
+  else:
+    assert report.epsilon_lower_bound > TARGET_EPSILON
+  assert 'guesses' in report.to_markdown()
+
+
+def _hand_written_dpsgd(z, *, reuse_key):
+  """A user's own DP-SGD loop; `reuse_key` plants a key-reuse bug."""
+  clip, steps = 1.0, 4
+  canary = jnp.array([1e3, 0.0, 0.0, 0.0])
+
+  def train_fn(key, include):
+    def step(params, t):
+      grads = jnp.where(include & (t == 1), canary, jnp.zeros(4))[None]
+      norms = jnp.linalg.norm(grads, axis=-1, keepdims=True)
+      clipped = grads * jnp.minimum(1.0, clip / jnp.maximum(norms, 1e-12))
+      noise_key = key if reuse_key else jax.random.fold_in(key, t)
+      noisy = clipped.sum(0) + z * clip * jax.random.normal(noise_key, (4,))
+      return params - 0.1 * noisy, noisy[0]
+    _, released = jax.lax.scan(step, jnp.zeros(4), jnp.arange(steps))
+    return released
+  return train_fn
+
+
+@pytest.mark.parametrize('reuse_key', [False, True])
+def test_hand_written_loop(reuse_key):
+  steps = 4
+  z = accounting.calibrate_noise_multiplier(
+      dpsco_jax.dpsgd_mechanism(steps), accounting.single_epoch(steps),
+      TARGET_EPSILON, DELTA)
+  report = audit.run_canary_audit(
+      _hand_written_dpsgd(z, reuse_key=reuse_key), num_runs=NUM_RUNS,
+      claimed_epsilon=TARGET_EPSILON, delta=DELTA, key=8)
+  if reuse_key:
+    # The same noise every step: a difference of two releases cancels it.
+    assert report.epsilon_lower_bound > TARGET_EPSILON
+  else:
+    assert 0.1 < report.epsilon_lower_bound < TARGET_EPSILON
+
+
+def test_report_markdown_and_roc_plot(tmp_path):
+  pytest.importorskip('matplotlib')
+  scores_in, scores_out = _gdp_scores(1.0, 400, seed=4)
+  report = audit.audit_observations(scores_in, scores_out,
+                                    claimed_epsilon=2.0, delta=DELTA,
+                                    name='synthetic')
+  text = report.to_markdown()
+  assert '| claimed epsilon | 2.000' in text
+  assert '| threshold | TPR | FPR |' in text
+  assert report.confidence == pytest.approx(0.95)
+  path = tmp_path / 'roc.png'
+  audit.plot_roc([report, report], str(path), title='two panels')
+  assert path.stat().st_size > 10_000
+
+
+def test_refused_step_is_not_scored():
+  # A run past its noise's capacity is refused inside the program (NaN
+  # output and a host error); the auditor never scores it.
+  with pytest.raises(Exception, match='capacity|num_steps|past|non-finite'):
+    audit.run_gradient_canary_audit(
+        lambda loss_fn, key: dpsco_jax.dpsgd(
+            loss_fn, l2_clip=1.0, noise_multiplier=1.0,
+            num_steps=NUM_STEPS - 1, key=key),
+        num_steps=NUM_STEPS, batch_size=BATCH_SIZE, num_runs=8,
+        claimed_epsilon=1.0, delta=DELTA, key=0)
