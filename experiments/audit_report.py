@@ -113,7 +113,8 @@ def families(epsilon: float, delta: float) -> list[Family]:
           dpsco_jax.dpmemf_mechanism(strategy), fixed,
           lambda z: lambda loss_fn, key: dpsco_jax.dpmemf(
               loss_fn, l2_clip=1.0, noise_multiplier=z, strategy=strategy,
-              steps_per_epoch=STEPS_PER_EPOCH, key=key), epochs, epsilon,
+              steps_per_epoch=STEPS_PER_EPOCH,
+          num_examples=STEPS_PER_EPOCH * BATCH_SIZE, key=key), epochs, epsilon,
           delta),
       _library_family(
           'DP-SRG-MEMF (`dp_srg_memf`, c = 0.5)',
@@ -123,7 +124,8 @@ def families(epsilon: float, delta: float) -> list[Family]:
               dpsco_jax.dp_srg_memf(
                   loss_fn, l2_clip=1.0, noise_multiplier=z,
                   strategy=strategy, steps_per_epoch=STEPS_PER_EPOCH,
-                  decay=0.5, key=key), optax.sgd(0.1)), epochs, epsilon,
+                  decay=0.5,
+                  num_examples=STEPS_PER_EPOCH * BATCH_SIZE, key=key), optax.sgd(0.1)), epochs, epsilon,
           delta),
       _library_family(
           'Accelerated-DP-SRGD (`accelerated_dp_srgd`)',

@@ -208,7 +208,8 @@ def _library_family(name):
     def build(z):
       return lambda loss_fn, key: dpsco_jax.dpmemf(
           loss_fn, l2_clip=1.0, noise_multiplier=z, strategy=strategy,
-          steps_per_epoch=STEPS_PER_EPOCH, key=key)
+          steps_per_epoch=STEPS_PER_EPOCH,
+          num_examples=STEPS_PER_EPOCH * BATCH_SIZE, key=key)
     kwargs = epochs
   elif name == 'dp_srg_memf':
     strategy = _strategy()
@@ -220,6 +221,7 @@ def _library_family(name):
           dpsco_jax.dp_srg_memf(loss_fn, l2_clip=1.0, noise_multiplier=z,
                                 strategy=strategy,
                                 steps_per_epoch=STEPS_PER_EPOCH, decay=0.5,
+                                num_examples=STEPS_PER_EPOCH * BATCH_SIZE,
                                 key=key),
           optax.sgd(0.1))
     kwargs = epochs
