@@ -17,18 +17,30 @@ Each returns a `ClippedStatistic`: call it to get a `ClippedSum`, ask it for
 `sensitivity(relation)` to get the l2 sensitivity the clipping guarantees. The
 accountant takes the sensitivity from here, never from a hand-copied constant.
 
+Two paths compute `clipped_grad_sum`: `'vmap'` forms every per-example
+gradient (any loss); `'ghost'` (`dpsco_jax.ghost`) gets the per-example norms
+from layer inputs and output gradients and never forms a per-example
+gradient, at about the cost of a non-private step. The default `'auto'`
+takes the ghost path when every parameter of the loss is used once by a
+dense layer, a bias add or an elementwise scale, and otherwise falls back to
+`'vmap'` with one `GhostClippingFallbackWarning` naming the reason. The two
+paths agree to float rounding, counters included, and have the same
+sensitivity; the guarantees below hold on both.
+
 Guarantees, whatever the data:
 
 * A contribution whose norm is not finite (a NaN or Inf anywhere, or a norm
   too large to represent: beyond about 1e19 clip norms in float32, e.g. a
   gradient entry of 1e30 with clip 1) is replaced by zero and counted in
   `num_nonfinite`. Zero is a valid clipped value, so the sensitivity bound
-  holds for every input.
+  holds for every input. (On the ghost path a row is also dropped when a
+  layer input's squared norm alone overflows, beyond about 1e19 in float32,
+  even if its gradient would be representable.)
 * Masked-out rows (`mask=False`, padding) contribute exactly zero, even if
   they hold NaNs.
 * Microbatching (`microbatch_size`) evaluates at most that many per-unit
-  contributions at once, bounding memory; results equal the unbatched ones up
-  to float summation order.
+  contributions (on the ghost path: examples) at once, bounding memory;
+  results equal the unbatched ones up to float summation order.
 """
 
 import dataclasses
@@ -387,7 +399,9 @@ class ClippedStatistic:
         raise ghost.GhostClippingUnsupported(
             f'the statistic takes (batch, params), got {len(args)} arguments '
             'after the batch')
-      return ghost.analyze(self.loss_fn, args[0], batch)
+      plan = ghost.analyze(self.loss_fn, args[0], batch)
+      self._trace_ghost_passes(plan, args[0], batch)
+      return plan
     except ghost.GhostClippingUnsupported as e:
       if self.method == 'ghost':
         raise ghost.GhostClippingUnsupported(
@@ -400,6 +414,25 @@ class ClippedStatistic:
             'per-example gradients (vmap) instead: same result, slower',
             GhostClippingFallbackWarning, stacklevel=3)
       return None
+
+  def _trace_ghost_passes(self, plan: ghost.GhostPlan, params: PyTree,
+                          batch: PyTree) -> None:
+    """Traces the ghost passes on one example without running them.
+
+    A loss the analysis accepts but the ghost passes cannot evaluate (an
+    operation the interpreter does not handle) then falls back like any
+    other unsupported loss instead of failing inside the step.
+
+    Raises:
+      ghost.GhostClippingUnsupported: naming the error.
+    """
+    try:
+      jax.eval_shape(lambda: _ghost_clip_and_sum_rows(
+          plan, params, jax.tree_util.tree_map(lambda x: x[:1], batch),
+          jnp.ones((1,), bool), self.l2_clip))
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      raise ghost.GhostClippingUnsupported(
+          f'the ghost passes failed to trace ({type(e).__name__}: {e})') from e
 
   def __call__(self, batch: PyTree, *args: Any,
                mask: Optional[jax.Array] = None) -> ClippedSum:

@@ -48,6 +48,7 @@ generic vector-Jacobian product and needs nothing new.
 """
 
 import dataclasses
+import itertools
 import math
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
@@ -173,7 +174,7 @@ def _inner_closed_jaxpr(eqn) -> Optional[Any]:
 def _flatten(closed: Any) -> _Program:
   """Numbers the variables of `closed` and inlines nested `jit` calls."""
   nodes: list[_Node] = []
-  counter = iter(range(1 << 62))
+  counter = itertools.count()
 
   def inline(jaxpr, consts: Sequence[_Atom], args: Sequence[_Atom]):
     env: dict[Any, _Atom] = dict(zip(jaxpr.constvars, consts))

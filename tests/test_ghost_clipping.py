@@ -464,3 +464,20 @@ def test_invalid_method_is_refused():
     clipping.clipped_grad_sum(loss_fn, CLIP, method='fast')
   with pytest.raises(ValueError, match='needs loss_fn'):
     clipping.ClippedStatistic(lambda unit: unit, CLIP, method='auto')
+
+
+def test_a_loss_the_ghost_passes_cannot_trace_falls_back(monkeypatch):
+  # A loss the analysis accepts but the ghost passes fail on (an operation
+  # the interpreter mishandles) must not break 'auto': it falls back.
+  def broken(*args, **kwargs):
+    raise NotImplementedError('no interpreter rule for this operation')
+
+  loss_fn, params, batch = _mlp()
+  monkeypatch.setattr(ghost, 'layer_values', broken)
+  stat = clipping.clipped_grad_sum(loss_fn, CLIP)
+  with pytest.warns(clipping.GhostClippingFallbackWarning,
+                    match='failed to trace.*no interpreter rule'):
+    out = stat(batch, params)
+  _assert_same(out, _run(loss_fn, params, batch, 'vmap'))
+  with pytest.raises(ghost.GhostClippingUnsupported, match='failed to trace'):
+    clipping.clipped_grad_sum(loss_fn, CLIP, method='ghost')(batch, params)
