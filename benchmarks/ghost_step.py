@@ -11,6 +11,10 @@ classes, softmax cross-entropy), for:
   gradient);
 * ``dpsgd``: ``optax.chain(dpsco_jax.dpsgd(...), optax.sgd(...))`` as a user
   writes it (its default ``method='auto'`` takes the ghost path here);
+* ``ghost clip only``: the ghost clipped sum divided by B, then
+  ``optax.sgd``, without noise or the in-step refusals: NOT private, it
+  isolates the cost of clipping from the fixed per-step cost of the noise
+  and of the refusals' host callback (``benchmarks/refusal_overhead.py``);
 * ``optax``: ``optax.contrib.dpsgd`` on ``jax.vmap``-ed per-example
   gradients.
 
@@ -32,6 +36,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 from typing import NamedTuple
 
 import jax
@@ -52,15 +57,19 @@ RATIOS = (
     ('ghost', 'non-private'),
     ('dpsgd', 'non-private'),
     ('optax', 'non-private'),
+    ('ghost clip only', 'non-private'),
     ('vmap', 'ghost'),
 )
 
 
 class Problem(NamedTuple):
-  """A model and the batch size it is timed with."""
+  """A model, the batch size it is timed with, and its steps per round."""
 
   model: dpsgd_step.Model
   batch_size: int
+  # Multiplies --iters: cheap steps are timed over more steps per round, so
+  # that timer and dispatch jitter stay small against them.
+  iters_scale: int
 
 
 def mlp_init(rng: np.random.Generator, widths: list[int]):
@@ -83,13 +92,14 @@ def make_problems(rng: np.random.Generator) -> list[Problem]:
   problems = [Problem(dpsgd_step.Model(
       f'logistic regression {INPUT_DIM}->{NUM_CLASSES}, B=500',
       dpsgd_step.dense_init(rng, INPUT_DIM, NUM_CLASSES),
-      dpsgd_step.logreg_apply), 500)]
-  for widths, batch_size in (([INPUT_DIM, 256, NUM_CLASSES], 500),
-                             ([INPUT_DIM, 1024, 1024, NUM_CLASSES], 256)):
+      dpsgd_step.logreg_apply), 500, 20)]
+  for widths, batch_size, iters_scale in (
+      ([INPUT_DIM, 256, NUM_CLASSES], 500, 4),
+      ([INPUT_DIM, 1024, 1024, NUM_CLASSES], 256, 1)):
     name = '-'.join(map(str, widths))
     problems.append(Problem(dpsgd_step.Model(
         f'MLP {name} (relu), B={batch_size}', mlp_init(rng, widths),
-        mlp_apply), batch_size))
+        mlp_apply), batch_size, iters_scale))
   return problems
 
 
@@ -126,6 +136,24 @@ def clipped_sum_variant(model: dpsgd_step.Model, method: str,
   return dpsgd_step.Variant(step, state)
 
 
+def clip_only_variant(model: dpsgd_step.Model,
+                      batch_size: int) -> dpsgd_step.Variant:
+  """The ghost clipped sum over B, then sgd: no noise (cost attribution)."""
+  statistic = dpsco_jax.clipped_grad_sum(
+      dpsgd_step.example_loss_fn(model.apply), dpsgd_step.L2_CLIP,
+      method='ghost')
+  sgd = optax.sgd(dpsgd_step.LEARNING_RATE)
+
+  @jax.jit
+  def step(params, state, batch):
+    grads = jax.tree_util.tree_map(lambda s: s / batch_size,
+                                   statistic(batch, params).sum)
+    updates, state = sgd.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  return dpsgd_step.Variant(step, sgd.init(model.params))
+
+
 def make_variants(problem: Problem) -> dict[str, dpsgd_step.Variant]:
   """Every variant of the module docstring, for `problem`."""
   model = problem.model
@@ -135,6 +163,7 @@ def make_variants(problem: Problem) -> dict[str, dpsgd_step.Variant]:
       'ghost': clipped_sum_variant(model, 'ghost', problem.batch_size),
       'dpsgd': dpsgd_step.ours_variant(model, dpsco_jax),
       'optax': dpsgd_step.optax_variant(model),
+      'ghost clip only': clip_only_variant(model, problem.batch_size),
   }
 
 
@@ -176,19 +205,23 @@ def print_header(args: argparse.Namespace) -> None:
         f'backend {jax.default_backend()}')
   print(f'clip {dpsgd_step.L2_CLIP}, noise multiplier '
         f'{dpsgd_step.NOISE_MULTIPLIER}, lr {dpsgd_step.LEARNING_RATE}; '
-        f'{args.rounds} rounds x {args.iters} iters, {args.warmup} warmup '
-        'steps after compile')
+        f'{args.rounds} rounds x (--iters {args.iters} x per-model scale) '
+        f'steps, {args.warmup} warmup steps after compile')
 
 
 def main(argv: list[str]) -> None:
   """Benchmarks every variant on each model."""
   args = parse_args(argv)
+  # The `dpsgd` column reuses `dpsgd_step`'s fixed noise key for every model
+  # on purpose: these runs only time steps, they release nothing.
+  warnings.filterwarnings('ignore', category=dpsco_jax.keys.KeyReuseWarning)
   print_header(args)
   rng = np.random.default_rng(dpsgd_step.DATA_SEED)
   for problem in make_problems(rng):
     batch = make_batch(rng, problem.batch_size)
     variants = make_variants(problem)
-    times = dpsgd_step.benchmark(problem.model, variants, batch, args.iters,
+    times = dpsgd_step.benchmark(problem.model, variants, batch,
+                                 args.iters * problem.iters_scale,
                                  args.warmup, args.rounds)
     dpsgd_step.print_results(problem.model, times, RATIOS)
     print(check_agreement(problem.model, batch))

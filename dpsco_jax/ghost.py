@@ -23,7 +23,7 @@ custom_vjp or scan that takes a parameter) makes `analyze` raise
 `GhostClippingUnsupported` with the reason, and the caller falls back to
 per-example gradients.
 
-How a batch is processed (`clip_and_sum` in `dpsco_jax.clipping`):
+How a batch is processed (`clipping.ClippedStatistic` composes the steps):
 
 1. One forward pass over all examples with a zero perturbation added to the
    output of every recognized layer, recording the layer's other inputs
@@ -45,6 +45,13 @@ under the primitive's name (convolution: unfold the input into patches, then
 the dense-over-positions identity; embedding: the token-equality Gram form).
 A rule only computes per-example squared norms; the clipped sum is the
 generic vector-Jacobian product and needs nothing new.
+
+Example:
+  >>> stat = dpsco_jax.clipped_grad_sum(loss_fn, l2_clip=1.0)  # 'auto'
+  >>> out = stat(batch, params)           # ghost path when the loss qualifies
+  >>> plan = analyze(loss_fn, params, batch)   # what was recognized
+  >>> [tap.rule for tap in plan.taps]
+  ['dot_general', 'add', 'dot_general', 'add']
 """
 
 import dataclasses
@@ -628,9 +635,12 @@ def weighted_grad_sum(plan: GhostPlan, params: PyTree, values: LayerValues,
     others = tuple(jnp.where(rowwise(o), o, jnp.zeros((), o.dtype))
                    for o in others)
     leaf = leaves[tap.leaf]
+    # `cotangent` rides along unused so that vmap always has a batched input
+    # (a rule for a one-operand operation has no other operands).
     _, vjp = jax.vjp(
-        lambda p, tap=tap, others=others: jax.vmap(
-            lambda o: _apply_tap(plan.program, tap, p, o))(others), leaf)
+        lambda p, tap=tap, others=others, c=cotangent: jax.vmap(
+            lambda o, _: _apply_tap(plan.program, tap, p, o))(others, c),
+        leaf)
     (grad,) = vjp(cotangent)
     sums[tap.leaf] = grad.astype(sums[tap.leaf].dtype)
   return jax.tree_util.tree_unflatten(plan.treedef, sums)
