@@ -4,6 +4,9 @@ The curated public API. Modules, one concern each:
 
 * `dpsco_jax.clipping`: clipped per-example / per-difference / per-user sums
   and the sensitivity they guarantee;
+* `dpsco_jax.ghost`: ghost-norm clipping, the per-example clipped gradient
+  sum without per-example gradients (the default path of `clipped_grad_sum`
+  when the loss qualifies);
 * `dpsco_jax.noise`: noise mechanisms (i.i.d. Gaussian, binary tree with
   residual or prefix release, Honaker, restarts, matrix factorization)
   behind one interface;
@@ -34,6 +37,7 @@ from dpsco_jax import batching
 from dpsco_jax import checkpoint
 from dpsco_jax import clipping
 from dpsco_jax import estimators
+from dpsco_jax import ghost
 from dpsco_jax import guards
 from dpsco_jax import keys
 from dpsco_jax import neighboring
@@ -81,6 +85,7 @@ from dpsco_jax.clipping import clipped_grad_sum
 from dpsco_jax.clipping import clipped_user_grad_sum
 from dpsco_jax.clipping import ClippedStatistic
 from dpsco_jax.clipping import ClippedSum
+from dpsco_jax.clipping import GhostClippingFallbackWarning
 from dpsco_jax.clipping import UserBatch
 from dpsco_jax.estimators import noisy_gradient
 from dpsco_jax.neighboring import NeighboringRelation
@@ -96,6 +101,7 @@ __all__ = (
     'checkpoint',
     'clipping',
     'estimators',
+    'ghost',
     'guards',
     'keys',
     'neighboring',
@@ -143,6 +149,7 @@ __all__ = (
     'clipped_user_grad_sum',
     'ClippedStatistic',
     'ClippedSum',
+    'GhostClippingFallbackWarning',
     'UserBatch',
     'noisy_gradient',
     'NeighboringRelation',

@@ -17,26 +17,40 @@ Each returns a `ClippedStatistic`: call it to get a `ClippedSum`, ask it for
 `sensitivity(relation)` to get the l2 sensitivity the clipping guarantees. The
 accountant takes the sensitivity from here, never from a hand-copied constant.
 
+Two paths compute `clipped_grad_sum`: `'vmap'` forms every per-example
+gradient (any loss); `'ghost'` (`dpsco_jax.ghost`) gets the per-example norms
+from layer inputs and output gradients and never forms a per-example
+gradient, at about the cost of a non-private step. The default `'auto'`
+takes the ghost path when every parameter of the loss is used once by a
+dense layer, a bias add or an elementwise scale, and otherwise falls back to
+`'vmap'` with one `GhostClippingFallbackWarning` naming the reason. The two
+paths agree to float rounding, counters included, and have the same
+sensitivity; the guarantees below hold on both.
+
 Guarantees, whatever the data:
 
 * A contribution whose norm is not finite (a NaN or Inf anywhere, or a norm
   too large to represent: beyond about 1e19 clip norms in float32, e.g. a
   gradient entry of 1e30 with clip 1) is replaced by zero and counted in
   `num_nonfinite`. Zero is a valid clipped value, so the sensitivity bound
-  holds for every input.
+  holds for every input. (On the ghost path a row is also dropped when a
+  layer input's squared norm alone overflows, beyond about 1e19 in float32,
+  even if its gradient would be representable.)
 * Masked-out rows (`mask=False`, padding) contribute exactly zero, even if
   they hold NaNs.
 * Microbatching (`microbatch_size`) evaluates at most that many per-unit
-  contributions at once, bounding memory; results equal the unbatched ones up
-  to float summation order.
+  contributions (on the ghost path: examples) at once, bounding memory;
+  results equal the unbatched ones up to float summation order.
 """
 
 import dataclasses
+import warnings
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 
+from dpsco_jax import ghost
 from dpsco_jax import neighboring
 
 PyTree = Any
@@ -153,16 +167,33 @@ def _squared_norms_in_clip_units(contributions: PyTree,
   return total
 
 
-def _clip_and_sum_rows(contributions: PyTree, mask: jax.Array,
-                       l2_clip: float) -> ClippedSum:
-  """Clips each row of `contributions` (leading axis) and sums the rows."""
-  squared = _squared_norms_in_clip_units(contributions, l2_clip)
+def _clip_factors(squared: jax.Array, mask: jax.Array):
+  """Clip factors and counters from per-row squared norms in clip units.
+
+  Returns:
+    `(used, factors, counters)`: the rows that contribute (unmasked, finite
+    norm), their factors `min(1, C / ||g||)` (0 elsewhere) and a partial
+    `ClippedSum` holding the counters.
+  """
   # NaN/Inf anywhere in a row makes its squared norm non-finite, and so does a
   # norm beyond ~1e19 clip norms in float32: such rows are dropped (zero),
   # which never exceeds the sensitivity.
   finite = jnp.isfinite(squared)
   used = mask & finite
   factors = jnp.where(used, jnp.minimum(1.0, jax.lax.rsqrt(squared)), 0.0)
+  counters = ClippedSum(
+      sum=None,
+      count=jnp.sum(mask, dtype=jnp.int32),
+      num_nonfinite=jnp.sum(mask & ~finite, dtype=jnp.int32),
+      num_clipped=jnp.sum(used & (squared > 1.0), dtype=jnp.int32))
+  return used, factors, counters
+
+
+def _clip_and_sum_rows(contributions: PyTree, mask: jax.Array,
+                       l2_clip: float) -> ClippedSum:
+  """Clips each row of `contributions` (leading axis) and sums the rows."""
+  squared = _squared_norms_in_clip_units(contributions, l2_clip)
+  used, factors, counters = _clip_factors(squared, mask)
 
   def weighted_sum(leaf):
     leaf = leaf.astype(_accumulation_dtype(leaf.dtype))
@@ -173,11 +204,71 @@ def _clip_and_sum_rows(contributions: PyTree, mask: jax.Array,
     kept = jnp.where(_row_shape(used, leaf.ndim), leaf, 0.0)
     return jnp.tensordot(factors.astype(leaf.dtype), kept, axes=1)
 
-  return ClippedSum(
-      sum=jax.tree_util.tree_map(weighted_sum, contributions),
-      count=jnp.sum(mask, dtype=jnp.int32),
-      num_nonfinite=jnp.sum(mask & ~finite, dtype=jnp.int32),
-      num_clipped=jnp.sum(used & (squared > 1.0), dtype=jnp.int32))
+  return counters._replace(
+      sum=jax.tree_util.tree_map(weighted_sum, contributions))
+
+
+def _ghost_clip_and_sum_rows(plan: ghost.GhostPlan, params: PyTree,
+                             rows: PyTree, mask: jax.Array,
+                             l2_clip: float) -> ClippedSum:
+  """`_clip_and_sum_rows` of per-example gradients, from ghost norms.
+
+  No per-example gradient is formed: norms come from layer inputs and output
+  gradients (`dpsco_jax.ghost`), and the clipped sum from the same values
+  re-weighted by the clip factors.
+  """
+  values = ghost.layer_values(plan, params, rows)
+  squared = ghost.squared_norms(plan, params, values, 1.0 / l2_clip,
+                                mask.shape[0])
+  used, factors, counters = _clip_factors(squared, mask)
+  return counters._replace(
+      sum=ghost.weighted_grad_sum(plan, params, values, factors, used))
+
+
+def _validated_mask(mask: Optional[jax.Array], size: int) -> jax.Array:
+  if mask is None:
+    return jnp.ones((size,), dtype=bool)
+  mask = jnp.asarray(mask)
+  if mask.shape != (size,):
+    raise ValueError(
+        f'mask must have shape ({size},) to match the batch, got {mask.shape}')
+  return mask.astype(bool)
+
+
+def _sum_in_blocks(
+    block: Callable[[PyTree, jax.Array], ClippedSum],
+    batch: PyTree,
+    mask: jax.Array,
+    microbatch_size: Optional[int],
+) -> ClippedSum:
+  """`block(batch, mask)`, or its sum over blocks of `microbatch_size` rows."""
+  size = mask.shape[0]
+  if microbatch_size is None or microbatch_size >= size:
+    return block(batch, mask)
+  if int(microbatch_size) != microbatch_size or microbatch_size < 1:
+    raise ValueError(
+        f'microbatch_size must be a positive integer, got {microbatch_size!r}')
+  num_blocks = -(-size // microbatch_size)
+  padding = num_blocks * microbatch_size - size
+
+  def to_blocks(x):
+    x = jnp.pad(x, [(0, padding)] + [(0, 0)] * (x.ndim - 1))
+    return x.reshape((num_blocks, microbatch_size) + x.shape[1:])
+
+  blocked_batch = jax.tree_util.tree_map(to_blocks, batch)
+  blocked_mask = to_blocks(mask)
+  first = jax.eval_shape(
+      block, jax.tree_util.tree_map(lambda x: x[0], blocked_batch),
+      blocked_mask[0])
+  zero = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), first)
+
+  def accumulate(carry, xs):
+    rows, rows_mask = xs
+    partial = block(rows, rows_mask)
+    return jax.tree_util.tree_map(jnp.add, carry, partial), None
+
+  total, _ = jax.lax.scan(accumulate, zero, (blocked_batch, blocked_mask))
+  return total
 
 
 def clipped_sum(
@@ -213,45 +304,24 @@ def clipped_sum(
   """
   l2_clip = validate_clip(l2_clip)
   size = batch_size_of(batch, min_ndim)
-  if mask is None:
-    mask = jnp.ones((size,), dtype=bool)
-  else:
-    mask = jnp.asarray(mask)
-    if mask.shape != (size,):
-      raise ValueError(
-          f'mask must have shape ({size},) to match the batch, got {mask.shape}')
-    mask = mask.astype(bool)
+  mask = _validated_mask(mask, size)
 
   def block(rows, rows_mask):
     contributions = jax.vmap(lambda unit: contribution_fn(unit, *args))(rows)
     return _clip_and_sum_rows(contributions, rows_mask, l2_clip)
 
-  if microbatch_size is None or microbatch_size >= size:
-    return block(batch, mask)
-  if int(microbatch_size) != microbatch_size or microbatch_size < 1:
-    raise ValueError(
-        f'microbatch_size must be a positive integer, got {microbatch_size!r}')
-  num_blocks = -(-size // microbatch_size)
-  padding = num_blocks * microbatch_size - size
+  return _sum_in_blocks(block, batch, mask, microbatch_size)
 
-  def to_blocks(x):
-    x = jnp.pad(x, [(0, padding)] + [(0, 0)] * (x.ndim - 1))
-    return x.reshape((num_blocks, microbatch_size) + x.shape[1:])
 
-  blocked_batch = jax.tree_util.tree_map(to_blocks, batch)
-  blocked_mask = to_blocks(mask)
-  first = jax.eval_shape(
-      block, jax.tree_util.tree_map(lambda x: x[0], blocked_batch),
-      blocked_mask[0])
-  zero = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), first)
+METHODS = ('auto', 'vmap', 'ghost')
 
-  def accumulate(carry, xs):
-    rows, rows_mask = xs
-    partial = block(rows, rows_mask)
-    return jax.tree_util.tree_map(jnp.add, carry, partial), None
 
-  total, _ = jax.lax.scan(accumulate, zero, (blocked_batch, blocked_mask))
-  return total
+class GhostClippingFallbackWarning(UserWarning):
+  """Ghost clipping does not apply to a loss; per-example gradients are used.
+
+  The result is the same, only slower and with more memory. Filter this
+  category to silence it.
+  """
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,12 +331,25 @@ class ClippedStatistic:
   Call it as `statistic(batch, *args, mask=None)`; `args` are forwarded to the
   contribution function (params, previous params, coefficients, ...).
 
+  Two ways compute the same statistic: `'vmap'` evaluates
+  `contribution_fn` on every unit (any contribution); `'ghost'` applies when
+  the contribution is `grad(loss_fn)(params, example)` and computes the
+  clipped sum from ghost norms (`dpsco_jax.ghost`) without per-example
+  gradients. `'auto'` takes the ghost path when the loss qualifies and falls
+  back to `'vmap'` otherwise, with one `GhostClippingFallbackWarning` naming
+  the reason. Both paths give the same `ClippedSum` up to float rounding
+  (the counters included) and the same sensitivity.
+
   Attributes:
     contribution_fn: `(unit, *args) -> pytree`, one unit's contribution.
     l2_clip: the clip norm on each unit's contribution.
-    microbatch_size: optional cap on contributions evaluated at once.
+    microbatch_size: optional cap on contributions evaluated at once (on the
+      ghost path: on examples per pass).
     unit: 'example' or 'user', the privacy unit (for messages and docs).
     min_ndim: fewest axes a batch leaf must have.
+    loss_fn: `loss_fn(params, example) -> scalar` when the contribution is
+      its gradient (`args == (params,)`); required unless `method='vmap'`.
+    method: 'vmap', 'ghost' or 'auto'.
   """
 
   contribution_fn: Callable[..., PyTree]
@@ -274,15 +357,101 @@ class ClippedStatistic:
   microbatch_size: Optional[int] = None
   unit: str = 'example'
   min_ndim: int = 1
+  loss_fn: Optional[Callable[[PyTree, PyTree], jax.Array]] = None
+  method: str = 'vmap'
+  # Fallback reasons already announced by this statistic (once each).
+  _announced: set = dataclasses.field(
+      default_factory=set, init=False, repr=False, compare=False, hash=False)
 
   def __post_init__(self):
     object.__setattr__(self, 'l2_clip', validate_clip(self.l2_clip))
+    if self.method not in METHODS:
+      raise ValueError(
+          f'method must be one of {METHODS}, got {self.method!r}')
+    if self.method != 'vmap' and self.loss_fn is None:
+      raise ValueError(
+          f'method={self.method!r} needs loss_fn (the contribution must be '
+          'the gradient of a per-example loss)')
+
+  def ghost_plan(self, batch: PyTree, *args: Any) -> Optional[ghost.GhostPlan]:
+    """The ghost-norm plan for this call signature, or None for `vmap`.
+
+    Example:
+      >>> stat = clipped_grad_sum(loss_fn, 1.0)
+      >>> stat.ghost_plan(batch, params) is not None   # ghost path taken
+
+    Args:
+      batch: the batch (leading example axis).
+      *args: the call's arguments (`(params,)`).
+
+    Returns:
+      The plan when the ghost path applies, else None (for `method='auto'`
+      after announcing the reason once; always None for `'vmap'`).
+
+    Raises:
+      ghost.GhostClippingUnsupported: for `method='ghost'` when the loss does
+        not qualify, with the reason.
+    """
+    if self.method == 'vmap':
+      return None
+    try:
+      if len(args) != 1:
+        raise ghost.GhostClippingUnsupported(
+            f'the statistic takes (batch, params), got {len(args)} arguments '
+            'after the batch')
+      plan = ghost.analyze(self.loss_fn, args[0], batch)
+      self._trace_ghost_passes(plan, args[0], batch)
+      return plan
+    except ghost.GhostClippingUnsupported as e:
+      if self.method == 'ghost':
+        raise ghost.GhostClippingUnsupported(
+            f"method='ghost' cannot apply: {e}") from e
+      reason = str(e)
+      if reason not in self._announced:
+        self._announced.add(reason)
+        warnings.warn(
+            f'ghost clipping does not apply ({reason}); the clipped sum uses '
+            'per-example gradients (vmap) instead: same result, slower',
+            GhostClippingFallbackWarning, stacklevel=3)
+      return None
+
+  def _trace_ghost_passes(self, plan: ghost.GhostPlan, params: PyTree,
+                          batch: PyTree) -> None:
+    """Traces the ghost passes on one example without running them.
+
+    A loss the analysis accepts but the ghost passes cannot evaluate (an
+    operation the interpreter does not handle) then falls back like any
+    other unsupported loss instead of failing inside the step.
+
+    Raises:
+      ghost.GhostClippingUnsupported: naming the error.
+    """
+    try:
+      jax.eval_shape(lambda: _ghost_clip_and_sum_rows(
+          plan, params, jax.tree_util.tree_map(lambda x: x[:1], batch),
+          jnp.ones((1,), bool), self.l2_clip))
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      raise ghost.GhostClippingUnsupported(
+          f'the ghost passes failed to trace ({type(e).__name__}: {e})') from e
 
   def __call__(self, batch: PyTree, *args: Any,
                mask: Optional[jax.Array] = None) -> ClippedSum:
-    return clipped_sum(
-        self.contribution_fn, batch, *args, l2_clip=self.l2_clip, mask=mask,
-        microbatch_size=self.microbatch_size, min_ndim=self.min_ndim)
+    if self.method == 'vmap':
+      return clipped_sum(
+          self.contribution_fn, batch, *args, l2_clip=self.l2_clip, mask=mask,
+          microbatch_size=self.microbatch_size, min_ndim=self.min_ndim)
+    size = batch_size_of(batch, self.min_ndim)
+    mask = _validated_mask(mask, size)
+    plan = self.ghost_plan(batch, *args)
+    if plan is None:
+      return clipped_sum(
+          self.contribution_fn, batch, *args, l2_clip=self.l2_clip, mask=mask,
+          microbatch_size=self.microbatch_size, min_ndim=self.min_ndim)
+    (params,) = args
+    return _sum_in_blocks(
+        lambda rows, rows_mask: _ghost_clip_and_sum_rows(
+            plan, params, rows, rows_mask, self.l2_clip),
+        batch, mask, self.microbatch_size)
 
   def sensitivity(
       self,
@@ -290,6 +459,9 @@ class ClippedStatistic:
           neighboring.NeighboringRelation.ADD_OR_REMOVE),
   ) -> float:
     """The l2 sensitivity of the clipped sum when one unit changes.
+
+    It is the same on every path: each unit's contribution is clipped to
+    `l2_clip` (or dropped) whichever way its norm was computed.
 
     Args:
       relation: the neighbouring relation (replace-one doubles it).
@@ -305,8 +477,18 @@ def clipped_grad_sum(
     l2_clip: float,
     *,
     microbatch_size: Optional[int] = None,
+    method: str = 'auto',
 ) -> ClippedStatistic:
   """Sum of per-example gradients, each clipped to global l2 norm `l2_clip`.
+
+  By default (`method='auto'`) the sum is computed with ghost norms when
+  every parameter of `loss_fn` is used once by a dense layer
+  (`dot_general`, with or without positions), a bias add or an elementwise
+  scale: about the cost of one non-private step instead of one gradient per
+  example (`dpsco_jax.ghost`). Other losses (tied weights, convolutions,
+  embeddings, scans, ...) use per-example gradients (`jax.vmap`), announced
+  once by a `GhostClippingFallbackWarning`. Both give the same sum up to
+  float rounding; DP-SGD, DP-FTRL and DP-MF use this default.
 
   Example:
     >>> stat = clipped_grad_sum(loss_fn, l2_clip=1.0)
@@ -316,15 +498,23 @@ def clipped_grad_sum(
   Args:
     loss_fn: `loss_fn(params, example) -> scalar` for ONE example.
     l2_clip: clip norm per example.
-    microbatch_size: optional cap on per-example gradients held at once.
+    microbatch_size: optional cap on examples processed at once.
+    method: 'auto' (default), 'ghost' (raise if the loss does not
+      qualify) or 'vmap' (always per-example gradients).
 
   Returns:
     A `ClippedStatistic` called as `stat(batch, params, mask=None)`.
+
+  Raises:
+    ValueError: for a bad clip norm or method.
+    ghost.GhostClippingUnsupported: when called, for `method='ghost'` and a
+      loss that does not qualify (the message says why).
   """
   grad_fn = jax.grad(loss_fn)
   return ClippedStatistic(
       contribution_fn=lambda example, params: grad_fn(params, example),
-      l2_clip=l2_clip, microbatch_size=microbatch_size)
+      l2_clip=l2_clip, microbatch_size=microbatch_size, loss_fn=loss_fn,
+      method=method)
 
 
 def clipped_grad_difference_sum(

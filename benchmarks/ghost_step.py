@@ -1,0 +1,231 @@
+"""Per-step wall time of DP-SGD with ghost-norm clipping against the others.
+
+Times one jitted training step, on synthetic data (784 float inputs, 10
+classes, softmax cross-entropy), for:
+
+* ``non-private``: ``jax.grad`` of the mean batch loss, then ``optax.sgd``;
+* ``vmap``: ``dpsco_jax.clipped_grad_sum(..., method='vmap')`` (per-example
+  gradients), the estimator's ``privatize_sum`` with DP-SGD's Gaussian
+  mechanism, then ``optax.sgd``;
+* ``ghost``: the same with ``method='ghost'`` (ghost norms, no per-example
+  gradient);
+* ``dpsgd``: ``optax.chain(dpsco_jax.dpsgd(...), optax.sgd(...))`` as a user
+  writes it (its default ``method='auto'`` takes the ghost path here);
+* ``ghost clip only``: the ghost clipped sum divided by B, then
+  ``optax.sgd``, without noise or the in-step refusals: NOT private, it
+  isolates the cost of clipping from the fixed per-step cost of the noise
+  and of the refusals' host callback (``benchmarks/refusal_overhead.py``);
+* ``optax``: ``optax.contrib.dpsgd`` on ``jax.vmap``-ed per-example
+  gradients.
+
+Models: logistic regression 784->10 (B=500), MLP 784-256-10 (B=500) and
+MLP 784-1024-1024-10 (B=256), ReLU. Before timing, the script checks that the
+ghost and vmap clipped sums agree on the batch.
+
+Variants are interleaved in rounds with a rotating order (machine-load drift
+hits all alike); the reported time is the median over rounds of the mean
+per-step time, and the ratios come from the same run.
+
+Usage (from the repository root)::
+
+    python benchmarks/ghost_step.py [--iters 3] [--warmup 1] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import dpsgd_step  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+import dpsco_jax  # pylint: disable=g-import-not-at-top,wrong-import-position
+from dpsco_jax import estimators  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+NUM_CLASSES = dpsgd_step.NUM_CLASSES
+INPUT_DIM = dpsgd_step.INPUT_DIM
+RATIOS = (
+    ('vmap', 'non-private'),
+    ('ghost', 'non-private'),
+    ('dpsgd', 'non-private'),
+    ('optax', 'non-private'),
+    ('ghost clip only', 'non-private'),
+    ('vmap', 'ghost'),
+)
+
+
+class Problem(NamedTuple):
+  """A model, the batch size it is timed with, and its steps per round."""
+
+  model: dpsgd_step.Model
+  batch_size: int
+  # Multiplies --iters: cheap steps are timed over more steps per round, so
+  # that timer and dispatch jitter stay small against them.
+  iters_scale: int
+
+
+def mlp_init(rng: np.random.Generator, widths: list[int]):
+  """Params of an MLP with the given layer widths: {"layer_k": {"w", "b"}}."""
+  return {f'layer_{k}': dpsgd_step.dense_init(rng, fan_in, fan_out)
+          for k, (fan_in, fan_out) in enumerate(zip(widths[:-1], widths[1:]))}
+
+
+def mlp_apply(params, x: jax.Array) -> jax.Array:
+  """Logits of a ReLU MLP built by `mlp_init`."""
+  for k in range(len(params)):
+    x = dpsgd_step.dense(params[f'layer_{k}'], x)
+    if k < len(params) - 1:
+      x = jax.nn.relu(x)
+  return x
+
+
+def make_problems(rng: np.random.Generator) -> list[Problem]:
+  """The benchmarked models and batch sizes."""
+  problems = [Problem(dpsgd_step.Model(
+      f'logistic regression {INPUT_DIM}->{NUM_CLASSES}, B=500',
+      dpsgd_step.dense_init(rng, INPUT_DIM, NUM_CLASSES),
+      dpsgd_step.logreg_apply), 500, 20)]
+  for widths, batch_size, iters_scale in (
+      ([INPUT_DIM, 256, NUM_CLASSES], 500, 4),
+      ([INPUT_DIM, 1024, 1024, NUM_CLASSES], 256, 1)):
+    name = '-'.join(map(str, widths))
+    problems.append(Problem(dpsgd_step.Model(
+        f'MLP {name} (relu), B={batch_size}', mlp_init(rng, widths),
+        mlp_apply), batch_size, iters_scale))
+  return problems
+
+
+def make_batch(rng: np.random.Generator, batch_size: int) -> dpsgd_step.Batch:
+  """A synthetic batch {"x": [B, 784] float32, "y": [B] int32}."""
+  return {
+      'x': jnp.asarray(rng.normal(size=(batch_size, INPUT_DIM)), jnp.float32),
+      'y': jnp.asarray(rng.integers(0, NUM_CLASSES, size=batch_size),
+                       jnp.int32),
+  }
+
+
+def clipped_sum_variant(model: dpsgd_step.Model, method: str,
+                        batch_size: int) -> dpsgd_step.Variant:
+  """DP-SGD from the library's parts, with the clipped sum's `method`."""
+  statistic = dpsco_jax.clipped_grad_sum(
+      dpsgd_step.example_loss_fn(model.apply), dpsgd_step.L2_CLIP,
+      method=method)
+  mechanism = dpsco_jax.dpsgd_mechanism(2**30)
+  stddev = dpsgd_step.NOISE_MULTIPLIER * statistic.sensitivity()
+  sgd = optax.sgd(dpsgd_step.LEARNING_RATE)
+
+  @jax.jit
+  def step(params, state, batch):
+    noise_state, sgd_state = state
+    clipped = statistic(batch, params)
+    grads, noise_state = estimators.privatize_sum(
+        clipped, noise_state, mechanism, stddev, normalize_by=batch_size)
+    updates, sgd_state = sgd.update(grads, sgd_state, params)
+    return optax.apply_updates(params, updates), (noise_state, sgd_state)
+
+  state = (mechanism.init(model.params, jax.random.key(0)),
+           sgd.init(model.params))
+  return dpsgd_step.Variant(step, state)
+
+
+def clip_only_variant(model: dpsgd_step.Model,
+                      batch_size: int) -> dpsgd_step.Variant:
+  """The ghost clipped sum over B, then sgd: no noise (cost attribution)."""
+  statistic = dpsco_jax.clipped_grad_sum(
+      dpsgd_step.example_loss_fn(model.apply), dpsgd_step.L2_CLIP,
+      method='ghost')
+  sgd = optax.sgd(dpsgd_step.LEARNING_RATE)
+
+  @jax.jit
+  def step(params, state, batch):
+    grads = jax.tree_util.tree_map(lambda s: s / batch_size,
+                                   statistic(batch, params).sum)
+    updates, state = sgd.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  return dpsgd_step.Variant(step, sgd.init(model.params))
+
+
+def make_variants(problem: Problem) -> dict[str, dpsgd_step.Variant]:
+  """Every variant of the module docstring, for `problem`."""
+  model = problem.model
+  return {
+      'non-private': dpsgd_step.non_private_variant(model),
+      'vmap': clipped_sum_variant(model, 'vmap', problem.batch_size),
+      'ghost': clipped_sum_variant(model, 'ghost', problem.batch_size),
+      'dpsgd': dpsgd_step.ours_variant(model, dpsco_jax),
+      'optax': dpsgd_step.optax_variant(model),
+      'ghost clip only': clip_only_variant(model, problem.batch_size),
+  }
+
+
+def check_agreement(model: dpsgd_step.Model, batch: dpsgd_step.Batch) -> str:
+  """The largest relative difference between ghost and vmap clipped sums."""
+  loss = dpsgd_step.example_loss_fn(model.apply)
+  sums = [jax.jit(dpsco_jax.clipped_grad_sum(
+      loss, dpsgd_step.L2_CLIP, method=method))(batch, model.params)
+          for method in ('ghost', 'vmap')]
+  ghost, vmap = (np.concatenate([np.ravel(leaf) for leaf in
+                                 jax.tree_util.tree_leaves(s.sum)])
+                 for s in sums)
+  counters = [(int(s.num_clipped), int(s.num_nonfinite)) for s in sums]
+  difference = np.max(np.abs(ghost - vmap)) / np.max(np.abs(vmap))
+  return (f'  ghost vs vmap clipped sum: max |diff| / max |sum| = '
+          f'{difference:.1e}; (clipped, nonfinite) {counters[0]} vs '
+          f'{counters[1]}')
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+  """Parses command-line flags."""
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--iters', type=int, default=3,
+                      help='timed steps per variant per round')
+  parser.add_argument('--warmup', type=int, default=1,
+                      help='untimed steps per variant after compilation')
+  parser.add_argument('--rounds', type=int, default=5,
+                      help='interleaved timing rounds')
+  args = parser.parse_args(argv)
+  if min(args.iters, args.rounds) < 1 or args.warmup < 0:
+    parser.error('--iters and --rounds must be >= 1, --warmup >= 0')
+  return args
+
+
+def print_header(args: argparse.Namespace) -> None:
+  """Prints versions, devices and settings."""
+  print(f'jax {jax.__version__}, optax {optax.__version__}, '
+        f'dpsco_jax {dpsco_jax.__version__}, {os.cpu_count()} CPU cores, '
+        f'backend {jax.default_backend()}')
+  print(f'clip {dpsgd_step.L2_CLIP}, noise multiplier '
+        f'{dpsgd_step.NOISE_MULTIPLIER}, lr {dpsgd_step.LEARNING_RATE}; '
+        f'{args.rounds} rounds x (--iters {args.iters} x per-model scale) '
+        f'steps, {args.warmup} warmup steps after compile')
+
+
+def main(argv: list[str]) -> None:
+  """Benchmarks every variant on each model."""
+  args = parse_args(argv)
+  # The `dpsgd` column reuses `dpsgd_step`'s fixed noise key for every model
+  # on purpose: these runs only time steps, they release nothing.
+  warnings.filterwarnings('ignore', category=dpsco_jax.keys.KeyReuseWarning)
+  print_header(args)
+  rng = np.random.default_rng(dpsgd_step.DATA_SEED)
+  for problem in make_problems(rng):
+    batch = make_batch(rng, problem.batch_size)
+    variants = make_variants(problem)
+    times = dpsgd_step.benchmark(problem.model, variants, batch,
+                                 args.iters * problem.iters_scale,
+                                 args.warmup, args.rounds)
+    dpsgd_step.print_results(problem.model, times, RATIOS)
+    print(check_agreement(problem.model, batch))
+
+
+if __name__ == '__main__':
+  main(sys.argv[1:])

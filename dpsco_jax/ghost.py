@@ -1,0 +1,646 @@
+"""Ghost-norm clipping: per-example gradient norms without per-example gradients.
+
+A clipped gradient sum `sum_i min(1, C / ||g_i||) g_i` needs each example's
+gradient NORM, not the gradient itself. For the layers that hold most
+parameters the norm follows from two quantities an ordinary backward pass
+already has: the layer's input `a_i` and the gradient of the loss at the
+layer's output `g_i` (notes/fast-clipping.md):
+
+* dense layer, no sequence axis: `||a_i g_i^T||_F^2 = ||a_i||^2 ||g_i||^2`;
+* dense layer over positions p: `sum_{p,q} (a_ip . a_iq)(g_ip . g_iq)` (the
+  Gram form) when that is cheaper than materializing the `d_in x d_out`
+  per-example gradient, else the per-example gradient of that layer alone;
+* bias add and elementwise scale: the per-example gradient of that
+  parameter (small) is materialized.
+
+The layers are found by tracing `loss_fn(params, example)` to a jaxpr, so a
+plain JAX function and a flax model (whose `apply` traces to operations on the
+params pytree) are handled alike. Each params leaf, after structural
+operations (reshape, transpose, dtype conversion, broadcast), must be consumed
+by exactly ONE operation that has a layer rule below; anything else (a leaf
+used twice, as tied weights are; a convolution; an embedding gather; a
+custom_vjp or scan that takes a parameter) makes `analyze` raise
+`GhostClippingUnsupported` with the reason, and the caller falls back to
+per-example gradients.
+
+How a batch is processed (`clipping.ClippedStatistic` composes the steps):
+
+1. One forward pass over all examples with a zero perturbation added to the
+   output of every recognized layer, recording the layer's other inputs
+   (`a_i`); one backward pass of the summed losses with respect to the
+   perturbations gives every `g_i` at once (no parameter gradient).
+2. The per-example squared norms from the identities, summed over layers
+   (global clipping), give the clip factors `w_i`.
+3. The clipped sum is assembled from the same `a_i` and `g_i`: each layer's
+   parameter gradient is the layer's vector-Jacobian product at the
+   cotangents `w_i g_i`, summed over examples (one matrix product per dense
+   layer, as in a non-private backward pass). This equals the backward pass
+   of `sum_i w_i loss_i` with the weights held constant, without a second
+   forward pass. Rows dropped by the mask or for a non-finite norm are
+   removed with `where` from both `a_i` and `g_i` (a zero weight would not
+   do: `0 * NaN` is NaN).
+
+Adding a layer type is one rule: a `LayerRule` registered in `LAYER_RULES`
+under the primitive's name (convolution: unfold the input into patches, then
+the dense-over-positions identity; embedding: the token-equality Gram form).
+A rule only computes per-example squared norms; the clipped sum is the
+generic vector-Jacobian product and needs nothing new.
+
+Example:
+  >>> stat = dpsco_jax.clipped_grad_sum(loss_fn, l2_clip=1.0)  # 'auto'
+  >>> out = stat(batch, params)           # ghost path when the loss qualifies
+  >>> plan = analyze(loss_fn, params, batch)   # what was recognized
+  >>> [tap.rule for tap in plan.taps]
+  ['dot_general', 'add', 'dot_general', 'add']
+"""
+
+import dataclasses
+import itertools
+import math
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
+
+import jax
+import jax.extend.core as jex
+import jax.numpy as jnp
+
+PyTree = Any
+
+# Call primitives whose body is inlined, so that a parameter passed into a
+# nested `jax.jit` (jnp functions are often jitted) is followed inside it.
+_INLINED_CALLS = ('jit', 'pjit', 'closed_call', 'core_call')
+# Single-operand operations that move, reshape or recast a parameter without
+# mixing it with anything else; a chain of them links a leaf to its use.
+_STRUCTURAL = ('reshape', 'transpose', 'convert_element_type', 'copy',
+               'copy_p', 'squeeze', 'broadcast_in_dim', 'expand_dims')
+
+
+class GhostClippingUnsupported(ValueError):
+  """Raised when a loss has a parameter use that ghost norms cannot handle."""
+
+
+class _Const(NamedTuple):
+  """A constant operand of a flattened program (a literal or a captured const)."""
+
+  value: Any
+
+
+_Atom = Union[int, _Const]
+
+
+class _Node(NamedTuple):
+  """One primitive application of a flattened program."""
+
+  eqn: Any  # the jaxpr equation: primitive, params, context
+  invars: tuple[_Atom, ...]
+  outvars: tuple[int, ...]
+
+
+class _Program(NamedTuple):
+  """A jaxpr with every nested `jit` inlined and variables numbered."""
+
+  invars: tuple[int, ...]
+  nodes: tuple[_Node, ...]
+  outvar: _Atom
+
+
+@dataclasses.dataclass(frozen=True)
+class Tap:
+  """One parameter use that a layer rule handles.
+
+  Attributes:
+    leaf: index of the params leaf (in `jax.tree_util.tree_leaves` order).
+    chain: the structural operations from the leaf to the operand.
+    node: index of the consuming operation in the program.
+    position: which operand of that operation is the parameter.
+    rule: the layer rule's name (the primitive's name).
+  """
+
+  leaf: int
+  chain: tuple[_Node, ...]
+  node: int
+  position: int
+  rule: str
+
+
+class LayerRule(NamedTuple):
+  """How ghost norms treat one primitive that consumes a parameter.
+
+  Attributes:
+    check: `check(tap, program) -> None or reason`; a reason makes the whole
+      loss unsupported.
+    squared_norms: `squared_norms(tap, program, leaf, others, g) -> [B]`, the
+      per-example squared norms of the leaf's gradient, given the leaf's
+      value, the operation's other operands for every example (`others`,
+      each with a leading example axis) and the gradient at its output `g`
+      (`[B, *out_shape]`, already divided by the clip norm), in float32 or
+      wider.
+  """
+
+  check: Callable[[Tap, _Program], Optional[str]]
+  squared_norms: Callable[..., jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class GhostPlan:
+  """The recognized layers of one loss at one params/example signature.
+
+  Attributes:
+    program: the flattened per-example loss.
+    taps: one entry per used params leaf, in program order.
+    num_leaves: number of params leaves.
+    treedef: the params tree structure.
+  """
+
+  program: _Program
+  taps: tuple[Tap, ...]
+  num_leaves: int
+  treedef: Any
+
+
+def _bind(eqn, invals: Sequence[Any]) -> list[Any]:
+  """Applies a jaxpr equation's primitive to `invals`."""
+  params = eqn.primitive.get_bind_params(eqn.params)
+  subfuns = ()
+  if isinstance(params, tuple):  # older jax: (subfuns, params)
+    subfuns, params = params
+  with eqn.ctx.manager:
+    out = eqn.primitive.bind(*subfuns, *invals, **params)
+  return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _inner_closed_jaxpr(eqn) -> Optional[Any]:
+  if eqn.primitive.name not in _INLINED_CALLS:
+    return None
+  for name in ('jaxpr', 'call_jaxpr'):
+    inner = eqn.params.get(name)
+    if isinstance(inner, jex.ClosedJaxpr):
+      return inner
+  return None
+
+
+def _flatten(closed: Any) -> _Program:
+  """Numbers the variables of `closed` and inlines nested `jit` calls."""
+  nodes: list[_Node] = []
+  counter = itertools.count()
+
+  def inline(jaxpr, consts: Sequence[_Atom], args: Sequence[_Atom]):
+    env: dict[Any, _Atom] = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+
+    def read(v) -> _Atom:
+      return _Const(v.val) if isinstance(v, jex.Literal) else env[v]
+
+    for eqn in jaxpr.eqns:
+      ins = tuple(read(v) for v in eqn.invars)
+      inner = _inner_closed_jaxpr(eqn)
+      if inner is not None:
+        outs = inline(inner.jaxpr, [_Const(c) for c in inner.consts], ins)
+      else:
+        outs = tuple(next(counter) for _ in eqn.outvars)
+        nodes.append(_Node(eqn, ins, outs))
+      for v, atom in zip(eqn.outvars, outs):
+        if not isinstance(v, jex.DropVar):
+          env[v] = atom
+    return tuple(read(v) for v in jaxpr.outvars)
+
+  invars = tuple(next(counter) for _ in closed.jaxpr.invars)
+  (outvar,) = inline(closed.jaxpr, [_Const(c) for c in closed.consts], invars)
+  return _Program(invars, tuple(nodes), outvar)
+
+
+def _size(shape: Sequence[int]) -> int:
+  return math.prod(shape)
+
+
+def _aval(node: _Node, index: int = 0):
+  return node.eqn.outvars[index].aval
+
+
+def _norm_preserving(chain: Sequence[_Node]) -> bool:
+  """Whether the chain only permutes entries (so gradient norms carry over)."""
+  for node in chain:
+    in_aval = node.eqn.invars[0].aval
+    if _size(in_aval.shape) != _size(_aval(node).shape):
+      return False
+  return True
+
+
+# ----------------------------------------------------------------------------
+# Layer rules.
+
+
+def _apply_tap(program: _Program, tap: Tap, leaf: jax.Array,
+               others: Sequence[Any]) -> jax.Array:
+  """The tapped operation as a function of the leaf, other operands fixed."""
+  value = leaf
+  for node in tap.chain:
+    (value,) = _bind(node.eqn, [value])
+  operands = list(others)
+  operands.insert(tap.position, value)
+  return _bind(program.nodes[tap.node].eqn, operands)[0]
+
+
+def _sum_squares(x: jax.Array) -> jax.Array:
+  x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+  return jnp.sum(jnp.square(x), axis=tuple(range(1, x.ndim)))
+
+
+def _materialized_squared_norms(tap: Tap, program: _Program, leaf: jax.Array,
+                                others: Sequence[jax.Array],
+                                g: jax.Array) -> jax.Array:
+  """Squared norms of per-example gradients of ONE leaf, materialized.
+
+  The gradient of the leaf through its single use is the vector-Jacobian
+  product of that use at the output gradient; vmapped over examples it is
+  the per-example gradient of this leaf only (cheap for biases and scales).
+  """
+
+  def one(others_i, g_i):
+    _, vjp = jax.vjp(lambda p: _apply_tap(program, tap, p, others_i), leaf)
+    return vjp(g_i.astype(_aval(program.nodes[tap.node]).dtype))[0]
+
+  return _sum_squares(jax.vmap(one)(tuple(others), g))
+
+
+def _no_check(tap: Tap, program: _Program) -> Optional[str]:
+  del tap, program
+  return None
+
+
+def _dense_layout(tap: Tap, program: _Program):
+  """Axes of a `dot_general` seen from its (non-parameter) activation.
+
+  Returns:
+    `(a_perm, g_perm, num_batch, num_free_a)`: the permutations that bring
+    the activation to `[batch, free_a, contract]` and the output to
+    `[batch, free_a, free_param]` (per example, no leading axis), and the
+    numbers of batch and activation-free axes.
+  """
+  eqn = program.nodes[tap.node].eqn
+  (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = (
+      eqn.params['dimension_numbers'])
+  activation = 1 - tap.position
+  contract, batch = ((lhs_contract, lhs_batch) if activation == 0 else
+                     (rhs_contract, rhs_batch))
+  a_ndim = eqn.invars[activation].aval.ndim
+  free = [d for d in range(a_ndim) if d not in contract and d not in batch]
+  a_perm = (*batch, *free, *contract)
+  out_ndim = _aval(program.nodes[tap.node]).ndim
+  num_batch, num_free_a = len(batch), len(free)
+  num_free_p = out_ndim - num_batch - num_free_a
+  # The output is [batch, lhs free, rhs free].
+  if activation == 0:
+    g_perm = tuple(range(out_ndim))
+  else:
+    g_perm = (*range(num_batch), *range(num_batch + num_free_p, out_ndim),
+              *range(num_batch, num_batch + num_free_p))
+  return a_perm, g_perm, num_batch, num_free_a
+
+
+def _dense_squared_norms(tap: Tap, program: _Program, leaf: jax.Array,
+                         others: Sequence[jax.Array],
+                         g: jax.Array) -> jax.Array:
+  """Per-example squared norms of a dense (`dot_general`) weight's gradient.
+
+  With the activation as `A: [batch, P, C]` (P positions: the activation's
+  free axes) and the output gradient as `G: [batch, P, F]`, the weight's
+  per-example gradient is `sum_batch A^T G`; its squared norm is
+  `sum_{p,q} (a_p . a_q)(g_p . g_q)` (Gram form, O(P^2 (C + F))) or the
+  squared entries of `A^T G` (O(P C F)), whichever the shapes make cheaper.
+  """
+  if not _norm_preserving(tap.chain):
+    return _materialized_squared_norms(tap, program, leaf, others, g)
+  (a,) = others
+  a_perm, g_perm, num_batch, num_free_a = _dense_layout(tap, program)
+  acc = jnp.promote_types(jnp.promote_types(a.dtype, g.dtype), jnp.float32)
+  a = jnp.transpose(a.astype(acc), (0, *(1 + d for d in a_perm)))
+  g = jnp.transpose(g.astype(acc), (0, *(1 + d for d in g_perm)))
+  rows = a.shape[0]
+  batch = _size(a.shape[1:1 + num_batch])
+  positions = _size(a.shape[1 + num_batch:1 + num_batch + num_free_a])
+  contract = _size(a.shape[1 + num_batch + num_free_a:])
+  features = _size(g.shape[1 + num_batch + num_free_a:])
+  a = a.reshape(rows, batch, positions, contract)
+  g = g.reshape(rows, batch, positions, features)
+  if positions == 1:
+    return jnp.sum(jnp.sum(jnp.square(a), axis=(2, 3)) *
+                   jnp.sum(jnp.square(g), axis=(2, 3)), axis=1)
+  if positions * (contract + features) <= contract * features:
+    gram_a = jnp.einsum('nbpc,nbqc->nbpq', a, a)
+    gram_g = jnp.einsum('nbpf,nbqf->nbpq', g, g)
+    return jnp.sum(gram_a * gram_g, axis=(1, 2, 3))
+  per_example = jnp.einsum('nbpc,nbpf->nbcf', a, g)
+  return jnp.sum(jnp.square(per_example), axis=(1, 2, 3))
+
+
+def dense_uses_gram(tap: Tap, plan: GhostPlan) -> Optional[bool]:
+  """Whether a dense tap's norms use the Gram form (None: not dense/identity).
+
+  Args:
+    tap: a tap of `plan`.
+    plan: the plan.
+
+  Returns:
+    True for the Gram form, False for the per-example `d_in x d_out`
+    materialization, None when the tap is not a norm-preserving dense use
+    with positions (a plain dense layer, a bias, a scale).
+  """
+  if tap.rule != 'dot_general' or not _norm_preserving(tap.chain):
+    return None
+  eqn = plan.program.nodes[tap.node].eqn
+  a_perm, g_perm, num_batch, num_free_a = _dense_layout(tap, plan.program)
+  a_shape = [eqn.invars[1 - tap.position].aval.shape[d] for d in a_perm]
+  g_shape = [_aval(plan.program.nodes[tap.node]).shape[d] for d in g_perm]
+  positions = _size(a_shape[num_batch:num_batch + num_free_a])
+  if positions == 1:
+    return None
+  contract = _size(a_shape[num_batch + num_free_a:])
+  features = _size(g_shape[num_batch + num_free_a:])
+  return positions * (contract + features) <= contract * features
+
+
+# One rule per primitive name. `dot_general` covers dense layers (with or
+# without positions, any dimension numbers); `add`/`sub` cover biases and
+# `mul` elementwise scales (e.g. a norm layer's scale), whose per-example
+# gradients are small enough to materialize.
+LAYER_RULES: dict[str, LayerRule] = {
+    'dot_general': LayerRule(_no_check, _dense_squared_norms),
+    'add': LayerRule(_no_check, _materialized_squared_norms),
+    'sub': LayerRule(_no_check, _materialized_squared_norms),
+    'mul': LayerRule(_no_check, _materialized_squared_norms),
+}
+
+
+# ----------------------------------------------------------------------------
+# Analysis.
+
+
+def _varying_axes(aval: Any) -> tuple[str, ...]:
+  """The `shard_map` axes along which a value varies (empty outside one)."""
+  axis_type = getattr(aval, 'manual_axis_type', None)
+  axes = getattr(axis_type, 'varying', None)
+  if axes is None:
+    axes = getattr(aval, 'vma', ())
+  return tuple(sorted(axes))
+
+
+def _leaf_names(params: PyTree) -> list[str]:
+  paths, _ = jax.tree_util.tree_flatten_with_path(params)
+  return [jax.tree_util.keystr(path) or '<root>' for path, _ in paths]
+
+
+def analyze(loss_fn: Callable[[PyTree, PyTree], jax.Array], params: PyTree,
+            rows: PyTree) -> GhostPlan:
+  """Finds the layers of `loss_fn` at the signature of `params` and `rows`.
+
+  Example:
+    >>> plan = analyze(loss_fn, params, batch)   # batch: leading example axis
+    >>> [tap.rule for tap in plan.taps]
+    ['dot_general', 'add']
+
+  Args:
+    loss_fn: `loss_fn(params, example) -> scalar` for ONE example.
+    params: the params (arrays or tracers; only shapes and dtypes are used).
+    rows: a batch with a leading example axis (only shapes and dtypes).
+
+  Returns:
+    A `GhostPlan`.
+
+  Raises:
+    GhostClippingUnsupported: with the reason, naming the operation and the
+      params leaf, when some parameter use has no layer rule, a parameter is
+      used more than once, or the loss is not a real scalar.
+  """
+  leaves, treedef = jax.tree_util.tree_flatten(params)
+  names = _leaf_names(params)
+  for name, leaf in zip(names, leaves):
+    if not jnp.issubdtype(jax.typeof(leaf).dtype, jnp.floating):
+      raise GhostClippingUnsupported(
+          f'params leaf {name} has dtype {jax.typeof(leaf).dtype}, not a '
+          'floating type')
+  # Trace with the values themselves (only their types are used): under
+  # `shard_map` the types say which values vary across devices, and the
+  # jaxpr then holds the casts that mixing them needs.
+  closed = jax.make_jaxpr(loss_fn)(
+      params, jax.tree_util.tree_map(lambda x: x[0], rows))
+  out_avals = closed.out_avals
+  if (len(out_avals) != 1 or out_avals[0].shape != () or
+      not jnp.issubdtype(out_avals[0].dtype, jnp.floating)):
+    raise GhostClippingUnsupported(
+        'loss_fn must return one real scalar per example, got '
+        f'{[str(a) for a in out_avals]}')
+  program = _flatten(closed)
+  taps = _find_taps(program, names)
+  return GhostPlan(program, taps, len(leaves), treedef)
+
+
+def _find_taps(program: _Program, names: Sequence[str]) -> tuple[Tap, ...]:
+  """Follows each params leaf to its one use and checks it has a rule."""
+  consumers: dict[int, list[tuple[int, int]]] = {}
+  for index, node in enumerate(program.nodes):
+    for position, atom in enumerate(node.invars):
+      if not isinstance(atom, _Const):
+        consumers.setdefault(atom, []).append((index, position))
+  # var id -> leaf index, for every value that is a leaf or a structural
+  # image of one (so a use mixing two parameters is recognized).
+  origin = {var: leaf for leaf, var in enumerate(program.invars[:len(names)])}
+  for node in program.nodes:
+    if (node.eqn.primitive.name in _STRUCTURAL and len(node.invars) == 1 and
+        node.invars[0] in origin):
+      origin[node.outvars[0]] = origin[node.invars[0]]
+
+  taps = []
+  for leaf, name in enumerate(names):
+    var, chain = program.invars[leaf], []
+    while True:
+      if var == program.outvar:
+        raise GhostClippingUnsupported(
+            f'params leaf {name} is part of the loss value itself')
+      uses = consumers.get(var, [])
+      if not uses:
+        break  # unused: its gradient is zero
+      if len(uses) > 1:
+        ops = sorted({program.nodes[i].eqn.primitive.name for i, _ in uses})
+        raise GhostClippingUnsupported(
+            f'params leaf {name} is used {len(uses)} times (by {ops}; e.g. '
+            'tied weights): ghost norms need each parameter used once')
+      index, position = uses[0]
+      node = program.nodes[index]
+      prim = node.eqn.primitive.name
+      if prim in _STRUCTURAL and len(node.invars) == 1:
+        chain.append(node)
+        var = node.outvars[0]
+        continue
+      rule = LAYER_RULES.get(prim)
+      if rule is None:
+        raise GhostClippingUnsupported(
+            f'params leaf {name} is used by `{prim}`, which has no ghost-norm '
+            'layer rule')
+      if len(node.outvars) != 1:
+        raise GhostClippingUnsupported(
+            f'params leaf {name} is used by `{prim}` with several outputs')
+      for other, atom in enumerate(node.invars):
+        if other != position and not isinstance(atom, _Const) and (
+            atom in origin):
+          raise GhostClippingUnsupported(
+              f'params leaf {name} meets params leaf {names[origin[atom]]} in '
+              f'one `{prim}`: ghost norms need a parameter and an activation')
+      tap = Tap(leaf, tuple(chain), index, position, prim)
+      reason = rule.check(tap, program)
+      if reason is not None:
+        raise GhostClippingUnsupported(
+            f'params leaf {name} used by `{prim}`: {reason}')
+      taps.append(tap)
+      break
+  return tuple(sorted(taps, key=lambda t: t.node))
+
+
+# ----------------------------------------------------------------------------
+# Evaluation.
+
+
+class LayerValues(NamedTuple):
+  """What the first pass records for every tap, with a leading example axis.
+
+  Attributes:
+    others: per tap, the tapped operation's other operands.
+    grads: per tap, the gradient of the example's loss at the operation's
+      output.
+  """
+
+  others: tuple[tuple[jax.Array, ...], ...]
+  grads: tuple[jax.Array, ...]
+
+
+def _run(program: _Program, taps: Sequence[Tap], leaves: Sequence[Any],
+         example: Sequence[Any], perturbations: Sequence[Any]):
+  """Evaluates the loss on one example, perturbing and recording the taps."""
+  env: dict[int, Any] = dict(zip(program.invars, (*leaves, *example)))
+  by_node = {tap.node: k for k, tap in enumerate(taps)}
+  recorded: list[Any] = [None] * len(taps)
+
+  def read(atom: _Atom) -> Any:
+    return atom.value if isinstance(atom, _Const) else env[atom]
+
+  for index, node in enumerate(program.nodes):
+    invals = [read(atom) for atom in node.invars]
+    outvals = _bind(node.eqn, invals)
+    k = by_node.get(index)
+    if k is not None:
+      position = taps[k].position
+      recorded[k] = tuple(v for i, v in enumerate(invals) if i != position)
+      outvals = [outvals[0] + perturbations[k]]
+    env.update(zip(node.outvars, outvals))
+  return read(program.outvar), tuple(recorded)
+
+
+def _zeros_like_output(node: _Node, size: int) -> jax.Array:
+  """Zero perturbations, one per example, typed like the node's output."""
+  aval = _aval(node)
+  zeros = jnp.zeros((size, *aval.shape), aval.dtype)
+  axes = _varying_axes(aval)
+  # Under `shard_map` a gradient with respect to a device-invariant value is
+  # summed over devices: the perturbations must vary like the output, so
+  # that each device keeps its own examples' output gradients.
+  return jax.lax.pcast(zeros, axes, to='varying') if axes else zeros
+
+
+def layer_values(plan: GhostPlan, params: PyTree,
+                 rows: PyTree) -> LayerValues:
+  """The first pass: every tap's operands and output gradients, all examples.
+
+  Args:
+    plan: from `analyze` on the same signature.
+    params: the params.
+    rows: the examples, with a leading axis.
+
+  Returns:
+    `LayerValues` (rows with NaN inputs hold NaN values; the caller drops
+    them).
+  """
+  leaves = jax.tree_util.tree_leaves(params)
+  example_leaves = jax.tree_util.tree_leaves(rows)
+  size = example_leaves[0].shape[0]
+  zeros = [_zeros_like_output(plan.program.nodes[t.node], size)
+           for t in plan.taps]
+
+  def total_loss(perturbations):
+    losses, recorded = jax.vmap(
+        lambda ex, z: _run(plan.program, plan.taps, leaves, ex, z))(
+            example_leaves, perturbations)
+    # d(sum)/d(loss_i) = 1 whatever the other losses are, NaN included.
+    return jnp.sum(losses), recorded
+
+  grads, recorded = jax.grad(total_loss, has_aux=True)(zeros)
+  return LayerValues(tuple(recorded), tuple(grads))
+
+
+def squared_norms(plan: GhostPlan, params: PyTree, values: LayerValues,
+                  scale: Any, size: int) -> jax.Array:
+  """Per-example squared global gradient norms, times `scale**2`.
+
+  Args:
+    plan: the plan.
+    params: the params.
+    values: from `layer_values`.
+    scale: multiplies every gradient first (`1 / l2_clip`: norms in clip
+      units stay far from float overflow).
+    size: the number of examples.
+
+  Returns:
+    `[size]` float32 (or wider) squared norms, summed over layers; NaN or
+    Inf for a row whose gradient is not finite.
+  """
+  leaves = jax.tree_util.tree_leaves(params)
+  total = jnp.zeros((size,), jnp.float32)
+  for tap, others, g in zip(plan.taps, values.others, values.grads):
+    g = g.astype(jnp.promote_types(g.dtype, jnp.float32)) * scale
+    rule = LAYER_RULES[tap.rule]
+    total = total + rule.squared_norms(tap, plan.program, leaves[tap.leaf],
+                                       others, g)
+  return total
+
+
+def weighted_grad_sum(plan: GhostPlan, params: PyTree, values: LayerValues,
+                      weights: jax.Array, keep: jax.Array) -> PyTree:
+  """`sum_i weights_i grad loss_i` over the rows where `keep` is True.
+
+  Each leaf's sum is the vector-Jacobian product of its one use at the
+  cotangents `weights_i g_i`, with the other operands of the dropped rows and
+  their gradients set to zero by `where` (so NaN rows contribute exactly
+  zero).
+
+  Args:
+    plan: the plan.
+    params: the params.
+    values: from `layer_values`.
+    weights: `[B]` per-example weights (clip factors).
+    keep: `[B]` bool, the rows that contribute.
+
+  Returns:
+    A pytree like `params`, each leaf in its accumulation dtype (float32 or
+    wider); zeros for unused leaves.
+  """
+  leaves = jax.tree_util.tree_leaves(params)
+  sums = [jnp.zeros(jnp.shape(leaf), jnp.promote_types(leaf.dtype,
+                                                        jnp.float32))
+          for leaf in leaves]
+
+  def rowwise(x):
+    return keep.reshape((-1,) + (1,) * (x.ndim - 1))
+
+  for tap, others, g in zip(plan.taps, values.others, values.grads):
+    cotangent = jnp.where(rowwise(g), g, 0) * weights.reshape(
+        (-1,) + (1,) * (g.ndim - 1)).astype(g.dtype)
+    others = tuple(jnp.where(rowwise(o), o, jnp.zeros((), o.dtype))
+                   for o in others)
+    leaf = leaves[tap.leaf]
+    # `cotangent` rides along unused so that vmap always has a batched input
+    # (a rule for a one-operand operation has no other operands).
+    _, vjp = jax.vjp(
+        lambda p, tap=tap, others=others, c=cotangent: jax.vmap(
+            lambda o, _: _apply_tap(plan.program, tap, p, o))(others, c),
+        leaf)
+    (grad,) = vjp(cotangent)
+    sums[tap.leaf] = grad.astype(sums[tap.leaf].dtype)
+  return jax.tree_util.tree_unflatten(plan.treedef, sums)

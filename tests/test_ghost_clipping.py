@@ -1,0 +1,483 @@
+"""Tests for ghost-norm clipping (`dpsco_jax.ghost` behind `clipped_grad_sum`).
+
+The ghost path must give the vmap path's `ClippedSum` (sum to float
+tolerance, counters exactly) on every model it accepts, keep the module's
+guarantees (masks, NaN/Inf, microbatches, sensitivity), and fall back, with an
+announcement, on the models it does not accept. Equivalence tests force
+`method='ghost'`, so a silent fallback cannot make them pass.
+"""
+
+import functools
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from dpsco_jax import clipping
+from dpsco_jax import ghost
+from dpsco_jax.neighboring import NeighboringRelation
+
+CLIP = 1.0
+NUM_EXAMPLES = 12
+
+
+def _normal(rng, *shape, scale=1.0):
+  return jnp.asarray(rng.normal(size=shape) * scale, jnp.float32)
+
+
+def _classification_batch(rng, num_features, num_classes=3,
+                          num_examples=NUM_EXAMPLES, positions=None):
+  shape = (num_examples, num_features) if positions is None else (
+      num_examples, positions, num_features)
+  # Scales spread over [0.1, 3] so some examples are clipped and some not.
+  scales = rng.uniform(0.1, 3.0, size=(num_examples,) + (1,) * (len(shape) - 1))
+  return {'x': jnp.asarray(rng.normal(size=shape) * scales, jnp.float32),
+          'y': jnp.asarray(rng.integers(0, num_classes, num_examples),
+                           jnp.int32)}
+
+
+def _cross_entropy(logits, label):
+  return optax.softmax_cross_entropy_with_integer_labels(logits, label)
+
+
+# ---------------------------------------------------------------------------
+# Models: (loss_fn, params, batch).
+
+
+def _logistic_regression(seed=0):
+  rng = np.random.default_rng(seed)
+  params = {'w': _normal(rng, 6, 3), 'b': _normal(rng, 3)}
+
+  def loss_fn(params, example):
+    return _cross_entropy(example['x'] @ params['w'] + params['b'],
+                          example['y'])
+
+  return loss_fn, params, _classification_batch(rng, 6)
+
+
+def _mlp(seed=1):
+  rng = np.random.default_rng(seed)
+  params = {'hidden': {'w': _normal(rng, 6, 8, scale=0.5),
+                       'b': _normal(rng, 8, scale=0.1)},
+            'out': {'w': _normal(rng, 8, 3, scale=0.5),
+                    'b': _normal(rng, 3, scale=0.1)}}
+
+  def loss_fn(params, example):
+    hidden = jax.nn.relu(example['x'] @ params['hidden']['w'] +
+                         params['hidden']['b'])
+    return _cross_entropy(hidden @ params['out']['w'] + params['out']['b'],
+                          example['y'])
+
+  return loss_fn, params, _classification_batch(rng, 6)
+
+
+# Positions 4: the 16 -> 16 layer's Gram form (4 * 32 <= 256) is cheaper
+# than its per-example gradient, the 16 -> 2 head's is not (4 * 18 > 32).
+POSITIONS = 4
+
+
+def _sequence_model(seed=2):
+  """Dense layers over a position axis, as einsums with various layouts."""
+  rng = np.random.default_rng(seed)
+  params = {'embed': _normal(rng, 5, 16, scale=0.4),
+            'embed_bias': _normal(rng, 16, scale=0.1),
+            # [out, in]: the parameter is the transposed operand.
+            'mix': _normal(rng, 16, 16, scale=0.25),
+            # A head axis shared by activation and weight (a batch dimension
+            # of the dot_general).
+            'heads': _normal(rng, 2, 8, 4, scale=0.3),
+            'head': _normal(rng, 8, 3, scale=0.3)}
+
+  def loss_fn(params, example):
+    x = jnp.tanh(example['x'] @ params['embed'] + params['embed_bias'])
+    x = jax.nn.gelu(jnp.einsum('pi,oi->po', x, params['mix']))
+    heads = jnp.einsum('phd,hde->phe', x.reshape(POSITIONS, 2, 8),
+                       params['heads'])
+    pooled = jnp.mean(jnp.tanh(heads).reshape(POSITIONS, 8), axis=0)
+    return _cross_entropy(pooled @ params['head'], example['y'])
+
+  return loss_fn, params, _classification_batch(rng, 5, positions=POSITIONS)
+
+
+def _gram_and_materialized_model(seed=3):
+  rng = np.random.default_rng(seed)
+  params = {'wide': _normal(rng, 16, 16, scale=0.25),
+            'wide_bias': _normal(rng, 16, scale=0.1),
+            'narrow': _normal(rng, 16, 2, scale=0.25)}
+
+  def loss_fn(params, example):
+    x = jnp.tanh(example['x'] @ params['wide'] + params['wide_bias'])
+    return jnp.sum(jnp.sin(x @ params['narrow']))
+
+  return loss_fn, params, _classification_batch(rng, 16, positions=POSITIONS)
+
+
+def _flax_linen_mlp(seed=4):
+  nn = pytest.importorskip('flax.linen')
+
+  class Mlp(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      x = nn.relu(nn.Dense(8)(x))
+      x = nn.LayerNorm()(x)
+      return nn.Dense(3)(x)
+
+  model = Mlp()
+  rng = np.random.default_rng(seed)
+  batch = _classification_batch(rng, 6)
+  params = model.init(jax.random.key(seed), batch['x'][0])['params']
+
+  def loss_fn(params, example):
+    logits = model.apply({'params': params}, example['x'])
+    return _cross_entropy(logits, example['y'])
+
+  return loss_fn, params, batch
+
+
+def _flax_nnx_mlp(seed=5):
+  nnx = pytest.importorskip('flax.nnx')
+
+  class Mlp(nnx.Module):
+
+    def __init__(self, rngs):
+      self.hidden = nnx.Linear(6, 8, rngs=rngs)
+      self.out = nnx.Linear(8, 3, rngs=rngs)
+
+    def __call__(self, x):
+      return self.out(nnx.relu(self.hidden(x)))
+
+  graphdef, params = nnx.split(Mlp(nnx.Rngs(seed)), nnx.Param)
+
+  def loss_fn(params, example):
+    return _cross_entropy(nnx.merge(graphdef, params)(example['x']),
+                          example['y'])
+
+  return loss_fn, params, _classification_batch(np.random.default_rng(seed), 6)
+
+
+MODELS = {
+    'logistic_regression': _logistic_regression,
+    'mlp': _mlp,
+    'sequence': _sequence_model,
+    'gram_and_materialized': _gram_and_materialized_model,
+    'flax_linen_mlp_layernorm': _flax_linen_mlp,
+    'flax_nnx_mlp': _flax_nnx_mlp,
+}
+# Clip norms inside each model's spread of per-example gradient norms (and
+# not within 1% of any of them), so both clipped and unclipped examples occur.
+CLIPS = {
+    'logistic_regression': 3.0,
+    'mlp': 2.0,
+    'sequence': 1.0,
+    'gram_and_materialized': 10.0,
+    'flax_linen_mlp_layernorm': 4.0,
+    'flax_nnx_mlp': 2.0,
+}
+
+
+# ---------------------------------------------------------------------------
+# Helpers.
+
+
+def _flat(tree):
+  return np.concatenate([np.ravel(np.asarray(leaf, np.float64))
+                         for leaf in jax.tree_util.tree_leaves(tree)])
+
+
+@functools.cache
+def _model(name):
+  """One instance per model, so statistics of its loss can be cached."""
+  return MODELS[name]()
+
+
+@functools.cache
+def _statistic(loss_fn, method, clip, microbatch_size):
+  """One jitted statistic per configuration: compilations are shared."""
+  return jax.jit(clipping.clipped_grad_sum(loss_fn, clip, method=method,
+                                           microbatch_size=microbatch_size))
+
+
+def _run(loss_fn, params, batch, method, mask=None, microbatch_size=None,
+         clip=CLIP):
+  if mask is None:
+    mask = np.ones(clipping.batch_size_of(batch), bool)
+  return _statistic(loss_fn, method, clip, microbatch_size)(
+      batch, params, mask=mask)
+
+
+def _assert_same(actual, expected, rtol=1e-5):
+  scale = max(1.0, float(np.max(np.abs(_flat(expected.sum)))))
+  np.testing.assert_allclose(_flat(actual.sum), _flat(expected.sum),
+                             rtol=rtol, atol=rtol * scale)
+  for field in ('count', 'num_nonfinite', 'num_clipped'):
+    assert int(getattr(actual, field)) == int(getattr(expected, field)), field
+
+
+def _ghost_and_vmap(loss_fn, params, batch, **kwargs):
+  """The same statistic on the ghost path (forced) and on the vmap path."""
+  return (_run(loss_fn, params, batch, 'ghost', **kwargs),
+          _run(loss_fn, params, batch, 'vmap', **kwargs))
+
+
+def _set_row(batch, index, value):
+  return dict(batch, x=batch['x'].at[index].set(value))
+
+
+# ---------------------------------------------------------------------------
+# Equivalence with the vmap path.
+
+
+@pytest.mark.parametrize('model', list(MODELS))
+def test_ghost_sum_equals_vmap_sum(model):
+  loss_fn, params, batch = _model(model)
+  ghost_out, vmap_out = _ghost_and_vmap(loss_fn, params, batch,
+                                        clip=CLIPS[model])
+  _assert_same(ghost_out, vmap_out)
+  assert int(ghost_out.count) == NUM_EXAMPLES
+  # Clipping is active on some examples and not on others.
+  assert 0 < int(vmap_out.num_clipped) < NUM_EXAMPLES
+  for leaf in jax.tree_util.tree_leaves(ghost_out.sum):
+    assert leaf.dtype == jnp.float32
+
+
+def test_sequence_layers_exercise_gram_and_materialized_forms():
+  loss_fn, params, batch = _gram_and_materialized_model()
+  plan = ghost.analyze(loss_fn, params, batch)
+  names = ['narrow', 'wide', 'wide_bias']   # params leaves, sorted keys
+  choices = {names[tap.leaf]: ghost.dense_uses_gram(tap, plan)
+             for tap in plan.taps}
+  assert choices == {'wide': True, 'narrow': False, 'wide_bias': None}
+
+
+def test_every_leaf_of_the_models_is_handled_natively():
+  for model in MODELS.values():
+    loss_fn, params, batch = model()
+    plan = ghost.analyze(loss_fn, params, batch)
+    assert sorted(tap.leaf for tap in plan.taps) == list(
+        range(len(jax.tree_util.tree_leaves(params))))
+
+
+def test_auto_takes_the_ghost_path_when_it_applies():
+  loss_fn, params, batch = _model('mlp')
+  stat = clipping.clipped_grad_sum(loss_fn, CLIP)
+  assert stat.method == 'auto'
+  with warnings.catch_warnings():
+    warnings.simplefilter('error')
+    assert stat.ghost_plan(batch, params) is not None
+    _assert_same(jax.jit(stat)(batch, params),
+                 _run(loss_fn, params, batch, 'vmap'))
+
+
+@pytest.mark.parametrize('microbatch_size', [1, 5, 16])
+def test_microbatches_match_one_block_and_vmap(microbatch_size):
+  loss_fn, params, batch = _model('mlp')
+  mask = np.arange(NUM_EXAMPLES) % 4 != 1
+  poisoned = dict(batch, x=jnp.where(mask[:, None], batch['x'], jnp.nan))
+  whole = _run(loss_fn, params, poisoned, 'ghost', mask=mask)
+  ghost_out, vmap_out = _ghost_and_vmap(loss_fn, params, poisoned, mask=mask,
+                                        microbatch_size=microbatch_size)
+  _assert_same(ghost_out, whole)
+  _assert_same(ghost_out, vmap_out)
+
+
+@pytest.mark.parametrize('model', ['mlp', 'sequence'])
+def test_masked_rows_holding_nan_contribute_exactly_zero(model):
+  loss_fn, params, batch = _model(model)
+  mask = np.arange(NUM_EXAMPLES) % 3 != 0
+  rows = np.flatnonzero(mask)
+  poisoned = jax.tree_util.tree_map(
+      lambda x: jnp.where(mask.reshape((-1,) + (1,) * (x.ndim - 1)), x,
+                          jnp.nan if x.dtype == jnp.float32 else 0), batch)
+  out = _run(loss_fn, params, poisoned, 'ghost', mask=mask)
+  unpadded = _run(loss_fn, params,
+                  jax.tree_util.tree_map(lambda x: x[rows], batch), 'ghost')
+  _assert_same(out, unpadded)
+  assert int(out.count) == len(rows)
+  assert int(out.num_nonfinite) == 0
+
+
+@pytest.mark.parametrize('value', [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize('model', ['logistic_regression', 'mlp', 'sequence'])
+def test_nonfinite_examples_are_dropped_and_counted(model, value):
+  loss_fn, params, batch = _model(model)
+  poisoned = dict(batch, x=batch['x'].at[2].set(value).at[7].multiply(
+      jnp.where(jnp.arange(batch['x'].shape[-1]) == 0, value, 1.0)))
+  ghost_out, vmap_out = _ghost_and_vmap(loss_fn, params, poisoned)
+  assert np.all(np.isfinite(_flat(ghost_out.sum)))
+  assert int(ghost_out.num_nonfinite) == 2
+  _assert_same(ghost_out, vmap_out)
+  # Dropped means zero: the same as leaving the two rows out.
+  kept = np.setdiff1d(np.arange(NUM_EXAMPLES), [2, 7])
+  without = _run(loss_fn, params,
+                 jax.tree_util.tree_map(lambda x: x[kept], batch), 'ghost')
+  np.testing.assert_allclose(_flat(ghost_out.sum), _flat(without.sum),
+                             rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize('model', ['logistic_regression', 'mlp'])
+def test_huge_examples_are_clipped_like_vmap(model):
+  loss_fn, params, batch = _model(model)
+  huge = dict(batch, x=batch['x'].at[:3].multiply(1e6))
+  ghost_out, vmap_out = _ghost_and_vmap(loss_fn, params, huge)
+  _assert_same(ghost_out, vmap_out)
+  assert int(ghost_out.num_nonfinite) == 0
+  assert int(ghost_out.num_clipped) >= 3
+
+
+@pytest.mark.parametrize('value', [np.nan, np.inf, 1e30, 1e15, -7.0])
+def test_changing_one_example_moves_the_sum_by_at_most_sensitivity(value):
+  loss_fn, params, batch = _model('mlp')
+  stat = clipping.clipped_grad_sum(loss_fn, CLIP, method='ghost')
+  jitted = jax.jit(stat)
+  original = _flat(jitted(batch, params).sum)
+  # Replace-one: any new value of example 4 (one coordinate set to `value`,
+  # or the whole row) moves the sum by at most 2C.
+  for changed in (batch['x'].at[4, 0].set(value),
+                  batch['x'].at[4].set(value)):
+    moved = _flat(jitted(dict(batch, x=changed), params).sum)
+    assert np.all(np.isfinite(moved))
+    assert np.linalg.norm(moved - original) <= stat.sensitivity(
+        NeighboringRelation.REPLACE_ONE) * (1 + 1e-5)
+  # Add/remove: masking example 4 out moves it by at most C.
+  mask = np.arange(NUM_EXAMPLES) != 4
+  removed = _flat(jitted(batch, params, mask=mask).sum)
+  assert np.linalg.norm(removed - original) <= stat.sensitivity() * (1 + 1e-5)
+
+
+def test_sensitivity_is_the_same_on_both_paths():
+  loss_fn, _, _ = _model('mlp')
+  for relation in NeighboringRelation:
+    assert (clipping.clipped_grad_sum(loss_fn, 0.7, method='ghost')
+            .sensitivity(relation) ==
+            clipping.clipped_grad_sum(loss_fn, 0.7, method='vmap')
+            .sensitivity(relation))
+
+
+def test_equivalence_check_catches_a_wrong_norm_identity(monkeypatch):
+  # The Gram form without its cross terms p != q (a plausible slip) must be
+  # caught by the comparison the other tests make. Each run builds a fresh
+  # loss, so no compilation made before the patch is reused after it.
+  def diagonal_only(tap, program, leaf, others, g):
+    del tap, program, leaf
+    (a,) = others
+    if a.ndim < 3:   # no positions: the identity is exact
+      return jnp.sum(a**2, axis=1) * jnp.sum(g**2, axis=1)
+    return jnp.sum(jnp.sum(a**2, -1) * jnp.sum(g**2, -1), axis=-1)
+
+  def ghost_against_vmap():
+    loss_fn, params, batch = _gram_and_materialized_model()
+    _assert_same(_run(loss_fn, params, batch, 'ghost', clip=10.0),
+                 _run(loss_fn, params, batch, 'vmap', clip=10.0))
+
+  ghost_against_vmap()
+  monkeypatch.setitem(ghost.LAYER_RULES, 'dot_general',
+                      ghost.LayerRule(ghost.LAYER_RULES['dot_general'].check,
+                                      diagonal_only))
+  with pytest.raises(AssertionError):
+    ghost_against_vmap()
+
+
+def test_pmap_statistic_is_per_device_and_sums_to_the_whole_batch():
+  num_devices = 4
+  loss_fn, params, batch = _model('mlp')
+  stat = clipping.clipped_grad_sum(loss_fn, CLIP, method='ghost')
+  split = jax.tree_util.tree_map(
+      lambda x: x.reshape((num_devices, -1) + x.shape[1:]), batch)
+  per_device = jax.pmap(lambda rows, p: stat(rows, p), in_axes=(0, None),
+                        devices=jax.devices()[:num_devices])(split, params)
+  whole = _run(loss_fn, params, batch, 'vmap')
+  summed = jax.tree_util.tree_map(lambda x: jnp.sum(x, axis=0), per_device)
+  _assert_same(summed, whole)
+
+
+# ---------------------------------------------------------------------------
+# Fallback.
+
+
+def _tied_weights(seed=6):
+  rng = np.random.default_rng(seed)
+  params = {'w': _normal(rng, 6, 4, scale=0.5), 'b': _normal(rng, 4)}
+
+  def loss_fn(params, example):
+    code = jnp.tanh(example['x'] @ params['w'] + params['b'])
+    return jnp.sum((code @ params['w'].T - example['x'])**2)
+
+  return loss_fn, params, _classification_batch(rng, 6)
+
+
+def _conv(seed=7):
+  rng = np.random.default_rng(seed)
+  params = {'kernel': _normal(rng, 2, 1, 3, 3, scale=0.5),
+            'w': _normal(rng, 2 * 4 * 4, 3, scale=0.3)}
+
+  def loss_fn(params, example):
+    image = example['x'].reshape(1, 1, 6, 6)
+    features = jax.lax.conv_general_dilated(image, params['kernel'], (1, 1),
+                                            'VALID')
+    logits = jax.nn.relu(features).reshape(-1) @ params['w']
+    return _cross_entropy(logits, example['y'])
+
+  return loss_fn, params, _classification_batch(rng, 36)
+
+
+FALLBACKS = {
+    'tied_weights': (_tied_weights, r"\['w'\] is used 2 times"),
+    'conv': (_conv, r"\['kernel'\] is used by `conv_general_dilated`"),
+}
+
+
+@pytest.mark.parametrize('model', list(FALLBACKS))
+def test_auto_falls_back_to_vmap_once_with_the_reason(model):
+  make, reason = FALLBACKS[model]
+  loss_fn, params, batch = make()
+  stat = clipping.clipped_grad_sum(loss_fn, CLIP)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter('always')
+    first = stat(batch, params)
+    second = stat(batch, params)
+  fallbacks = [w for w in caught
+               if issubclass(w.category, clipping.GhostClippingFallbackWarning)]
+  assert len(fallbacks) == 1
+  assert re.search(reason, str(fallbacks[0].message))
+  vmap_out = _run(loss_fn, params, batch, 'vmap')
+  _assert_same(first, vmap_out)
+  _assert_same(second, vmap_out)
+
+
+@pytest.mark.parametrize('model', list(FALLBACKS))
+def test_ghost_method_refuses_with_the_reason(model):
+  make, reason = FALLBACKS[model]
+  loss_fn, params, batch = make()
+  stat = clipping.clipped_grad_sum(loss_fn, CLIP, method='ghost')
+  with pytest.raises(ghost.GhostClippingUnsupported, match=reason):
+    stat(batch, params)
+
+
+def test_invalid_method_is_refused():
+  loss_fn, _, _ = _model('mlp')
+  with pytest.raises(ValueError, match='method must be one of'):
+    clipping.clipped_grad_sum(loss_fn, CLIP, method='fast')
+  with pytest.raises(ValueError, match='needs loss_fn'):
+    clipping.ClippedStatistic(lambda unit: unit, CLIP, method='auto')
+
+
+def test_a_loss_the_ghost_passes_cannot_trace_falls_back(monkeypatch):
+  # A loss the analysis accepts but the ghost passes fail on (an operation
+  # the interpreter mishandles) must not break 'auto': it falls back.
+  def broken(*args, **kwargs):
+    raise NotImplementedError('no interpreter rule for this operation')
+
+  loss_fn, params, batch = _mlp()
+  monkeypatch.setattr(ghost, 'layer_values', broken)
+  stat = clipping.clipped_grad_sum(loss_fn, CLIP)
+  with pytest.warns(clipping.GhostClippingFallbackWarning,
+                    match='failed to trace.*no interpreter rule'):
+    out = stat(batch, params)
+  _assert_same(out, _run(loss_fn, params, batch, 'vmap'))
+  with pytest.raises(ghost.GhostClippingUnsupported, match='failed to trace'):
+    clipping.clipped_grad_sum(loss_fn, CLIP, method='ghost')(batch, params)
