@@ -916,10 +916,36 @@ def _release_vector(release: PyTree) -> jax.Array:
   return flatten_util.ravel_pytree(release)[0]
 
 
-def _update_and_release(tx, state, params, release_fn, **batch_args):
-  updates, state = tx.update(None, state, params, **batch_args)
-  release = updates if release_fn is None else release_fn(updates, state)
-  return optax.apply_updates(params, updates), state, _release_vector(release)
+def _example_ids(steps_per_epoch: int, batch_size: int) -> jax.Array:
+  """`[steps_per_epoch, batch_size]` ids of the fixed-order batches."""
+  return jnp.arange(steps_per_epoch * batch_size, dtype=jnp.int32).reshape(
+      steps_per_epoch, batch_size)
+
+
+def _run_fixed_order(tx, params, *, num_steps: int, steps_per_epoch: int,
+                     update_args: Callable[[jax.Array], dict],
+                     release_fn=None, record: bool = True):
+  """Runs `tx` from `params` over batches in a fixed order (`lax.scan`).
+
+  Step t calls `tx.update(None, state, params, **update_args(t mod
+  steps_per_epoch))`. Returns `(final params, final state, releases)`,
+  releases the `[num_steps, ...]` flattened release of each step (the
+  updates, or `release_fn(updates, state)`), or None without `record`.
+  """
+
+  def step(carry, t):
+    params, state = carry
+    updates, state = tx.update(None, state, params,
+                               **update_args(t % steps_per_epoch))
+    release = None
+    if record:
+      release = _release_vector(
+          updates if release_fn is None else release_fn(updates, state))
+    return (optax.apply_updates(params, updates), state), release
+
+  (params, state), releases = jax.lax.scan(
+      step, (params, tx.init(params)), jnp.arange(num_steps))
+  return params, state, releases
 
 
 def gradient_canary_train_fn(
@@ -1007,27 +1033,19 @@ def gradient_canary_train_fn(
     directions = jax.random.normal(data_key, data.shape).at[..., 0].set(0.0)
     directions /= jnp.linalg.norm(directions, axis=-1, keepdims=True)
     data = data_gradient_norm * directions
-  example_ids = jnp.arange(steps_per_epoch * batch_size,
-                           dtype=jnp.int32).reshape(steps_per_epoch,
-                                                    batch_size)
+  example_ids = _example_ids(steps_per_epoch, batch_size)
 
   def train_fn(key, include):
     slot = jnp.where(include, canary, neighbour)
     run_data = data.at[canary_batch, 0].set(slot)
-    tx = make_transformation(linear_loss, key)
-    params = jnp.zeros(dimension, jnp.float32)
-
-    def step(carry, t):
-      params, state = carry
-      position = t % steps_per_epoch
-      params, state, release = _update_and_release(
-          tx, state, params, release_fn, batch={'x': run_data[position]},
-          example_ids=example_ids[position])
-      return (params, state), release[0]
-
-    _, projections = jax.lax.scan(step, (params, tx.init(params)),
-                                  jnp.arange(num_steps))
-    return projections
+    _, _, releases = _run_fixed_order(
+        make_transformation(linear_loss, key),
+        jnp.zeros(dimension, jnp.float32), num_steps=num_steps,
+        steps_per_epoch=steps_per_epoch, release_fn=release_fn,
+        update_args=lambda position: dict(
+            batch={'x': run_data[position]},
+            example_ids=example_ids[position]))
+    return releases[:, 0]
 
   return train_fn
 
@@ -1185,9 +1203,7 @@ def input_canary_train_fn(
     raise ValueError(f'canary_batch must be in [0, {steps_per_epoch}), got '
                      f'{canary_batch!r}')
   batches = _batched(data, steps_per_epoch, batch_size)
-  example_ids = jnp.arange(steps_per_epoch * batch_size,
-                           dtype=jnp.int32).reshape(steps_per_epoch,
-                                                    batch_size)
+  example_ids = _example_ids(steps_per_epoch, batch_size)
   masked = replacement is None
   neighbour = canary if masked else replacement
 
@@ -1200,19 +1216,15 @@ def input_canary_train_fn(
         batches, slot)
     masks = jnp.ones((steps_per_epoch, batch_size), bool).at[
         canary_batch, 0].set(include)
-    tx = make_transformation(loss_fn, key)
-
-    def step(carry, t):
-      params, state = carry
-      position = t % steps_per_epoch
+    def update_args(position):
       batch = jax.tree_util.tree_map(lambda leaf: leaf[position], run_batches)
       extra = {'batch_mask': masks[position]} if masked else {}
-      updates, state = tx.update(None, state, params, batch=batch,
-                                 example_ids=example_ids[position], **extra)
-      return (optax.apply_updates(params, updates), state), None
+      return dict(batch=batch, example_ids=example_ids[position], **extra)
 
-    (final, state), _ = jax.lax.scan(step, (params, tx.init(params)),
-                                     jnp.arange(num_steps))
+    final, state, _ = _run_fixed_order(
+        make_transformation(loss_fn, key), params, num_steps=num_steps,
+        steps_per_epoch=steps_per_epoch, update_args=update_args,
+        record=False)
     if output_fn is not None:
       final = output_fn(final, state)
     return jnp.asarray(score_fn(final, canary), jnp.float32)
@@ -1370,24 +1382,15 @@ def run_one_run_gradient_audit(
   data = jnp.zeros((steps_per_epoch, batch_size, m), jnp.float32).at[
       batch_of, canaries // steps_per_epoch, canaries].set(
           canary_norm * included.astype(jnp.float32))
-  example_ids = jnp.arange(steps_per_epoch * batch_size,
-                           dtype=jnp.int32).reshape(steps_per_epoch,
-                                                    batch_size)
+  example_ids = _example_ids(steps_per_epoch, batch_size)
 
   def run(key, data):
-    tx = make_transformation(linear_loss, key)
-    params = jnp.zeros(m, jnp.float32)
-
-    def step(carry, t):
-      params, state = carry
-      position = t % steps_per_epoch
-      params, state, release = _update_and_release(
-          tx, state, params, release_fn, batch={'x': data[position]},
-          example_ids=example_ids[position])
-      return (params, state), release
-
-    _, releases = jax.lax.scan(step, (params, tx.init(params)),
-                               jnp.arange(num_steps))
+    _, _, releases = _run_fixed_order(
+        make_transformation(linear_loss, key), jnp.zeros(m, jnp.float32),
+        num_steps=num_steps, steps_per_epoch=steps_per_epoch,
+        release_fn=release_fn,
+        update_args=lambda position: dict(
+            batch={'x': data[position]}, example_ids=example_ids[position]))
     return releases
 
   # The noise key is an argument of the compiled program (traced), like
