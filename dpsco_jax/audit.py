@@ -35,6 +35,9 @@ Runners (one vmapped, jit-compiled program for all runs):
 * `run_one_run_gradient_audit(make_transformation, ...)`: many gradient
   canaries in ONE run.
 
+Run i's noise key is `fold_in(key, i)` (`run_keys`); even runs have the
+canary, odd runs do not.
+
 Results are `AuditReport`s (`to_markdown`, `plot_roc`). See docs/audit.md.
 """
 
@@ -567,22 +570,26 @@ def _dp_boundary(fpr: np.ndarray, epsilon: float, delta: float) -> np.ndarray:
 
 
 def plot_roc(reports: Union[AuditReport, Sequence[AuditReport]],
-             path: str, *, title: Optional[str] = None) -> None:
+             path: str, *, title: Optional[str] = None,
+             log_scale: bool = True) -> None:
   """Writes ROC curves of many-run audits, one panel per report, to `path`.
 
-  Each panel shows the empirical ROC curve on log-log axes (the low-FPR
-  corner is where privacy is lost), the largest ROC that the claimed
-  (epsilon, delta) allows, and the one that the measured lower bound
-  allows. matplotlib is imported here (it is in the `experiments` and
-  `test` extras, not a core dependency).
+  Each panel shows the empirical ROC curve, the largest ROC that the
+  claimed (epsilon, delta) allows, and the one that the measured lower
+  bound allows. Log-log axes (the default) show the low-FPR corner, where
+  `TPR <= e^eps FPR + delta` is broken and where rates rest on a few runs;
+  linear axes show the whole curve at a glance. matplotlib is imported here
+  (it is in the `experiments` and `test` extras, not a core dependency).
 
   Example:
     >>> plot_roc(report, 'docs/audit/roc.png')
+    >>> plot_roc([report_a, report_b], 'roc_linear.png', log_scale=False)
 
   Args:
     reports: one report or several (many-run reports with a `bound`).
     path: the image file to write (format from the extension).
     title: an optional figure title.
+    log_scale: log-log axes (True) or linear axes from 0 to 1 (False).
 
   Raises:
     ValueError: if a report has no ROC (a one-run report).
@@ -602,8 +609,10 @@ def plot_roc(reports: Union[AuditReport, Sequence[AuditReport]],
   axes = figure.subplots(rows, columns, squeeze=False)
   for axis, report in zip(axes.ravel(), reports):
     bound = report.bound
-    floor = 0.5 / max(bound.num_out, 1)
-    grid = np.geomspace(floor, 1.0, 200)
+    # On log axes, zero rates are drawn at half a run (a log axis has no 0).
+    floor = 0.5 / max(bound.num_out, 1) if log_scale else 0.0
+    grid = (np.geomspace(floor, 1.0, 200) if log_scale else
+            np.linspace(0.0, 1.0, 201))
     axis.plot(np.maximum(bound.roc_fpr, floor), np.maximum(bound.roc_tpr,
                                                            floor),
               color='C0', lw=2, label='measured ROC')
@@ -616,10 +625,15 @@ def plot_roc(reports: Union[AuditReport, Sequence[AuditReport]],
               color='C2', ls=':', lw=2,
               label=f'lower bound eps = {report.epsilon_lower_bound:.2f}')
     axis.plot(grid, grid, color='0.6', lw=1, label='chance')
-    axis.set_xscale('log')
-    axis.set_yscale('log')
-    axis.set_xlim(floor, 1.0)
-    axis.set_ylim(floor, 1.05)
+    if log_scale:
+      axis.set_xscale('log')
+      axis.set_yscale('log')
+      axis.set_xlim(floor, 1.0)
+      axis.set_ylim(floor, 1.05)
+    else:
+      axis.set_xlim(0.0, 1.0)
+      axis.set_ylim(0.0, 1.01)
+      axis.set_aspect('equal')
     axis.set_xlabel('false positive rate (canary absent, guessed in)')
     axis.set_ylabel('true positive rate (canary present, guessed in)')
     axis.set_title(report.name, fontsize=10)
@@ -645,7 +659,7 @@ def simulate_runs(train_fn: TrainFn, keys: jax.Array, includes: jax.Array, *,
   """Runs `train_fn(key, include)` for every pair as ONE compiled program.
 
   Example:
-    >>> obs = simulate_runs(train_fn, jax.random.split(key, 8),
+    >>> obs = simulate_runs(train_fn, run_keys(0, 8),
     ...                     jnp.arange(8) < 4)
 
   Args:
@@ -703,44 +717,91 @@ def fit_linear_score(observations_in: np.ndarray,
                          mean_in - mean_out)
 
 
+def _expected_bounds(tpr: np.ndarray, fpr: np.ndarray, eval_in: int,
+                     eval_out: int, level: float, delta: float) -> np.ndarray:
+  """The bound each threshold would give if new runs had these rates."""
+  return epsilon_from_rates(
+      clopper_pearson_lower(tpr * eval_in, eval_in, level),
+      clopper_pearson_upper(fpr * eval_out, eval_out, level), delta)
+
+
+def _gaussian_tail(scores: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
+  """P[score >= t] under a normal fitted to `scores`."""
+  mean, std = scores.mean(), scores.std(ddof=1)
+  # Constant scores (a null audit, a deterministic release) make a step.
+  std = max(std, 1e-12 * (1.0 + abs(mean)))
+  return stats.norm.sf((thresholds - mean) / std)
+
+
 def candidate_thresholds(calibration_in: np.ndarray,
                          calibration_out: np.ndarray, *, delta: float,
-                         alpha: float, num_thresholds: int) -> np.ndarray:
-  """The `num_thresholds` thresholds that do best on held-out scores.
+                         alpha: float, num_thresholds: int,
+                         num_eval_in: Optional[int] = None,
+                         num_eval_out: Optional[int] = None) -> np.ndarray:
+  """The `num_thresholds` thresholds expected to do best on new runs.
 
   Candidates are quantiles of the pooled held-out scores at log-spaced
-  levels towards both tails (where privacy is lost); each is scored by the
-  bound it gives on the held-out runs, and the best distinct ones are kept.
-  They are then fixed for the evaluation runs, which never influenced them.
+  levels towards both tails (where privacy is lost). Each is ranked by the
+  bound it is expected to give on the evaluation runs: the TPR and FPR of a
+  normal fitted to each arm's held-out scores, scaled to the evaluation
+  sizes, through the Clopper-Pearson bounds at the level
+  `epsilon_lower_bound` will use (`alpha / (2 num_thresholds)`). Ties (all
+  0, e.g. a null audit) go to the same expected bound computed from the
+  held-out counts (smoothed by half a run).
+
+  Why a normal fit: every mechanism of the library releases Gaussian noise,
+  and a linear score of Gaussian releases is Gaussian in both arms. Raw
+  held-out counts rank badly: in the tails a handful of held-out runs
+  decide, and the best of some 50 candidates is then usually a tail
+  threshold that the held-out runs happened to separate perfectly and new
+  runs do not (a bound of 0 where 0.4 was there to find). The choice only
+  affects tightness: the thresholds never see the evaluation runs, so the
+  bound is valid whatever the score's distribution.
 
   Example:
     >>> thresholds = candidate_thresholds(held_in, held_out, delta=1e-5,
     ...                                   alpha=0.05, num_thresholds=5)
 
   Args:
-    calibration_in: held-out scores with the canary.
-    calibration_out: held-out scores without it.
+    calibration_in: held-out scores with the canary (at least 2).
+    calibration_out: held-out scores without it (at least 2).
     delta: the delta tested.
-    alpha: the error level used to rank candidates.
+    alpha: the overall error level of the bound that will be computed.
     num_thresholds: how many to keep.
+    num_eval_in: runs with the canary the thresholds will be applied to
+      (default: as many as held out).
+    num_eval_out: runs without it (default: as many as held out).
 
   Returns:
-    Thresholds, `[<= num_thresholds]`.
+    Thresholds, `[<= num_thresholds]`, increasing.
+
+  Raises:
+    ValueError: on fewer than 2 held-out scores in an arm, or non-finite
+      ones.
   """
+  calibration_in = _scores(calibration_in, 'calibration_in')
+  calibration_out = _scores(calibration_out, 'calibration_out')
+  num_thresholds = checks.positive_int(num_thresholds, 'num_thresholds')
+  n_in, n_out = len(calibration_in), len(calibration_out)
+  if min(n_in, n_out) < 2:
+    raise ValueError('need at least 2 held-out scores per arm')
+  eval_in = n_in if num_eval_in is None else int(num_eval_in)
+  eval_out = n_out if num_eval_out is None else int(num_eval_out)
   pooled = np.concatenate([calibration_in, calibration_out])
   tails = np.geomspace(1.0 / len(pooled), 0.5, 24)
   levels = np.unique(np.concatenate([tails, 1.0 - tails]))
   candidates = np.unique(np.quantile(pooled, levels))
-  ranking = epsilon_lower_bound(calibration_in, calibration_out, delta,
-                                alpha, thresholds=candidates)
-  # Rank by the bound, then by the uncorrected empirical epsilon so that
-  # ties at 0 (small held-out sets) still prefer informative thresholds.
-  empirical = epsilon_from_rates(ranking.tpr, np.maximum(ranking.fpr,
-                                                         0.5 / len(
-                                                             calibration_out)),
-                                 delta)
-  order = np.lexsort((-empirical, -ranking.epsilons))
-  return np.sort(candidates[order[:int(num_thresholds)]])
+  level = alpha / (2 * num_thresholds)
+  model = _expected_bounds(_gaussian_tail(calibration_in, candidates),
+                           _gaussian_tail(calibration_out, candidates),
+                           eval_in, eval_out, level, delta)
+  hits_in = (calibration_in[None, :] >= candidates[:, None]).sum(axis=1)
+  hits_out = (calibration_out[None, :] >= candidates[:, None]).sum(axis=1)
+  counted = _expected_bounds((hits_in + 0.5) / (n_in + 1.0),
+                             (hits_out + 0.5) / (n_out + 1.0), eval_in,
+                             eval_out, level, delta)
+  order = np.lexsort((-counted, -model))
+  return np.sort(candidates[order[:num_thresholds]])
 
 
 def audit_observations(
@@ -804,7 +865,8 @@ def audit_observations(
   scores_in, scores_out = obs_in @ weights, obs_out @ weights
   thresholds = candidate_thresholds(
       scores_in[:held_in], scores_out[:held_out], delta=delta, alpha=alpha,
-      num_thresholds=num_thresholds)
+      num_thresholds=num_thresholds, num_eval_in=len(obs_in) - held_in,
+      num_eval_out=len(obs_out) - held_out)
   bound = epsilon_lower_bound(scores_in[held_in:], scores_out[held_out:],
                               delta, alpha, thresholds=thresholds)
   return AuditReport(
@@ -814,12 +876,33 @@ def audit_observations(
       num_calibration_runs=min(held_in, held_out), bound=bound)
 
 
-def _run_keys(key: Any, count: int) -> jax.Array:
+def run_keys(key: Any, count: int) -> jax.Array:
+  """The noise keys of runs `0, ..., count - 1`: `fold_in(key, i)`.
+
+  Run i's key depends on `key` and i only, not on how many runs there are:
+  an audit with more runs repeats the runs of a smaller one (same key, same
+  arm) and adds new ones, and any single run can be replayed on its own.
+
+  Example:
+    >>> keys = run_keys(0, 4)      # [4] keys, keys[i] = fold_in(key(0), i)
+
+  Args:
+    key: a JAX key (typed or raw) or an int seed.
+    count: the number of runs.
+
+  Returns:
+    `[count]` keys, all distinct.
+
+  Raises:
+    ValueError: if `key` is None (an audit never draws keys silently).
+  """
   if key is None:
     raise ValueError('an audit needs a key (or int seed) for its runs')
   if isinstance(key, (int, np.integer)):
     key = jax.random.key(int(key))
-  return jax.random.split(key, count)
+  count = checks.positive_int(count, 'count')
+  return jax.vmap(lambda i: jax.random.fold_in(key, i))(
+      jnp.arange(count, dtype=jnp.uint32))
 
 
 def run_canary_audit(
@@ -858,11 +941,13 @@ def run_canary_audit(
   Args:
     train_fn: `(key, include) -> observations` (scalar or `[m]`), pure and
       traceable; the key is traced, so the library's key-reuse check does
-      not apply to it (the runs' keys are split from `key`, all distinct).
+      not apply to it (run i's key is `fold_in(key, i)`, all distinct; see
+      `run_keys`).
     num_runs: runs per arm.
     claimed_epsilon: the epsilon the run claims, from the accountant.
     delta: the delta of the claim.
-    key: key or int seed the runs' keys are split from.
+    key: key or int seed; run i's noise key is `fold_in(key, i)`, even
+      runs with the canary, odd runs without.
     alpha: error probability of the bound (confidence `1 - alpha`).
     calibration_fraction: the share of each arm held out to fit the score
       and choose the thresholds.
@@ -874,12 +959,14 @@ def run_canary_audit(
     The `AuditReport`.
   """
   num_runs = checks.positive_int(num_runs, 'num_runs')
-  keys = _run_keys(key, 2 * num_runs)
-  includes = jnp.arange(2 * num_runs) < num_runs
+  keys = run_keys(key, 2 * num_runs)
+  # Even runs have the canary, odd runs do not: run i's key and arm depend
+  # on i only, so a larger audit extends a smaller one.
+  includes = jnp.arange(2 * num_runs) % 2 == 0
   observations = simulate_runs(train_fn, keys, includes,
                                max_parallel=max_parallel)
   return audit_observations(
-      observations[:num_runs], observations[num_runs:],
+      observations[0::2], observations[1::2],
       claimed_epsilon=claimed_epsilon, delta=delta, alpha=alpha,
       calibration_fraction=calibration_fraction,
       num_thresholds=num_thresholds, name=name)
@@ -1106,7 +1193,7 @@ def run_gradient_canary_audit(
     claimed_epsilon: the epsilon the transformation claims for this
       participation (from `dpsco_jax.accounting`).
     delta: the delta of the claim.
-    key: key or int seed the runs' noise keys are split from.
+    key: key or int seed the runs' noise keys are folded from (`run_keys`).
     alpha, calibration_fraction, num_thresholds, max_parallel, name: see
       `run_canary_audit`.
 
@@ -1280,7 +1367,7 @@ def run_input_canary_audit(
     num_runs: runs per arm.
     claimed_epsilon: the epsilon claimed for this run.
     delta: the delta of the claim.
-    key: key or int seed the runs' noise keys are split from.
+    key: key or int seed the runs' noise keys are folded from (`run_keys`).
     alpha, calibration_fraction, num_thresholds, max_parallel, name: see
       `run_canary_audit`.
 
@@ -1354,7 +1441,8 @@ def run_one_run_gradient_audit(
     batch_size: examples per batch (canaries and zero-gradient fillers).
     claimed_epsilon: the epsilon claimed for this run.
     delta: the delta of the claim.
-    key: key or int seed (split into the inclusion and noise keys).
+    key: key or int seed (`run_keys(key, 2)`: the inclusion key, then the
+      noise key).
     steps_per_epoch: batches per epoch (default `num_steps`).
     canary_norm: the canaries' gradient norm (above the clip norm).
     score_sign: +1 when the release moves along the gradient (a raw
@@ -1375,7 +1463,7 @@ def run_one_run_gradient_audit(
   if steps_per_epoch * batch_size < m:
     raise ValueError(f'{m} canaries need steps_per_epoch * batch_size >= '
                      f'{m}, got {steps_per_epoch * batch_size}')
-  inclusion_key, noise_key = _run_keys(key, 2)
+  inclusion_key, noise_key = run_keys(key, 2)
   included = jax.random.bernoulli(inclusion_key, 0.5, (m,))
   canaries = jnp.arange(m)
   batch_of = canaries % steps_per_epoch

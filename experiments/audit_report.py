@@ -13,12 +13,13 @@ white-box gradient-canary audit (tiny model: 4 parameters, batches of 8,
   the mean instead of the sum (multiplier / batch size) and sigma / 10.
 
 Usage:
-  python -m experiments.audit_report                      # about 2 minutes
+  python -m experiments.audit_report                      # under a minute
   python -m experiments.audit_report --num_runs=4000      # tighter bounds
 
 Writes `audit_report.md` (the table and every report's TPR/FPR table),
-`roc.png` (the correct builds) and `roc_bugs.png` (the planted bugs of
-DP-SGD and DP-MEMF) to `--output_dir`.
+`roc.png` (the correct builds), `roc_bugs.png` (the planted bugs of
+DP-SGD and DP-MEMF, log-log axes) and `roc_bugs_linear.png` (the same on
+linear axes) to `--output_dir`.
 """
 
 import dataclasses
@@ -114,8 +115,8 @@ def families(epsilon: float, delta: float) -> list[Family]:
           lambda z: lambda loss_fn, key: dpsco_jax.dpmemf(
               loss_fn, l2_clip=1.0, noise_multiplier=z, strategy=strategy,
               steps_per_epoch=STEPS_PER_EPOCH,
-          num_examples=STEPS_PER_EPOCH * BATCH_SIZE, key=key), epochs, epsilon,
-          delta),
+              num_examples=STEPS_PER_EPOCH * BATCH_SIZE, key=key), epochs,
+          epsilon, delta),
       _library_family(
           'DP-SRG-MEMF (`dp_srg_memf`, c = 0.5)',
           f'optimized MF, {fixed_text}', dpsco_jax.dpmemf_mechanism(strategy),
@@ -124,9 +125,9 @@ def families(epsilon: float, delta: float) -> list[Family]:
               dpsco_jax.dp_srg_memf(
                   loss_fn, l2_clip=1.0, noise_multiplier=z,
                   strategy=strategy, steps_per_epoch=STEPS_PER_EPOCH,
-                  decay=0.5,
-                  num_examples=STEPS_PER_EPOCH * BATCH_SIZE, key=key), optax.sgd(0.1)), epochs, epsilon,
-          delta),
+                  decay=0.5, num_examples=STEPS_PER_EPOCH * BATCH_SIZE,
+                  key=key),
+              optax.sgd(0.1)), epochs, epsilon, delta),
       _library_family(
           'Accelerated-DP-SRGD (`accelerated_dp_srgd`)',
           f'tree on prefix sums, single_epoch({NUM_STEPS})',
@@ -224,6 +225,9 @@ def main(argv: Sequence[str]) -> None:
   audit.plot_roc(bug_reports, os.path.join(FLAGS.output_dir,
                                            'roc_bugs.png'),
                  title='Planted bugs (claiming the correct epsilon)')
+  audit.plot_roc(bug_reports, os.path.join(FLAGS.output_dir,
+                                           'roc_bugs_linear.png'),
+                 title='Planted bugs, linear axes', log_scale=False)
   print(table)
   print(f'wrote {FLAGS.output_dir} in {time.time() - start:.0f} s')
 

@@ -11,11 +11,12 @@ Three things are asserted per family:
   multiplier divided by the batch size, and sigma / 10) push the bound
   ABOVE the claim, so the auditor would catch them.
 
-The correct build's bound is far from the claim (about 0.3-0.6 against 2)
-and a bug's far above it (about 5): the assertions are not on a knife edge,
-and each can fail (the bound of a correct build fails the bug assertion,
-a build with a bug fails the correct-build one, and the null audit, run on
-the leakiest build, fails once the canary is put back).
+The correct build's bound is far from the claim (0.15-0.8 against 2 over
+60 seeds, 2000 runs per arm) and a bug's far above it (4.3-4.7 over 8 seeds
+with 1000 runs per arm, the ceiling being about 4.7): the assertions are
+not on a knife edge, and each can fail (the bound of a correct build fails
+the bug assertion, a build with a bug fails the correct-build one, and the
+null audit, run on the leakiest build, fails once the canary is put back).
 """
 
 import functools
@@ -39,7 +40,11 @@ TARGET_EPSILON = 2.0
 NUM_STEPS = 8
 STEPS_PER_EPOCH = 4            # two epochs in a fixed order
 BATCH_SIZE = 8
-NUM_RUNS = 1000                # per arm; 2000 runs per audit, one program
+NUM_RUNS = 1000                # per arm, for bugs and null audits
+# Per arm for correct builds: at claimed epsilon 2 a canary is about
+# 0.5-GDP, and 1500 evaluated runs per arm reliably see it (bounds
+# 0.15-0.8 over 60 seeds), where 750 runs sometimes bound it by < 0.1.
+CORRECT_RUNS = 2000
 
 
 # ---------------------------------------------------------------------------
@@ -141,6 +146,25 @@ def test_one_run_p_value_is_the_binomial_tail_without_delta():
   # The delta term only adds.
   assert audit.one_run_p_value(1000, 100, 70, 1.0, 1e-3) > (
       audit.one_run_p_value(1000, 100, 70, 1.0, 0.0))
+
+
+def test_one_run_p_value_delta_term_matches_its_definition():
+  # Theorem 3.1's delta term, written out independently: the largest, over
+  # i = 1..v, of P[v - i <= B < v] / i, summed pmf by pmf.
+  m, r, v, eps, delta = 1000, 60, 45, 1.5, 1e-4
+  q = math.exp(eps) / (1 + math.exp(eps))
+  pmf = [stats.binom.pmf(j, r, q) for j in range(r + 1)]
+  worst = max(sum(pmf[v - i:v]) / i for i in range(1, v + 1))
+  expected = stats.binom.sf(v - 1, r, q) + 2 * m * delta * worst
+  np.testing.assert_allclose(audit.one_run_p_value(m, r, v, eps, delta),
+                             expected, rtol=1e-9)
+  # The delta term makes the bound smaller, never larger.
+  rng = np.random.default_rng(13)
+  included = rng.random(2000) < 0.5
+  scores = rng.normal(2.0 * included, 1.0)
+  pure = audit.one_run_epsilon_lower_bound(scores, included, delta=0.0)
+  approx = audit.one_run_epsilon_lower_bound(scores, included, delta=1e-4)
+  assert 0.0 < approx.epsilon < pure.epsilon
 
 
 def test_one_run_bound_below_gaussian_truth():
@@ -266,9 +290,10 @@ def _family(name):
   return _dp_gd_family() if name == 'dp_gd' else _library_family(name)
 
 
-def _audit(build, kwargs, claimed, *, canary_norm=1e3, seed=0):
+def _audit(build, kwargs, claimed, *, canary_norm=1e3, seed=0,
+           num_runs=NUM_RUNS):
   return audit.run_gradient_canary_audit(
-      build, num_steps=NUM_STEPS, batch_size=BATCH_SIZE, num_runs=NUM_RUNS,
+      build, num_steps=NUM_STEPS, batch_size=BATCH_SIZE, num_runs=num_runs,
       claimed_epsilon=claimed, delta=DELTA, key=seed,
       canary_norm=canary_norm, **kwargs)
 
@@ -281,7 +306,7 @@ FAMILIES = ('dpsgd', 'dpftrl', 'dpmemf', 'dp_srg_memf',
 def test_correct_build_stays_below_claim_and_null_is_zero(name):
   claimed, z, build, kwargs = _family(name)
   assert claimed == pytest.approx(TARGET_EPSILON, rel=1e-3)
-  report = _audit(build(z), kwargs, claimed)
+  report = _audit(build(z), kwargs, claimed, num_runs=CORRECT_RUNS)
   assert report.epsilon_lower_bound < claimed, report.to_markdown()
   assert not report.exceeds_claim
   # The canary is seen (the audit is not blind) ...
@@ -322,7 +347,8 @@ def test_diff2_with_difference_rounds_stays_below_claim():
         key=key)
   report = _audit(build, dict(
       steps_per_epoch=1,
-      neighboring_relation=NeighboringRelation.REPLACE_ONE), claimed)
+      neighboring_relation=NeighboringRelation.REPLACE_ONE), claimed,
+                  num_runs=CORRECT_RUNS)
   assert 0.1 < report.epsilon_lower_bound < claimed
 
 
@@ -417,13 +443,27 @@ def test_hand_written_loop(reuse_key):
       dpsco_jax.dpsgd_mechanism(steps), accounting.single_epoch(steps),
       TARGET_EPSILON, DELTA)
   report = audit.run_canary_audit(
-      _hand_written_dpsgd(z, reuse_key=reuse_key), num_runs=NUM_RUNS,
+      _hand_written_dpsgd(z, reuse_key=reuse_key), num_runs=CORRECT_RUNS,
       claimed_epsilon=TARGET_EPSILON, delta=DELTA, key=8)
   if reuse_key:
     # The same noise every step: a difference of two releases cancels it.
     assert report.epsilon_lower_bound > TARGET_EPSILON
   else:
     assert 0.1 < report.epsilon_lower_bound < TARGET_EPSILON
+
+
+def test_run_keys_are_folded_from_the_run_index():
+  keys = audit.run_keys(3, 5)
+  for i in range(5):
+    np.testing.assert_array_equal(
+        jax.random.key_data(keys[i]),
+        jax.random.key_data(jax.random.fold_in(jax.random.key(3), i)))
+  # A smaller audit's runs are the first runs of a larger one.
+  np.testing.assert_array_equal(jax.random.key_data(audit.run_keys(3, 2)),
+                                jax.random.key_data(keys[:2]))
+  assert len(np.unique(jax.random.key_data(keys), axis=0)) == 5
+  with pytest.raises(ValueError, match='key'):
+    audit.run_keys(None, 5)
 
 
 def test_report_markdown_and_roc_plot(tmp_path):
@@ -439,6 +479,27 @@ def test_report_markdown_and_roc_plot(tmp_path):
   path = tmp_path / 'roc.png'
   audit.plot_roc([report, report], str(path), title='two panels')
   assert path.stat().st_size > 10_000
+  linear = tmp_path / 'roc_linear.png'
+  audit.plot_roc(report, str(linear), log_scale=False)
+  assert linear.stat().st_size > 10_000
+
+
+def test_docs_examples_run(tmp_path, monkeypatch):
+  # docs/audit.md's code blocks, as written: every family's recipe, a
+  # hand-written loop and a loop with a library transformation inside.
+  pytest.importorskip('matplotlib')
+  import pathlib  # pylint: disable=g-import-not-at-top
+  import re  # pylint: disable=g-import-not-at-top
+  docs = pathlib.Path(__file__).resolve().parents[1] / 'docs' / 'audit.md'
+  blocks = re.findall(r'```python\n(.*?)```', docs.read_text(), re.S)
+  assert len(blocks) == 3
+  monkeypatch.chdir(tmp_path)     # the first block writes roc.png
+  for block in blocks:
+    namespace = {'print': lambda *args: None}
+    exec(compile(block, str(docs), 'exec'), namespace)  # pylint: disable=exec-used
+    report = namespace['report']
+    assert 0.0 < report.epsilon_lower_bound < report.claimed_epsilon
+  assert (tmp_path / 'roc.png').exists()
 
 
 def test_refused_step_is_not_scored():
