@@ -305,6 +305,11 @@ def _dense_layout(tap: Tap, program: _Program):
   return a_perm, g_perm, num_batch, num_free_a
 
 
+# Up to this many positions (a unit's terms included) the Gram matrices are
+# formed by broadcasting rather than by matrix products.
+_FEW_POSITIONS = 4
+
+
 def _pair_basis(x: jax.Array, y: jax.Array, half: bool) -> jax.Array:
   """The terms of a pair in the sum/difference basis, stacked on axis 1."""
   scale = 0.5 if half else 1.0
@@ -347,6 +352,33 @@ def _dense_squared_norms(tap: Tap, program: _Program, leaf: jax.Array,
   features = _size(g.shape[2 + num_batch + num_free_a:])
   a = a.reshape(units, terms, batch, positions, contract)
   g = g.reshape(units, terms, batch, positions, features)
+  gram = (terms * positions) * (contract + features) <= contract * features
+  if terms * positions == 1 or (gram and
+                                terms * positions <= _FEW_POSITIONS):
+    # A few positions (a plain dense layer; a difference without sequence
+    # axis): one fused product-and-sum per pair of columns, each a pass
+    # over slices of `a` and `g`. Stacking the columns first, or an einsum
+    # (many tiny matrix products), measured several times slower on CPU.
+    cols_a = [a[:, t, :, p] for t in range(terms) for p in range(positions)]
+    cols_g = [g[:, t, :, p] for t in range(terms) for p in range(positions)]
+    if terms == 2:
+      cols_a = [(x + y) * 0.5 for x, y in zip(cols_a[:positions],
+                                              cols_a[positions:])] + [
+                                                  (x - y) * 0.5 for x, y in
+                                                  zip(cols_a[:positions],
+                                                      cols_a[positions:])]
+      cols_g = [x + y for x, y in zip(cols_g[:positions],
+                                      cols_g[positions:])] + [
+                                          x - y for x, y in
+                                          zip(cols_g[:positions],
+                                              cols_g[positions:])]
+    total = 0.0
+    for p, (ap, gp) in enumerate(zip(cols_a, cols_g)):
+      for aq, gq in zip(cols_a[p:], cols_g[p:]):
+        both = 1.0 if aq is ap else 2.0   # (p, q) and (q, p)
+        total = total + both * (jnp.sum(ap * aq, axis=-1) *
+                                jnp.sum(gp * gq, axis=-1))
+    return jnp.sum(total, axis=1)
   if terms == 2:
     a = _pair_basis(a[:, 0], a[:, 1], half=True)
     g = _pair_basis(g[:, 0], g[:, 1], half=False)
@@ -354,10 +386,7 @@ def _dense_squared_norms(tap: Tap, program: _Program, leaf: jax.Array,
   positions *= terms
   a = jnp.swapaxes(a, 1, 2).reshape(units, batch, positions, contract)
   g = jnp.swapaxes(g, 1, 2).reshape(units, batch, positions, features)
-  if positions == 1:
-    return jnp.sum(jnp.sum(jnp.square(a), axis=(2, 3)) *
-                   jnp.sum(jnp.square(g), axis=(2, 3)), axis=1)
-  if positions * (contract + features) <= contract * features:
+  if gram:
     gram_a = jnp.einsum('nbpc,nbqc->nbpq', a, a)
     gram_g = jnp.einsum('nbpf,nbqf->nbpq', g, g)
     return jnp.sum(gram_a * gram_g, axis=(1, 2, 3))
