@@ -113,6 +113,9 @@ class Tap:
     node: index of the consuming operation in the program.
     position: which operand of that operation is the parameter.
     rule: the layer rule's name (the primitive's name).
+    param_free: whether the operation's other operands depend on no
+      parameter (the data entering a first layer): they are then the same
+      at any two points, which a gradient difference uses.
   """
 
   leaf: int
@@ -120,6 +123,7 @@ class Tap:
   node: int
   position: int
   rule: str
+  param_free: bool = False
 
 
 class LayerRule(NamedTuple):
@@ -136,7 +140,7 @@ class LayerRule(NamedTuple):
       `[U, T]` (`g` already multiplied by the term's coefficient and
       divided by the clip norm; dropped terms are zero in both). The unit's
       gradient of the leaf is the sum over its terms of the operation's
-      vector-Jacobian product at `g`.
+      vector-Jacobian product at `g`. T may differ between taps.
   """
 
   check: Callable[[Tap, _Program], Optional[str]]
@@ -494,6 +498,16 @@ def analyze(loss_fn: Callable[[PyTree, PyTree], jax.Array], params: PyTree,
         f'{[str(a) for a in out_avals]}')
   program = _flatten(closed)
   taps = _find_taps(program, names)
+  # Values computed from the example alone (no parameter upstream).
+  dependent = set(program.invars[:len(leaves)])
+  for node in program.nodes:
+    if any(not isinstance(atom, _Const) and atom in dependent
+           for atom in node.invars):
+      dependent.update(node.outvars)
+  taps = tuple(dataclasses.replace(tap, param_free=all(
+      isinstance(atom, _Const) or atom not in dependent
+      for i, atom in enumerate(program.nodes[tap.node].invars)
+      if i != tap.position)) for tap in taps)
   return GhostPlan(program, taps, len(leaves), treedef)
 
 
@@ -695,9 +709,10 @@ def difference_terms(plan: GhostPlan, params: PyTree, prev_params: PyTree,
   """Units for `a grad f(params, d) - b grad f(prev_params, d)`, d one example.
 
   The first pass runs at both points; each example is a unit of two terms
-  with coefficients `a` and `-b`. The operations the layer rules handle are
-  linear in the parameter, so the terms' vector-Jacobian products do not
-  depend on the point they were recorded at.
+  with coefficients `a` and `-b` (one term `u (a v1 - b v2)^T` at a layer
+  whose input does not depend on the parameters). The operations the layer
+  rules handle are linear in the parameter, so the terms' vector-Jacobian
+  products do not depend on the point they were recorded at.
 
   Args:
     plan: from `analyze` at `params` (`prev_params` has the same signature).
@@ -708,15 +723,30 @@ def difference_terms(plan: GhostPlan, params: PyTree, prev_params: PyTree,
     b: scalar coefficient of the previous gradient (may be traced).
 
   Returns:
-    Weighted `LayerValues` with leading axes `[B, 2]`.
+    Weighted `LayerValues` with leading axes `[B, 2]` (`[B, 1]` for a tap
+    whose `param_free` is set).
   """
   current = layer_values(plan, params, rows)
   previous = layer_values(plan, prev_params, rows)
-  stacked = jax.tree_util.tree_map(lambda x, y: jnp.stack([x, y], axis=1),
-                                   current, previous)
-  size = jax.tree_util.tree_leaves(rows)[0].shape[0]
-  pair = jnp.stack([jnp.asarray(a, jnp.float32), -jnp.asarray(b, jnp.float32)])
-  return _weighted_terms(stacked, jnp.broadcast_to(pair, (size, 2)), None)
+  a = jnp.asarray(a, jnp.float32)
+  b = jnp.asarray(b, jnp.float32)
+  others, grads = [], []
+  for tap, now, before, g, h in zip(plan.taps, current.others,
+                                    previous.others, current.grads,
+                                    previous.grads):
+    acc = jnp.promote_types(g.dtype, jnp.float32)
+    if tap.param_free:
+      # The same operands at both points (computed alike from the example,
+      # so bitwise equal): the unit is the one term `u (a v1 - b v2)^T`,
+      # exact, cheaper, and without cross terms to cancel.
+      others.append(tuple(o[:, None] for o in now))
+      grads.append((a * g.astype(acc) - b * h.astype(acc))[:, None])
+    else:
+      others.append(tuple(jnp.stack([o, p], axis=1)
+                          for o, p in zip(now, before)))
+      grads.append(jnp.stack([a * g.astype(acc), -b * h.astype(acc)],
+                             axis=1))
+  return LayerValues(tuple(others), tuple(grads))
 
 
 def mean_terms(plan: GhostPlan, params: PyTree, items: PyTree,
@@ -809,23 +839,22 @@ def weighted_grad_sum(plan: GhostPlan, params: PyTree, values: LayerValues,
   sums = [jnp.zeros(jnp.shape(leaf), jnp.promote_types(leaf.dtype,
                                                         jnp.float32))
           for leaf in leaves]
-  if not plan.taps:
-    return jax.tree_util.tree_unflatten(plan.treedef, sums)
-  terms = values.grads[0].shape[1]
-  # Every term is one row of the vector-Jacobian product, weighted like its
-  # unit.
-  weights = jnp.repeat(weights, terms)
-  keep = jnp.repeat(keep, terms)
 
   def rows(x):
     return x.reshape((-1,) + x.shape[2:])
 
-  def rowwise(x):
-    return keep.reshape((-1,) + (1,) * (x.ndim - 1))
-
   for tap, others, g in zip(plan.taps, values.others, values.grads):
+    # Every term is one row of the vector-Jacobian product, weighted like
+    # its unit (the number of terms may differ between taps).
+    terms = g.shape[1]
+    row_weights = jnp.repeat(weights, terms)
+    row_keep = jnp.repeat(keep, terms)
+
+    def rowwise(x, row_keep=row_keep):
+      return row_keep.reshape((-1,) + (1,) * (x.ndim - 1))
+
     g = rows(g)
-    cotangent = (jnp.where(rowwise(g), g, 0) * weights.reshape(
+    cotangent = (jnp.where(rowwise(g), g, 0) * row_weights.reshape(
         (-1,) + (1,) * (g.ndim - 1)).astype(g.dtype)).astype(
             _aval(plan.program.nodes[tap.node]).dtype)
     others = tuple(jnp.where(rowwise(o), o, jnp.zeros((), o.dtype))

@@ -342,3 +342,13 @@ def test_tied_weights_fall_back_once_with_the_reason(kind):
   _assert_same(first, make(loss_fn, 1.0, method='vmap')(batch, *args))
   with pytest.raises(ghost.GhostClippingUnsupported, match='used 2 times'):
     make(loss_fn, 1.0, method='ghost')(batch, *args)
+
+
+def test_layers_fed_by_the_data_alone_are_marked_param_free():
+  # Their inputs are the same at both points, so a difference is one term
+  # there; a layer after a parameterized one keeps both terms.
+  loss_fn, params, batch = _model('mlp')
+  plan = ghost.analyze(loss_fn, params, batch)
+  names = ['hidden.b', 'hidden.w', 'out.b', 'out.w']   # leaves, sorted keys
+  assert {names[tap.leaf]: tap.param_free for tap in plan.taps} == {
+      'hidden.w': True, 'hidden.b': False, 'out.w': False, 'out.b': False}
