@@ -11,7 +11,12 @@ batch as `dpsgd_step.py` (500 examples, 784 inputs, 10 classes), for:
 * `accelerated_srgd`: `dpsco_jax.accelerated_dp_srgd` (Algorithm 1: the
   same estimator plus the z/y/x coupling and two projections);
 * `dpmemf` and `dp_srg_memf`: DP-MEMF and DP-SRG-MEMF (paper 001 Alg 2 and
-  3) with the same dense 64-step strategy, + `optax.sgd(momentum=0.9)`.
+  3) with the same dense 64-step strategy, + `optax.sgd(momentum=0.9)`;
+* `dpsgd clip only` and `srg clip only`: the clipped statistic alone (per
+  example gradients; differences at x_t and x_{t-1} with SRG's
+  coefficients) over B, then `optax.sgd`: NOT private, they separate the
+  cost of clipping from the mechanisms' draws (the binary tree's prefix
+  noise draws `popcount(t)` nodes per step, DP-SGD's one).
 
 `dpsgd`, `srg` and `accelerated_srgd` take the ghost path of their clipped
 statistics by default (`method='auto'`: ghost norms, no per-example
@@ -42,6 +47,7 @@ import sys
 import warnings
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -61,6 +67,7 @@ ITERS_SCALE = (20, 4)   # logistic regression, MLP
 RATIOS = (
     ('dpsgd', 'non-private'),
     ('srg', 'dpsgd'),
+    ('srg clip only', 'dpsgd clip only'),
     ('accelerated_srgd', 'dpsgd'),
     ('dp_srg_memf', 'dpmemf'),
     ('dpmemf', 'dpsgd'),
@@ -77,7 +84,36 @@ def _jitted(tx: optax.GradientTransformationExtraArgs,
 
 
 VARIANTS = ('non-private', 'dpsgd', 'srg', 'accelerated_srgd', 'dpmemf',
-            'dp_srg_memf')
+            'dp_srg_memf', 'dpsgd clip only', 'srg clip only')
+
+
+def clip_only_variant(model: dpsgd_step.Model,
+                      difference: bool) -> dpsgd_step.Variant:
+  """The clipped sum (default path) over B, then sgd: no noise.
+
+  NOT private: it isolates the cost of the clipped statistic (per-example
+  gradients for `dpsgd`, differences at x_t and x_{t-1} with SRG's
+  coefficients for `srg`) from the noise mechanisms' per-step draws.
+  """
+  loss = dpsgd_step.example_loss_fn(model.apply)
+  sgd = optax.sgd(dpsgd_step.LEARNING_RATE)
+  if difference:
+    statistic = dpsco_jax.clipped_grad_difference_sum(loss, dpsgd_step.L2_CLIP)
+  else:
+    statistic = dpsco_jax.clipped_grad_sum(loss, dpsgd_step.L2_CLIP)
+
+  @jax.jit
+  def step(params, state, batch):
+    prev, count, sgd_state = state
+    args = (params, prev, count + 1.0, count) if difference else (params,)
+    total = statistic(batch, *args).sum
+    grads = jax.tree_util.tree_map(lambda s: s / dpsgd_step.BATCH_SIZE, total)
+    updates, sgd_state = sgd.update(grads, sgd_state, params)
+    return (optax.apply_updates(params, updates),
+            (params, count + 1.0, sgd_state))
+
+  return dpsgd_step.Variant(
+      step, (model.params, jnp.float32(0.0), sgd.init(model.params)))
 
 
 def make_variants(model: dpsgd_step.Model,
@@ -112,6 +148,10 @@ def make_variants(model: dpsgd_step.Model,
   for name, build in builds.items():
     if name in only:
       variants[name] = _jitted(build(), model.params)
+  for name, difference in (('dpsgd clip only', False),
+                           ('srg clip only', True)):
+    if name in only:
+      variants[name] = clip_only_variant(model, difference)
   return variants
 
 
