@@ -17,10 +17,12 @@ Each returns a `ClippedStatistic`: call it to get a `ClippedSum`, ask it for
 `sensitivity(relation)` to get the l2 sensitivity the clipping guarantees. The
 accountant takes the sensitivity from here, never from a hand-copied constant.
 
-Two paths compute `clipped_grad_sum`: `'vmap'` forms every per-example
-gradient (any loss); `'ghost'` (`dpsco_jax.ghost`) gets the per-example norms
-from layer inputs and output gradients and never forms a per-example
-gradient, at about the cost of a non-private step. The default `'auto'`
+Two paths compute each statistic: `'vmap'` forms every per-unit
+contribution (any loss); `'ghost'` (`dpsco_jax.ghost`) gets the per-unit
+norms from layer inputs and output gradients (at both points for a
+difference, over a user's items for a user) and never forms a per-example
+gradient, at about the cost of a non-private step per point. The default
+`'auto'`
 takes the ghost path when every parameter of the loss is used once by a
 dense layer, a bias add or an elementwise scale, and otherwise falls back to
 `'vmap'` with one `GhostClippingFallbackWarning` naming the reason. The two

@@ -40,6 +40,16 @@ How a batch is processed (`clipping.ClippedStatistic` composes the steps):
    removed with `where` from both `a_i` and `g_i` (a zero weight would not
    do: `0 * NaN` is NaN).
 
+The same passes serve sums of per-example gradient TERMS per privacy unit
+(`gradient_terms`, `difference_terms`, `mean_terms`): a gradient difference
+`a grad f(x, d) - b grad f(x', d)` is one example at two points (the first
+pass runs at both), a user's mean gradient is its items' gradients times
+`1/m`. A dense layer's unit norm is then the Gram form over the unit's terms
+and positions together (for a difference the cross-term identity
+`a^2 |u1|^2 |v1|^2 + b^2 |u2|^2 |v2|^2 - 2ab (u1.u2)(v1.v2)`, evaluated in a
+sum/difference basis), and the clipped sum the same vector-Jacobian products
+over every term.
+
 Adding a layer type is one rule: a `LayerRule` registered in `LAYER_RULES`
 under the primitive's name (convolution: unfold the input into patches, then
 the dense-over-positions identity; embedding: the token-equality Gram form).
