@@ -330,6 +330,50 @@ def _pair_basis(x: jax.Array, y: jax.Array, half: bool) -> jax.Array:
   return jnp.stack([(x + y) * scale, (x - y) * scale], axis=1)
 
 
+def _norm(x: jax.Array) -> jax.Array:
+  return jnp.sqrt(jnp.sum(jnp.square(x), axis=-1))
+
+
+def _with_rounding_margin(squared: jax.Array, magnitude: jax.Array, *,
+                          contract: int, features: int, columns: int,
+                          dtype: Any) -> jax.Array:
+  """A squared norm raised by a bound on its rounding error: never below
+  the truth, so rounding never lets a contribution past the clip.
+
+  The dense layer's per-unit gradient is `M = sum_k a_k g_k^T` over its
+  columns k (positions, the terms of a difference in the sum/difference
+  basis), for each shared batch index. Its squared norm is computed as a
+  sum of products of both signs (the Gram form, the cross terms), or as the
+  squared entries of `A^T G`. With `S = sum_k |a_k| |g_k|` (summed in
+  squares over the batch indices), standard bounds on floating-point dot
+  products (`|fl(x . y) - x . y| <= gamma_n |x| |y|`, `gamma_n ~ n u`, u the
+  unit roundoff, whatever the summation order) put the computed value
+  within `(gamma_C + gamma_F + gamma_{K^2} + ...) S^2` of `|M|^2`, and the
+  clipped contribution, itself a product over the K columns, within
+  `gamma_K S` of `M`. Adding `2 (C + F + K^2 + 2 K + 8) u S^2` therefore
+  bounds `(|M| + gamma_K S)^2` from above: the contribution scaled by the
+  clip factor computed from it has norm at most the clip. When the terms
+  do not cancel, S^2 is about |M|^2 and the margin is a relative
+  `~1e-4` (clipping that much earlier); when they cancel (positions or
+  points built to cancel), the margin dominates and such units are clipped
+  hard rather than under-measured (`tests/test_ghost_rounding.py`).
+
+  Args:
+    squared: `[units]` computed squared norms.
+    magnitude: `[units, batch]` `S` per shared batch index.
+    contract, features: C and F, the dense layer's dot-product lengths.
+    columns: K, the columns summed per unit.
+    dtype: the accumulation dtype (its unit roundoff is used).
+
+  Returns:
+    `[units]` squared norms plus the margin.
+  """
+  roundoff = float(jnp.finfo(dtype).eps) / 2
+  factor = 2.0 * (contract + features + columns * columns + 2 * columns +
+                  8) * roundoff
+  return squared + factor * jnp.sum(jnp.square(magnitude), axis=-1)
+
+
 def _dense_squared_norms(tap: Tap, program: _Program, leaf: jax.Array,
                          others: Sequence[jax.Array],
                          g: jax.Array) -> jax.Array:
@@ -392,7 +436,10 @@ def _dense_squared_norms(tap: Tap, program: _Program, leaf: jax.Array,
         both = 1.0 if aq is ap else 2.0   # (p, q) and (q, p)
         total = total + both * (jnp.sum(ap * aq, axis=-1) *
                                 jnp.sum(gp * gq, axis=-1))
-    return jnp.sum(total, axis=1)
+    magnitude = sum(_norm(ap) * _norm(gp) for ap, gp in zip(cols_a, cols_g))
+    return _with_rounding_margin(
+        jnp.sum(total, axis=1), magnitude, contract=contract,
+        features=features, columns=len(cols_a), dtype=acc)
   if terms == 2:
     a = _pair_basis(a[:, 0], a[:, 1], half=True)
     g = _pair_basis(g[:, 0], g[:, 1], half=False)
@@ -400,12 +447,20 @@ def _dense_squared_norms(tap: Tap, program: _Program, leaf: jax.Array,
   positions *= terms
   a = jnp.swapaxes(a, 1, 2).reshape(units, batch, positions, contract)
   g = jnp.swapaxes(g, 1, 2).reshape(units, batch, positions, features)
+  # Full float32 products even where the default matmul precision is lower
+  # (TPU): the rounding margin below assumes them.
+  highest = jax.lax.Precision.HIGHEST
   if gram:
-    gram_a = jnp.einsum('nbpc,nbqc->nbpq', a, a)
-    gram_g = jnp.einsum('nbpf,nbqf->nbpq', g, g)
-    return jnp.sum(gram_a * gram_g, axis=(1, 2, 3))
-  per_unit = jnp.einsum('nbpc,nbpf->nbcf', a, g)
-  return jnp.sum(jnp.square(per_unit), axis=(1, 2, 3))
+    gram_a = jnp.einsum('nbpc,nbqc->nbpq', a, a, precision=highest)
+    gram_g = jnp.einsum('nbpf,nbqf->nbpq', g, g, precision=highest)
+    squared = jnp.sum(gram_a * gram_g, axis=(1, 2, 3))
+  else:
+    per_unit = jnp.einsum('nbpc,nbpf->nbcf', a, g, precision=highest)
+    squared = jnp.sum(jnp.square(per_unit), axis=(1, 2, 3))
+  magnitude = jnp.sum(_norm(a) * _norm(g), axis=2)
+  return _with_rounding_margin(squared, magnitude, contract=contract,
+                               features=features, columns=positions,
+                               dtype=acc)
 
 
 def dense_uses_gram(tap: Tap, plan: GhostPlan,

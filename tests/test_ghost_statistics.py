@@ -229,6 +229,13 @@ def _poison_masked_items(items, item_mask):
   return jax.tree_util.tree_map(poison, items)
 
 
+# The ghost norms carry a rounding margin (ghost._with_rounding_margin) that
+# grows with the columns per unit: a user of the sequence model has
+# ITEMS x positions of them, so its clip factor may be smaller than the vmap
+# path's by up to ~1e-4 relative (clipping a little earlier, never later).
+USER_RTOL = {'logistic_regression': 1e-5, 'mlp': 1e-5, 'sequence': 2e-4}
+
+
 @pytest.mark.parametrize('model', MODELS)
 def test_user_ghost_equals_vmap(model):
   loss_fn, params, items, item_mask = _user_case(model)
@@ -236,12 +243,12 @@ def test_user_ghost_equals_vmap(model):
                              item_mask)
   clip = _clip_between_norms('user', loss_fn, batch, (params,))
   ghost_out, vmap_out = _both('user', loss_fn, batch, (params,), clip)
-  _assert_same(ghost_out, vmap_out)
+  _assert_same(ghost_out, vmap_out, rtol=USER_RTOL[model])
   assert int(ghost_out.count) == USERS
   assert 0 < int(vmap_out.num_clipped) < USERS
   # Without an item mask every item counts (a bare pytree of items).
   ghost_out, vmap_out = _both('user', loss_fn, items, (params,), clip)
-  _assert_same(ghost_out, vmap_out)
+  _assert_same(ghost_out, vmap_out, rtol=USER_RTOL[model])
 
 
 @pytest.mark.parametrize('model', ['mlp', 'sequence'])
@@ -255,7 +262,7 @@ def test_user_mask_nan_and_microbatches(model):
   for microbatch_size in (None, 4):
     ghost_out, vmap_out = _both('user', loss_fn, batch, (params,), 0.5,
                                 mask=mask, microbatch_size=microbatch_size)
-    _assert_same(ghost_out, vmap_out)
+    _assert_same(ghost_out, vmap_out, rtol=USER_RTOL[model])
     assert int(ghost_out.num_nonfinite) == 1
     assert int(ghost_out.count) == USERS - 1
     assert np.all(np.isfinite(_flat(ghost_out.sum)))
