@@ -11,23 +11,43 @@ batch as `dpsgd_step.py` (500 examples, 784 inputs, 10 classes), for:
 * `accelerated_srgd`: `dpsco_jax.accelerated_dp_srgd` (Algorithm 1: the
   same estimator plus the z/y/x coupling and two projections);
 * `dpmemf` and `dp_srg_memf`: DP-MEMF and DP-SRG-MEMF (paper 001 Alg 2 and
-  3) with the same dense 64-step strategy, + `optax.sgd(momentum=0.9)`.
+  3) with the same dense 64-step strategy, + `optax.sgd(momentum=0.9)`;
+* `dpsgd clip only` and `srg clip only`: the clipped statistic alone (per
+  example gradients; differences at x_t and x_{t-1} with SRG's
+  coefficients) over B, then `optax.sgd`: NOT private, they separate the
+  cost of clipping from the mechanisms' draws (the binary tree's prefix
+  noise draws `popcount(t)` nodes per step, DP-SGD's one).
+
+`dpsgd`, `srg` and `accelerated_srgd` take the ghost path of their clipped
+statistics by default (`method='auto'`: ghost norms, no per-example
+gradient; `srg` runs the first pass at both points). Before timing, the
+script prints, per model, which path each statistic takes and how closely
+the ghost and vmap clipped difference sums agree on the batch.
 
 Variants are interleaved in rounds with a rotating order (machine-load drift
 hits all alike); the reported time is the median over rounds of the mean
 per-step time. The ratios are printed side by side from the same run.
 
+`--only` times a subset (e.g. `--only non-private,dpsgd,srg`). Without the
+MEMF variants (whose dense strategy holds 64 steps) each round times
+`--iters` x a per-model scale (x20 logistic regression, x4 the MLP), so
+that the cheap steps are timed over enough steps to beat timer jitter.
+
 Usage (from the repository root)::
 
     python benchmarks/srg_step.py [--iters 5] [--warmup 1] [--rounds 5]
+        [--only non-private,dpsgd,srg]
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
+import warnings
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -36,11 +56,18 @@ import dpsgd_step  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 import dpsco_jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-# Capacity of the noise mechanisms: more than compile + warm-up + timed steps.
+# Capacity of the MEMF strategies (dense, so kept small): more than
+# compile + warm-up + timed steps.
 NUM_STEPS = 64
+# Capacity of the tree and i.i.d. mechanisms (their state grows as log T).
+TREE_STEPS = 4096
+MEMF_VARIANTS = ('dpmemf', 'dp_srg_memf')
+# Steps per round relative to --iters, when no MEMF variant is timed.
+ITERS_SCALE = (20, 4)   # logistic regression, MLP
 RATIOS = (
     ('dpsgd', 'non-private'),
     ('srg', 'dpsgd'),
+    ('srg clip only', 'dpsgd clip only'),
     ('accelerated_srgd', 'dpsgd'),
     ('dp_srg_memf', 'dpmemf'),
     ('dpmemf', 'dpsgd'),
@@ -56,8 +83,43 @@ def _jitted(tx: optax.GradientTransformationExtraArgs,
   return dpsgd_step.Variant(step, tx.init(params))
 
 
-def make_variants(model: dpsgd_step.Model) -> dict[str, dpsgd_step.Variant]:
-  """Every variant of the module docstring, for `model`."""
+VARIANTS = ('non-private', 'dpsgd', 'srg', 'accelerated_srgd', 'dpmemf',
+            'dp_srg_memf', 'dpsgd clip only', 'srg clip only')
+
+
+def clip_only_variant(model: dpsgd_step.Model,
+                      difference: bool) -> dpsgd_step.Variant:
+  """The clipped sum (default path) over B, then sgd: no noise.
+
+  NOT private: it isolates the cost of the clipped statistic (per-example
+  gradients for `dpsgd`, differences at x_t and x_{t-1} with SRG's
+  coefficients for `srg`) from the noise mechanisms' per-step draws.
+  """
+  loss = dpsgd_step.example_loss_fn(model.apply)
+  sgd = optax.sgd(dpsgd_step.LEARNING_RATE)
+  if difference:
+    statistic = dpsco_jax.clipped_grad_difference_sum(loss, dpsgd_step.L2_CLIP)
+  else:
+    statistic = dpsco_jax.clipped_grad_sum(loss, dpsgd_step.L2_CLIP)
+
+  @jax.jit
+  def step(params, state, batch):
+    prev, count, sgd_state = state
+    args = (params, prev, count + 1.0, count) if difference else (params,)
+    total = statistic(batch, *args).sum
+    grads = jax.tree_util.tree_map(lambda s: s / dpsgd_step.BATCH_SIZE, total)
+    updates, sgd_state = sgd.update(grads, sgd_state, params)
+    return (optax.apply_updates(params, updates),
+            (params, count + 1.0, sgd_state))
+
+  return dpsgd_step.Variant(
+      step, (model.params, jnp.float32(0.0), sgd.init(model.params)))
+
+
+def make_variants(model: dpsgd_step.Model,
+                  only: tuple[str, ...] = VARIANTS
+                  ) -> dict[str, dpsgd_step.Variant]:
+  """The variants of the module docstring named in `only`, for `model`."""
   loss = dpsgd_step.example_loss_fn(model.apply)
   common = dict(l2_clip=dpsgd_step.L2_CLIP,
                 noise_multiplier=dpsgd_step.NOISE_MULTIPLIER, key=0)
@@ -66,39 +128,102 @@ def make_variants(model: dpsgd_step.Model) -> dict[str, dpsgd_step.Variant]:
   memf = dict(strategy=strategy, steps_per_epoch=NUM_STEPS,
               check_order=False, **common)
   momentum = optax.sgd(dpsgd_step.LEARNING_RATE, momentum=0.9)
+  # Built lazily: only the selected variants are compiled.
   builds = {
-      'dpsgd': optax.chain(dpsco_jax.dpsgd(loss, num_steps=NUM_STEPS,
-                                           **common), sgd),
-      'srg': optax.chain(dpsco_jax.srg_gradient(loss, num_steps=NUM_STEPS,
-                                                **common), sgd),
-      'accelerated_srgd': dpsco_jax.accelerated_dp_srgd(
-          loss, num_steps=NUM_STEPS, beta=1.0 / dpsgd_step.LEARNING_RATE,
+      'dpsgd': lambda: optax.chain(dpsco_jax.dpsgd(
+          loss, num_steps=TREE_STEPS, **common), sgd),
+      'srg': lambda: optax.chain(dpsco_jax.srg_gradient(
+          loss, num_steps=TREE_STEPS, **common), sgd),
+      'accelerated_srgd': lambda: dpsco_jax.accelerated_dp_srgd(
+          loss, num_steps=TREE_STEPS, beta=1.0 / dpsgd_step.LEARNING_RATE,
           radius=100.0, **common),
-      'dpmemf': optax.chain(dpsco_jax.dpmemf(loss, **memf), momentum),
-      'dp_srg_memf': optax.chain(
+      'dpmemf': lambda: optax.chain(dpsco_jax.dpmemf(loss, **memf), momentum),
+      'dp_srg_memf': lambda: optax.chain(
           dpsco_jax.dp_srg_memf(loss, decay=float(np.exp(-2.5)), **memf),
           momentum),
   }
-  variants = {'non-private': dpsgd_step.non_private_variant(model)}
-  for name, tx in builds.items():
-    variants[name] = _jitted(tx, model.params)
+  variants = {}
+  if 'non-private' in only:
+    variants['non-private'] = dpsgd_step.non_private_variant(model)
+  for name, build in builds.items():
+    if name in only:
+      variants[name] = _jitted(build(), model.params)
+  for name, difference in (('dpsgd clip only', False),
+                           ('srg clip only', True)):
+    if name in only:
+      variants[name] = clip_only_variant(model, difference)
   return variants
 
 
+def describe_paths(model: dpsgd_step.Model, batch: dpsgd_step.Batch) -> str:
+  """Which path the clipped statistics take, and ghost-vs-vmap agreement."""
+  loss = dpsgd_step.example_loss_fn(model.apply)
+  params = model.params
+  # The previous point of a mid-run step: a small step away.
+  prev = jax.tree_util.tree_map(lambda p: p * 0.99 + 1e-3, params)
+  args = (params, prev, 5.0, 4.0)
+  with warnings.catch_warnings():
+    warnings.simplefilter('ignore', dpsco_jax.GhostClippingFallbackWarning)
+    paths = {
+        'dpsgd': dpsco_jax.clipped_grad_sum(loss, dpsgd_step.L2_CLIP)
+                 .ghost_plan(batch, params),
+        'srg': dpsco_jax.clipped_grad_difference_sum(loss, dpsgd_step.L2_CLIP)
+               .ghost_plan(batch, *args)}
+  sums = [jax.jit(dpsco_jax.clipped_grad_difference_sum(
+      loss, dpsgd_step.L2_CLIP, method=method))(batch, *args)
+          for method in ('ghost', 'vmap')]
+  ghost, vmap = (np.concatenate([np.ravel(leaf) for leaf in
+                                 jax.tree_util.tree_leaves(s.sum)])
+                 for s in sums)
+  difference = np.max(np.abs(ghost - vmap)) / np.max(np.abs(vmap))
+  taken = ', '.join(f'{name} {"ghost" if plan is not None else "vmap"}'
+                    for name, plan in paths.items())
+  return (f'  paths: {taken}; ghost vs vmap clipped difference sum '
+          f'(a=5, b=4): max |diff| / max |sum| = {difference:.1e}, clipped '
+          f'{int(sums[0].num_clipped)} vs {int(sums[1].num_clipped)}')
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+  """`dpsgd_step`'s flags, and `--only`."""
+  parser = argparse.ArgumentParser(add_help=False)
+  parser.add_argument('--only', default=','.join(VARIANTS),
+                      help=f'comma-separated subset of {VARIANTS}')
+  known, rest = parser.parse_known_args(argv)
+  args = dpsgd_step.parse_args(rest)
+  args.only = tuple(known.only.split(','))
+  unknown = sorted(set(args.only) - set(VARIANTS))
+  if unknown:
+    raise SystemExit(f'unknown variants {unknown}; choose from {VARIANTS}')
+  return args
+
+
 def main(argv: list[str]) -> None:
-  """Benchmarks every variant on each model and prints the ratios."""
-  args = dpsgd_step.parse_args(argv)
-  if 1 + args.warmup + args.rounds * args.iters > NUM_STEPS:
-    raise SystemExit(f'at most {NUM_STEPS} steps per variant: lower '
+  """Benchmarks the selected variants on each model and prints the ratios."""
+  args = parse_args(argv)
+  with_memf = any(name in MEMF_VARIANTS for name in args.only)
+  scales = (1, 1) if with_memf else ITERS_SCALE
+  capacity = NUM_STEPS if with_memf else TREE_STEPS
+  if 1 + args.warmup + args.rounds * args.iters * max(scales) > capacity:
+    raise SystemExit(f'at most {capacity} steps per variant: lower '
                      '--iters, --rounds or --warmup')
+  # The variants reuse a fixed noise key on purpose: these runs only time
+  # steps, they release nothing.
+  warnings.filterwarnings('ignore', category=dpsco_jax.keys.KeyReuseWarning)
   dpsgd_step.print_header(dpsco_jax, '', None, 'not measured here', args)
+  print(f'variants {", ".join(args.only)}; steps per round: --iters x '
+        f'{scales[0]} (logistic regression), x {scales[1]} (MLP); load '
+        f'average {", ".join(f"{x:.2f}" for x in os.getloadavg())}')
   rng = np.random.default_rng(dpsgd_step.DATA_SEED)
   models = dpsgd_step.make_models(rng)
   batch = dpsgd_step.make_batch(rng)
-  for model in models:
-    times = dpsgd_step.benchmark(model, make_variants(model), batch,
-                                 args.iters, args.warmup, args.rounds)
+  for model, scale in zip(models, scales):
+    times = dpsgd_step.benchmark(model, make_variants(model, args.only),
+                                 batch, args.iters * scale, args.warmup,
+                                 args.rounds)
     dpsgd_step.print_results(model, times, RATIOS)
+    print(describe_paths(model, batch))
+  print(f'load average at the end '
+        f'{", ".join(f"{x:.2f}" for x in os.getloadavg())}')
 
 
 if __name__ == '__main__':

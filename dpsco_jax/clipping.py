@@ -17,10 +17,12 @@ Each returns a `ClippedStatistic`: call it to get a `ClippedSum`, ask it for
 `sensitivity(relation)` to get the l2 sensitivity the clipping guarantees. The
 accountant takes the sensitivity from here, never from a hand-copied constant.
 
-Two paths compute `clipped_grad_sum`: `'vmap'` forms every per-example
-gradient (any loss); `'ghost'` (`dpsco_jax.ghost`) gets the per-example norms
-from layer inputs and output gradients and never forms a per-example
-gradient, at about the cost of a non-private step. The default `'auto'`
+Two paths compute each statistic: `'vmap'` forms every per-unit
+contribution (any loss); `'ghost'` (`dpsco_jax.ghost`) gets the per-unit
+norms from layer inputs and output gradients (at both points for a
+difference, over a user's items for a user) and never forms a per-example
+gradient, at about the cost of a non-private step per point. The default
+`'auto'`
 takes the ghost path when every parameter of the loss is used once by a
 dense layer, a bias add or an elementwise scale, and otherwise falls back to
 `'vmap'` with one `GhostClippingFallbackWarning` naming the reason. The two
@@ -208,16 +210,99 @@ def _clip_and_sum_rows(contributions: PyTree, mask: jax.Array,
       sum=jax.tree_util.tree_map(weighted_sum, contributions))
 
 
-def _ghost_clip_and_sum_rows(plan: ghost.GhostPlan, params: PyTree,
-                             rows: PyTree, mask: jax.Array,
-                             l2_clip: float) -> ClippedSum:
-  """`_clip_and_sum_rows` of per-example gradients, from ghost norms.
+class GhostForm(NamedTuple):
+  """How a statistic's units are sums of per-example gradient terms.
 
-  No per-example gradient is formed: norms come from layer inputs and output
+  The ghost path (`dpsco_jax.ghost`) computes a unit's norm and the clipped
+  sum from the layer inputs and output gradients of the unit's terms: one
+  term per example for `clipped_grad_sum`, two (the same example at both
+  points) for `clipped_grad_difference_sum`, one per item for
+  `clipped_user_grad_sum`.
+
+  Attributes:
+    signature: `(batch, *args) -> (params, examples)`: the params and a
+      batch of single examples (leading axis) to analyze `loss_fn` at.
+      Raises `ghost.GhostClippingUnsupported` for arguments the form does
+      not take.
+    terms: `(plan, batch, *args) -> ghost.LayerValues` with leading axes
+      `[units, terms]` (`ghost.gradient_terms` and its siblings).
+  """
+
+  signature: Callable[..., tuple[PyTree, PyTree]]
+  terms: Callable[..., ghost.LayerValues]
+
+
+def _one_params_argument(args: tuple[Any, ...]) -> PyTree:
+  if len(args) != 1:
+    raise ghost.GhostClippingUnsupported(
+        f'the statistic takes (batch, params), got {len(args)} arguments '
+        'after the batch')
+  return args[0]
+
+
+GRADIENT_FORM = GhostForm(
+    signature=lambda batch, *args: (_one_params_argument(args), batch),
+    terms=lambda plan, batch, *args: ghost.gradient_terms(
+        plan, _one_params_argument(args), batch))
+
+
+def _difference_arguments(args: tuple[Any, ...]):
+  """`(params, prev_params, a, b)` from a difference statistic's arguments."""
+  if not 2 <= len(args) <= 4:
+    raise ghost.GhostClippingUnsupported(
+        'the statistic takes (batch, params, prev_params, a=1.0, b=1.0), got '
+        f'{len(args)} arguments after the batch')
+  params, prev_params, a, b = (*args, 1.0, 1.0)[:4]
+  types = [jax.tree_util.tree_map(lambda x: (jnp.shape(x), jax.typeof(x).dtype),
+                                  tree) for tree in (params, prev_params)]
+  if (jax.tree_util.tree_structure(params) !=
+      jax.tree_util.tree_structure(prev_params) or types[0] != types[1]):
+    raise ghost.GhostClippingUnsupported(
+        'params and prev_params differ in structure, shapes or dtypes')
+  return params, prev_params, a, b
+
+
+def _difference_terms(plan, batch, *args):
+  params, prev_params, a, b = _difference_arguments(args)
+  return ghost.difference_terms(plan, params, prev_params, batch, a, b)
+
+
+DIFFERENCE_FORM = GhostForm(
+    signature=lambda batch, *args: (_difference_arguments(args)[0], batch),
+    terms=_difference_terms)
+
+
+def _user_items(unit: PyTree) -> tuple[PyTree, Optional[jax.Array]]:
+  """`(items, item_mask)` of a `UserBatch` or a bare pytree of items."""
+  if isinstance(unit, UserBatch):
+    return unit.items, unit.item_mask
+  return unit, None
+
+
+def _user_signature(batch, *args):
+  items, _ = _user_items(batch)
+  # One user's items: a batch of single items.
+  return _one_params_argument(args), jax.tree_util.tree_map(
+      lambda x: x[0], items)
+
+
+USER_FORM = GhostForm(
+    signature=_user_signature,
+    terms=lambda plan, batch, *args: ghost.mean_terms(
+        plan, _one_params_argument(args), *_user_items(batch)))
+
+
+def _ghost_clip_and_sum_rows(plan: ghost.GhostPlan, form: GhostForm,
+                             rows: PyTree, args: tuple[Any, ...],
+                             mask: jax.Array, l2_clip: float) -> ClippedSum:
+  """`_clip_and_sum_rows` of the units' gradients, from ghost norms.
+
+  No per-unit gradient is formed: norms come from layer inputs and output
   gradients (`dpsco_jax.ghost`), and the clipped sum from the same values
   re-weighted by the clip factors.
   """
-  values = ghost.layer_values(plan, params, rows)
+  params, _ = form.signature(rows, *args)
+  values = form.terms(plan, rows, *args)
   squared = ghost.squared_norms(plan, params, values, 1.0 / l2_clip,
                                 mask.shape[0])
   used, factors, counters = _clip_factors(squared, mask)
@@ -350,6 +435,8 @@ class ClippedStatistic:
     loss_fn: `loss_fn(params, example) -> scalar` when the contribution is
       its gradient (`args == (params,)`); required unless `method='vmap'`.
     method: 'vmap', 'ghost' or 'auto'.
+    ghost_form: how a unit's gradient is made of per-example gradient terms
+      (`GRADIENT_FORM`, `DIFFERENCE_FORM` or `USER_FORM`).
   """
 
   contribution_fn: Callable[..., PyTree]
@@ -359,6 +446,7 @@ class ClippedStatistic:
   min_ndim: int = 1
   loss_fn: Optional[Callable[[PyTree, PyTree], jax.Array]] = None
   method: str = 'vmap'
+  ghost_form: GhostForm = GRADIENT_FORM
   # Fallback reasons already announced by this statistic (once each).
   _announced: set = dataclasses.field(
       default_factory=set, init=False, repr=False, compare=False, hash=False)
@@ -395,12 +483,9 @@ class ClippedStatistic:
     if self.method == 'vmap':
       return None
     try:
-      if len(args) != 1:
-        raise ghost.GhostClippingUnsupported(
-            f'the statistic takes (batch, params), got {len(args)} arguments '
-            'after the batch')
-      plan = ghost.analyze(self.loss_fn, args[0], batch)
-      self._trace_ghost_passes(plan, args[0], batch)
+      params, examples = self.ghost_form.signature(batch, *args)
+      plan = ghost.analyze(self.loss_fn, params, examples)
+      self._trace_ghost_passes(plan, batch, args)
       return plan
     except ghost.GhostClippingUnsupported as e:
       if self.method == 'ghost':
@@ -415,9 +500,9 @@ class ClippedStatistic:
             GhostClippingFallbackWarning, stacklevel=3)
       return None
 
-  def _trace_ghost_passes(self, plan: ghost.GhostPlan, params: PyTree,
-                          batch: PyTree) -> None:
-    """Traces the ghost passes on one example without running them.
+  def _trace_ghost_passes(self, plan: ghost.GhostPlan, batch: PyTree,
+                          args: tuple[Any, ...]) -> None:
+    """Traces the ghost passes on one unit without running them.
 
     A loss the analysis accepts but the ghost passes cannot evaluate (an
     operation the interpreter does not handle) then falls back like any
@@ -428,7 +513,8 @@ class ClippedStatistic:
     """
     try:
       jax.eval_shape(lambda: _ghost_clip_and_sum_rows(
-          plan, params, jax.tree_util.tree_map(lambda x: x[:1], batch),
+          plan, self.ghost_form,
+          jax.tree_util.tree_map(lambda x: x[:1], batch), args,
           jnp.ones((1,), bool), self.l2_clip))
     except Exception as e:  # pylint: disable=broad-exception-caught
       raise ghost.GhostClippingUnsupported(
@@ -447,10 +533,9 @@ class ClippedStatistic:
       return clipped_sum(
           self.contribution_fn, batch, *args, l2_clip=self.l2_clip, mask=mask,
           microbatch_size=self.microbatch_size, min_ndim=self.min_ndim)
-    (params,) = args
     return _sum_in_blocks(
         lambda rows, rows_mask: _ghost_clip_and_sum_rows(
-            plan, params, rows, rows_mask, self.l2_clip),
+            plan, self.ghost_form, rows, args, rows_mask, self.l2_clip),
         batch, mask, self.microbatch_size)
 
   def sensitivity(
@@ -522,6 +607,7 @@ def clipped_grad_difference_sum(
     l2_clip: float,
     *,
     microbatch_size: Optional[int] = None,
+    method: str = 'auto',
 ) -> ClippedStatistic:
   """Sum of per-example gradient differences, each difference clipped.
 
@@ -531,6 +617,16 @@ def clipped_grad_difference_sum(
   separately would give a sensitivity growing with `a + b`; papers 000/001
   Alg. 1, 001 Alg. 3, paper 003 Alg. 1, paper 004 Alg. 3/5).
 
+  By default (`method='auto'`) the sum is computed with ghost norms when
+  the loss qualifies (as for `clipped_grad_sum`): the first pass runs at
+  both points, each dense layer's difference norm comes from the cross-term
+  identity `||a u1 v1^T - b u2 v2^T||^2 = a^2 |u1|^2 |v1|^2 + b^2 |u2|^2
+  |v2|^2 - 2ab (u1.u2)(v1.v2)` (Gram forms with positions), evaluated in a
+  sum/difference basis that stays accurate when the points are close, and
+  the clipped sum from the stored values at both points with cotangents
+  `w_i a g_i` and `-w_i b g'_i`: about two non-private steps, no
+  per-example gradient. Other losses fall back to `'vmap'`, announced once.
+
   Example:
     >>> stat = clipped_grad_difference_sum(loss_fn, l2_clip=1.0)
     >>> out = stat(batch, params, prev_params, 2.0, 1.0)   # a=2, b=1
@@ -539,11 +635,18 @@ def clipped_grad_difference_sum(
     loss_fn: `loss_fn(params, example) -> scalar` for ONE example.
     l2_clip: clip norm per example difference.
     microbatch_size: optional cap on per-example differences held at once.
+    method: 'auto' (default), 'ghost' (raise if the loss does not qualify)
+      or 'vmap' (always per-example gradients).
 
   Returns:
     A `ClippedStatistic` called as
     `stat(batch, params, prev_params, a=1.0, b=1.0, mask=None)`; `a` and `b`
     may be traced scalars.
+
+  Raises:
+    ValueError: for a bad clip norm or method.
+    ghost.GhostClippingUnsupported: when called, for `method='ghost'` and a
+      loss that does not qualify (the message says why).
   """
   grad_fn = jax.grad(loss_fn)
 
@@ -554,7 +657,8 @@ def clipped_grad_difference_sum(
 
   return ClippedStatistic(
       contribution_fn=difference, l2_clip=l2_clip,
-      microbatch_size=microbatch_size)
+      microbatch_size=microbatch_size, loss_fn=loss_fn, method=method,
+      ghost_form=DIFFERENCE_FORM)
 
 
 class UserBatch(NamedTuple):
@@ -575,12 +679,20 @@ def clipped_user_grad_sum(
     l2_clip: float,
     *,
     microbatch_size: Optional[int] = None,
+    method: str = 'auto',
 ) -> ClippedStatistic:
   """Sum over users of the clipped gradient of each user's mean loss.
 
   User u contributes `grad (1/m_u) sum_j f(params, item_{u,j})` (the mean of
   its per-item gradients), clipped to `l2_clip`. Changing ALL of one user's
   items moves the sum by at most the sensitivity (user-level DP, paper 002).
+
+  By default (`method='auto'`) the sum is computed with ghost norms when
+  the loss qualifies (as for `clipped_grad_sum`): one first pass over every
+  item, then per dense layer the Gram form over a user's items (and
+  positions together), `(1/m^2) sum_{j,k} (a_j . a_k)(g_j . g_k)` over the
+  m unmasked items, and the clipped sum from the same values: no per-item
+  or per-user gradient. Other losses fall back to `'vmap'`, announced once.
 
   Example:
     >>> stat = clipped_user_grad_sum(loss_fn, l2_clip=1.0)
@@ -590,19 +702,23 @@ def clipped_user_grad_sum(
     loss_fn: `loss_fn(params, example) -> scalar` for ONE item.
     l2_clip: clip norm per user.
     microbatch_size: optional cap on users processed at once.
+    method: 'auto' (default), 'ghost' (raise if the loss does not qualify)
+      or 'vmap' (always per-item gradients).
 
   Returns:
     A `ClippedStatistic` called as `stat(batch, params, mask=None)`, where
     `batch` is a `UserBatch` (or a bare pytree of `[users, items, ...]`
     leaves when every item counts) and `mask[u]` False drops user u.
+
+  Raises:
+    ValueError: for a bad clip norm or method.
+    ghost.GhostClippingUnsupported: when called, for `method='ghost'` and a
+      loss that does not qualify (the message says why).
   """
   grad_fn = jax.grad(loss_fn)
 
   def user_gradient(unit, params):
-    if isinstance(unit, UserBatch):
-      items, item_mask = unit.items, unit.item_mask
-    else:
-      items, item_mask = unit, None
+    items, item_mask = _user_items(unit)
     per_item = jax.vmap(grad_fn, in_axes=(None, 0))(params, items)
     if item_mask is None:
       return jax.tree_util.tree_map(lambda g: jnp.mean(g, axis=0), per_item)
@@ -616,4 +732,5 @@ def clipped_user_grad_sum(
 
   return ClippedStatistic(
       contribution_fn=user_gradient, l2_clip=l2_clip,
-      microbatch_size=microbatch_size, unit='user', min_ndim=2)
+      microbatch_size=microbatch_size, unit='user', min_ndim=2,
+      loss_fn=loss_fn, method=method, ghost_form=USER_FORM)

@@ -40,6 +40,16 @@ How a batch is processed (`clipping.ClippedStatistic` composes the steps):
    removed with `where` from both `a_i` and `g_i` (a zero weight would not
    do: `0 * NaN` is NaN).
 
+The same passes serve sums of per-example gradient TERMS per privacy unit
+(`gradient_terms`, `difference_terms`, `mean_terms`): a gradient difference
+`a grad f(x, d) - b grad f(x', d)` is one example at two points (the first
+pass runs at both), a user's mean gradient is its items' gradients times
+`1/m`. A dense layer's unit norm is then the Gram form over the unit's terms
+and positions together (for a difference the cross-term identity
+`a^2 |u1|^2 |v1|^2 + b^2 |u2|^2 |v2|^2 - 2ab (u1.u2)(v1.v2)`, evaluated in a
+sum/difference basis), and the clipped sum the same vector-Jacobian products
+over every term.
+
 Adding a layer type is one rule: a `LayerRule` registered in `LAYER_RULES`
 under the primitive's name (convolution: unfold the input into patches, then
 the dense-over-positions identity; embedding: the token-equality Gram form).
@@ -113,6 +123,9 @@ class Tap:
     node: index of the consuming operation in the program.
     position: which operand of that operation is the parameter.
     rule: the layer rule's name (the primitive's name).
+    param_free: whether the operation's other operands depend on no
+      parameter (the data entering a first layer): they are then the same
+      at any two points, which a gradient difference uses.
   """
 
   leaf: int
@@ -120,6 +133,7 @@ class Tap:
   node: int
   position: int
   rule: str
+  param_free: bool = False
 
 
 class LayerRule(NamedTuple):
@@ -128,12 +142,15 @@ class LayerRule(NamedTuple):
   Attributes:
     check: `check(tap, program) -> None or reason`; a reason makes the whole
       loss unsupported.
-    squared_norms: `squared_norms(tap, program, leaf, others, g) -> [B]`, the
-      per-example squared norms of the leaf's gradient, given the leaf's
-      value, the operation's other operands for every example (`others`,
-      each with a leading example axis) and the gradient at its output `g`
-      (`[B, *out_shape]`, already divided by the clip norm), in float32 or
-      wider.
+    squared_norms: `squared_norms(tap, program, leaf, others, g) -> [U]`, the
+      per-unit squared norms of the leaf's gradient, in float32 or wider.
+      A unit (an example, a difference, a user) is a sum of T terms, each
+      one example's gradient at some params: `others` are the operation's
+      other operands and `g` the gradient at its output, with leading axes
+      `[U, T]` (`g` already multiplied by the term's coefficient and
+      divided by the clip norm; dropped terms are zero in both). The unit's
+      gradient of the leaf is the sum over its terms of the operation's
+      vector-Jacobian product at `g`. T may differ between taps.
   """
 
   check: Callable[[Tap, _Program], Optional[str]]
@@ -248,16 +265,21 @@ def _sum_squares(x: jax.Array) -> jax.Array:
 def _materialized_squared_norms(tap: Tap, program: _Program, leaf: jax.Array,
                                 others: Sequence[jax.Array],
                                 g: jax.Array) -> jax.Array:
-  """Squared norms of per-example gradients of ONE leaf, materialized.
+  """Squared norms of per-unit gradients of ONE leaf, materialized.
 
   The gradient of the leaf through its single use is the vector-Jacobian
-  product of that use at the output gradient; vmapped over examples it is
-  the per-example gradient of this leaf only (cheap for biases and scales).
+  product of that use at the output gradient; taken over a unit's terms at
+  once (the product of a vmapped use sums over them) and vmapped over units,
+  it is the per-unit gradient of this leaf only (cheap for biases and
+  scales).
   """
+  dtype = _aval(program.nodes[tap.node]).dtype
 
-  def one(others_i, g_i):
-    _, vjp = jax.vjp(lambda p: _apply_tap(program, tap, p, others_i), leaf)
-    return vjp(g_i.astype(_aval(program.nodes[tap.node]).dtype))[0]
+  def one(others_u, g_u):
+    # `g_u` rides along so that the inner vmap always has a batched input.
+    _, vjp = jax.vjp(lambda p: jax.vmap(
+        lambda o, _: _apply_tap(program, tap, p, o))(others_u, g_u), leaf)
+    return vjp(g_u.astype(dtype))[0]
 
   return _sum_squares(jax.vmap(one)(tuple(others), g))
 
@@ -297,48 +319,158 @@ def _dense_layout(tap: Tap, program: _Program):
   return a_perm, g_perm, num_batch, num_free_a
 
 
+# Up to this many positions (a unit's terms included) the Gram matrices are
+# formed by broadcasting rather than by matrix products.
+_FEW_POSITIONS = 4
+
+
+def _pair_basis(x: jax.Array, y: jax.Array, half: bool) -> jax.Array:
+  """The terms of a pair in the sum/difference basis, stacked on axis 1."""
+  scale = 0.5 if half else 1.0
+  return jnp.stack([(x + y) * scale, (x - y) * scale], axis=1)
+
+
+def _norm(x: jax.Array) -> jax.Array:
+  return jnp.sqrt(jnp.sum(jnp.square(x), axis=-1))
+
+
+def _with_rounding_margin(squared: jax.Array, magnitude: jax.Array, *,
+                          contract: int, features: int, columns: int,
+                          dtype: Any) -> jax.Array:
+  """A squared norm raised by a bound on its rounding error: never below
+  the truth, so rounding never lets a contribution past the clip.
+
+  The dense layer's per-unit gradient is `M = sum_k a_k g_k^T` over its
+  columns k (positions, the terms of a difference in the sum/difference
+  basis), for each shared batch index. Its squared norm is computed as a
+  sum of products of both signs (the Gram form, the cross terms), or as the
+  squared entries of `A^T G`. With `S = sum_k |a_k| |g_k|` (summed in
+  squares over the batch indices), standard bounds on floating-point dot
+  products (`|fl(x . y) - x . y| <= gamma_n |x| |y|`, `gamma_n ~ n u`, u the
+  unit roundoff, whatever the summation order) put the computed value
+  within `(gamma_C + gamma_F + gamma_{K^2} + ...) S^2` of `|M|^2`, and the
+  clipped contribution, itself a product over the K columns, within
+  `gamma_K S` of `M`. Adding `2 (C + F + K^2 + 2 K + 8) u S^2` therefore
+  bounds `(|M| + gamma_K S)^2` from above: the contribution scaled by the
+  clip factor computed from it has norm at most the clip. When the terms
+  do not cancel, S^2 is about |M|^2 and the margin is a relative
+  `~1e-4` (clipping that much earlier); when they cancel (positions or
+  points built to cancel), the margin dominates and such units are clipped
+  hard rather than under-measured (`tests/test_ghost_rounding.py`).
+
+  Args:
+    squared: `[units]` computed squared norms.
+    magnitude: `[units, batch]` `S` per shared batch index.
+    contract, features: C and F, the dense layer's dot-product lengths.
+    columns: K, the columns summed per unit.
+    dtype: the accumulation dtype (its unit roundoff is used).
+
+  Returns:
+    `[units]` squared norms plus the margin.
+  """
+  roundoff = float(jnp.finfo(dtype).eps) / 2
+  factor = 2.0 * (contract + features + columns * columns + 2 * columns +
+                  8) * roundoff
+  return squared + factor * jnp.sum(jnp.square(magnitude), axis=-1)
+
+
 def _dense_squared_norms(tap: Tap, program: _Program, leaf: jax.Array,
                          others: Sequence[jax.Array],
                          g: jax.Array) -> jax.Array:
-  """Per-example squared norms of a dense (`dot_general`) weight's gradient.
+  """Per-unit squared norms of a dense (`dot_general`) weight's gradient.
 
   With the activation as `A: [batch, P, C]` (P positions: the activation's
-  free axes) and the output gradient as `G: [batch, P, F]`, the weight's
-  per-example gradient is `sum_batch A^T G`; its squared norm is
-  `sum_{p,q} (a_p . a_q)(g_p . g_q)` (Gram form, O(P^2 (C + F))) or the
-  squared entries of `A^T G` (O(P C F)), whichever the shapes make cheaper.
+  free axes) and the output gradient as `G: [batch, P, F]` for each of a
+  unit's T terms, the weight's per-unit gradient is `sum_batch A^T G` with
+  the terms' positions taken together (P' = T P positions); its squared norm
+  is `sum_{p,q} (a_p . a_q)(g_p . g_q)` over those P' (Gram form,
+  O(P'^2 (C + F))) or the squared entries of `A^T G` (O(P' C F)), whichever
+  the shapes make cheaper.
+
+  A pair of terms (a gradient difference `a u1 v1^T - b u2 v2^T`, the
+  cross-term identity) is first rewritten in the sum/difference basis
+  `((u1 + u2)/2) (h1 + h2)^T + ((u1 - u2)/2) (h1 - h2)^T`, `h1 = a v1`,
+  `h2 = -b v2`: the same matrix, but when the two points are close (x' near
+  x, a near b, the recursive-gradient regime) the cross terms of the plain
+  pair are large and cancel, and float32 rounding of their sum could
+  understate the norm by far more than the clip, while the terms of the
+  rewritten pair are of the size of the difference itself.
   """
   if not _norm_preserving(tap.chain):
     return _materialized_squared_norms(tap, program, leaf, others, g)
   (a,) = others
   a_perm, g_perm, num_batch, num_free_a = _dense_layout(tap, program)
   acc = jnp.promote_types(jnp.promote_types(a.dtype, g.dtype), jnp.float32)
-  a = jnp.transpose(a.astype(acc), (0, *(1 + d for d in a_perm)))
-  g = jnp.transpose(g.astype(acc), (0, *(1 + d for d in g_perm)))
-  rows = a.shape[0]
-  batch = _size(a.shape[1:1 + num_batch])
-  positions = _size(a.shape[1 + num_batch:1 + num_batch + num_free_a])
-  contract = _size(a.shape[1 + num_batch + num_free_a:])
-  features = _size(g.shape[1 + num_batch + num_free_a:])
-  a = a.reshape(rows, batch, positions, contract)
-  g = g.reshape(rows, batch, positions, features)
-  if positions == 1:
-    return jnp.sum(jnp.sum(jnp.square(a), axis=(2, 3)) *
-                   jnp.sum(jnp.square(g), axis=(2, 3)), axis=1)
-  if positions * (contract + features) <= contract * features:
-    gram_a = jnp.einsum('nbpc,nbqc->nbpq', a, a)
-    gram_g = jnp.einsum('nbpf,nbqf->nbpq', g, g)
-    return jnp.sum(gram_a * gram_g, axis=(1, 2, 3))
-  per_example = jnp.einsum('nbpc,nbpf->nbcf', a, g)
-  return jnp.sum(jnp.square(per_example), axis=(1, 2, 3))
+  a = jnp.transpose(a.astype(acc), (0, 1, *(2 + d for d in a_perm)))
+  g = jnp.transpose(g.astype(acc), (0, 1, *(2 + d for d in g_perm)))
+  units, terms = a.shape[:2]
+  batch = _size(a.shape[2:2 + num_batch])
+  positions = _size(a.shape[2 + num_batch:2 + num_batch + num_free_a])
+  contract = _size(a.shape[2 + num_batch + num_free_a:])
+  features = _size(g.shape[2 + num_batch + num_free_a:])
+  a = a.reshape(units, terms, batch, positions, contract)
+  g = g.reshape(units, terms, batch, positions, features)
+  gram = (terms * positions) * (contract + features) <= contract * features
+  if terms * positions == 1 or (gram and
+                                terms * positions <= _FEW_POSITIONS):
+    # A few positions (a plain dense layer; a difference without sequence
+    # axis): one fused product-and-sum per pair of columns, each a pass
+    # over slices of `a` and `g`. Stacking the columns first, or an einsum
+    # (many tiny matrix products), measured several times slower on CPU.
+    cols_a = [a[:, t, :, p] for t in range(terms) for p in range(positions)]
+    cols_g = [g[:, t, :, p] for t in range(terms) for p in range(positions)]
+    if terms == 2:
+      cols_a = [(x + y) * 0.5 for x, y in zip(cols_a[:positions],
+                                              cols_a[positions:])] + [
+                                                  (x - y) * 0.5 for x, y in
+                                                  zip(cols_a[:positions],
+                                                      cols_a[positions:])]
+      cols_g = [x + y for x, y in zip(cols_g[:positions],
+                                      cols_g[positions:])] + [
+                                          x - y for x, y in
+                                          zip(cols_g[:positions],
+                                              cols_g[positions:])]
+    total = 0.0
+    for p, (ap, gp) in enumerate(zip(cols_a, cols_g)):
+      for aq, gq in zip(cols_a[p:], cols_g[p:]):
+        both = 1.0 if aq is ap else 2.0   # (p, q) and (q, p)
+        total = total + both * (jnp.sum(ap * aq, axis=-1) *
+                                jnp.sum(gp * gq, axis=-1))
+    magnitude = sum(_norm(ap) * _norm(gp) for ap, gp in zip(cols_a, cols_g))
+    return _with_rounding_margin(
+        jnp.sum(total, axis=1), magnitude, contract=contract,
+        features=features, columns=len(cols_a), dtype=acc)
+  if terms == 2:
+    a = _pair_basis(a[:, 0], a[:, 1], half=True)
+    g = _pair_basis(g[:, 0], g[:, 1], half=False)
+  # A unit's terms are more positions of the same layer.
+  positions *= terms
+  a = jnp.swapaxes(a, 1, 2).reshape(units, batch, positions, contract)
+  g = jnp.swapaxes(g, 1, 2).reshape(units, batch, positions, features)
+  # Full float32 products even where the default matmul precision is lower
+  # (TPU): the rounding margin below assumes them.
+  highest = jax.lax.Precision.HIGHEST
+  if gram:
+    gram_a = jnp.einsum('nbpc,nbqc->nbpq', a, a, precision=highest)
+    gram_g = jnp.einsum('nbpf,nbqf->nbpq', g, g, precision=highest)
+    squared = jnp.sum(gram_a * gram_g, axis=(1, 2, 3))
+  else:
+    per_unit = jnp.einsum('nbpc,nbpf->nbcf', a, g, precision=highest)
+    squared = jnp.sum(jnp.square(per_unit), axis=(1, 2, 3))
+  magnitude = jnp.sum(_norm(a) * _norm(g), axis=2)
+  return _with_rounding_margin(squared, magnitude, contract=contract,
+                               features=features, columns=positions,
+                               dtype=acc)
 
 
-def dense_uses_gram(tap: Tap, plan: GhostPlan) -> Optional[bool]:
+def dense_uses_gram(tap: Tap, plan: GhostPlan,
+                    terms: int = 1) -> Optional[bool]:
   """Whether a dense tap's norms use the Gram form (None: not dense/identity).
 
   Args:
     tap: a tap of `plan`.
     plan: the plan.
+    terms: the terms per unit (1: examples, 2: differences, items per user).
 
   Returns:
     True for the Gram form, False for the per-example `d_in x d_out`
@@ -351,7 +483,7 @@ def dense_uses_gram(tap: Tap, plan: GhostPlan) -> Optional[bool]:
   a_perm, g_perm, num_batch, num_free_a = _dense_layout(tap, plan.program)
   a_shape = [eqn.invars[1 - tap.position].aval.shape[d] for d in a_perm]
   g_shape = [_aval(plan.program.nodes[tap.node]).shape[d] for d in g_perm]
-  positions = _size(a_shape[num_batch:num_batch + num_free_a])
+  positions = terms * _size(a_shape[num_batch:num_batch + num_free_a])
   if positions == 1:
     return None
   contract = _size(a_shape[num_batch + num_free_a:])
@@ -431,6 +563,16 @@ def analyze(loss_fn: Callable[[PyTree, PyTree], jax.Array], params: PyTree,
         f'{[str(a) for a in out_avals]}')
   program = _flatten(closed)
   taps = _find_taps(program, names)
+  # Values computed from the example alone (no parameter upstream).
+  dependent = set(program.invars[:len(leaves)])
+  for node in program.nodes:
+    if any(not isinstance(atom, _Const) and atom in dependent
+           for atom in node.invars):
+      dependent.update(node.outvars)
+  taps = tuple(dataclasses.replace(tap, param_free=all(
+      isinstance(atom, _Const) or atom not in dependent
+      for i, atom in enumerate(program.nodes[tap.node].invars)
+      if i != tap.position)) for tap in taps)
   return GhostPlan(program, taps, len(leaves), treedef)
 
 
@@ -500,7 +642,11 @@ def _find_taps(program: _Program, names: Sequence[str]) -> tuple[Tap, ...]:
 
 
 class LayerValues(NamedTuple):
-  """What the first pass records for every tap, with a leading example axis.
+  """What the first pass records for every tap.
+
+  `layer_values` returns them with a leading example axis; the term builders
+  (`gradient_terms`, `difference_terms`, `mean_terms`) regroup them with
+  leading axes `[units, terms]` for `squared_norms` and `weighted_grad_sum`.
 
   Attributes:
     others: per tap, the tapped operation's other operands.
@@ -575,47 +721,180 @@ def layer_values(plan: GhostPlan, params: PyTree,
   return LayerValues(tuple(recorded), tuple(grads))
 
 
+def _weighted_terms(values: LayerValues, coefficients: jax.Array,
+                    keep: Optional[jax.Array]) -> LayerValues:
+  """Multiplies each term's output gradients by its coefficient.
+
+  Args:
+    values: with leading axes `[U, T]`.
+    coefficients: `[U, T]`.
+    keep: optional bool `[U, T]`; the other terms are set to zero with
+      `where` in both operands and gradients (a zero coefficient would not
+      do: `0 * NaN` is NaN, and a dropped item may hold NaN).
+
+  Returns:
+    The weighted `LayerValues`.
+  """
+
+  def expand(x, like):
+    return x.reshape(x.shape + (1,) * (like.ndim - 2))
+
+  def drop(x):
+    return x if keep is None else jnp.where(expand(keep, x), x,
+                                            jnp.zeros((), x.dtype))
+
+  # In float32 or wider: a coefficient such as SRG's t + 1 would lose digits
+  # in a bfloat16 gradient (the vmap path multiplies in float32 too).
+  grads = tuple(
+      drop(g).astype(jnp.promote_types(g.dtype, jnp.float32)) *
+      expand(coefficients, g) for g in values.grads)
+  others = tuple(tuple(drop(o) for o in tap_others)
+                 for tap_others in values.others)
+  return LayerValues(others, grads)
+
+
+def gradient_terms(plan: GhostPlan, params: PyTree,
+                   rows: PyTree) -> LayerValues:
+  """Units for per-example gradients: each example, one term.
+
+  Args:
+    plan: from `analyze` on the same signature.
+    params: the params.
+    rows: the examples, with a leading axis.
+
+  Returns:
+    `LayerValues` with leading axes `[B, 1]`.
+  """
+  values = layer_values(plan, params, rows)
+  return jax.tree_util.tree_map(lambda x: x[:, None], values)
+
+
+def difference_terms(plan: GhostPlan, params: PyTree, prev_params: PyTree,
+                     rows: PyTree, a: Any, b: Any) -> LayerValues:
+  """Units for `a grad f(params, d) - b grad f(prev_params, d)`, d one example.
+
+  The first pass runs at both points; each example is a unit of two terms
+  with coefficients `a` and `-b` (one term `u (a v1 - b v2)^T` at a layer
+  whose input does not depend on the parameters). The operations the layer
+  rules handle are linear in the parameter, so the terms' vector-Jacobian
+  products do not depend on the point they were recorded at.
+
+  Args:
+    plan: from `analyze` at `params` (`prev_params` has the same signature).
+    params: the current point.
+    prev_params: the previous point.
+    rows: the examples, with a leading axis.
+    a: scalar coefficient of the current gradient (may be traced).
+    b: scalar coefficient of the previous gradient (may be traced).
+
+  Returns:
+    Weighted `LayerValues` with leading axes `[B, 2]` (`[B, 1]` for a tap
+    whose `param_free` is set).
+  """
+  current = layer_values(plan, params, rows)
+  previous = layer_values(plan, prev_params, rows)
+  a = jnp.asarray(a, jnp.float32)
+  b = jnp.asarray(b, jnp.float32)
+  others, grads = [], []
+  for tap, now, before, g, h in zip(plan.taps, current.others,
+                                    previous.others, current.grads,
+                                    previous.grads):
+    acc = jnp.promote_types(g.dtype, jnp.float32)
+    if tap.param_free:
+      # The same operands at both points (computed alike from the example,
+      # so bitwise equal): the unit is the one term `u (a v1 - b v2)^T`,
+      # exact, cheaper, and without cross terms to cancel.
+      others.append(tuple(o[:, None] for o in now))
+      grads.append((a * g.astype(acc) - b * h.astype(acc))[:, None])
+    else:
+      others.append(tuple(jnp.stack([o, p], axis=1)
+                          for o, p in zip(now, before)))
+      grads.append(jnp.stack([a * g.astype(acc), -b * h.astype(acc)],
+                             axis=1))
+  return LayerValues(tuple(others), tuple(grads))
+
+
+def mean_terms(plan: GhostPlan, params: PyTree, items: PyTree,
+               item_mask: Optional[jax.Array]) -> LayerValues:
+  """Units for users: the mean of a user's item gradients.
+
+  The first pass runs over all items of all users at once; user u is a unit
+  whose terms are its items, with coefficient `1/m_u` (`m_u` the number of
+  unmasked items, at least 1) and masked items dropped, so a user with no
+  items contributes zero.
+
+  Args:
+    plan: from `analyze` on one user's items.
+    params: the params.
+    items: leaves shaped `[users, items, ...]`.
+    item_mask: optional bool `[users, items]`; None keeps every item.
+
+  Returns:
+    Weighted `LayerValues` with leading axes `[users, items]`.
+  """
+  leaves = jax.tree_util.tree_leaves(items)
+  users, per_user = leaves[0].shape[:2]
+  flat = jax.tree_util.tree_map(
+      lambda x: x.reshape((users * per_user,) + x.shape[2:]), items)
+  values = jax.tree_util.tree_map(
+      lambda x: x.reshape((users, per_user) + x.shape[1:]),
+      layer_values(plan, params, flat))
+  if item_mask is None:
+    coefficients = jnp.full((users, per_user), 1.0 / per_user, jnp.float32)
+    return _weighted_terms(values, coefficients, None)
+  item_mask = jnp.asarray(item_mask, bool)
+  count = jnp.maximum(jnp.sum(item_mask, axis=1, keepdims=True), 1)
+  coefficients = item_mask / count.astype(jnp.float32)
+  return _weighted_terms(values, coefficients, item_mask)
+
+
 def squared_norms(plan: GhostPlan, params: PyTree, values: LayerValues,
                   scale: Any, size: int) -> jax.Array:
-  """Per-example squared global gradient norms, times `scale**2`.
+  """Per-unit squared global gradient norms, times `scale**2`.
 
   Args:
     plan: the plan.
     params: the params.
-    values: from `layer_values`.
+    values: from `gradient_terms`, `difference_terms` or `mean_terms`
+      (leading axes `[units, terms]`).
     scale: multiplies every gradient first (`1 / l2_clip`: norms in clip
       units stay far from float overflow).
-    size: the number of examples.
+    size: the number of units.
 
   Returns:
     `[size]` float32 (or wider) squared norms, summed over layers; NaN or
-    Inf for a row whose gradient is not finite.
+    Inf for a unit whose gradient is not finite.
   """
   leaves = jax.tree_util.tree_leaves(params)
   total = jnp.zeros((size,), jnp.float32)
   for tap, others, g in zip(plan.taps, values.others, values.grads):
     g = g.astype(jnp.promote_types(g.dtype, jnp.float32)) * scale
     rule = LAYER_RULES[tap.rule]
-    total = total + rule.squared_norms(tap, plan.program, leaves[tap.leaf],
-                                       others, g)
+    layer = rule.squared_norms(tap, plan.program, leaves[tap.leaf], others, g)
+    # A Gram form sums products of both signs: rounding can take an exact 0
+    # (a difference at x' = x, a = b) slightly below it, and rsqrt of a
+    # negative number would be NaN. `maximum` keeps NaN (dropped rows).
+    total = total + jnp.maximum(layer, 0.0)
   return total
 
 
 def weighted_grad_sum(plan: GhostPlan, params: PyTree, values: LayerValues,
                       weights: jax.Array, keep: jax.Array) -> PyTree:
-  """`sum_i weights_i grad loss_i` over the rows where `keep` is True.
+  """`sum_u weights_u grad_u` over the units where `keep` is True.
 
-  Each leaf's sum is the vector-Jacobian product of its one use at the
-  cotangents `weights_i g_i`, with the other operands of the dropped rows and
-  their gradients set to zero by `where` (so NaN rows contribute exactly
-  zero).
+  `grad_u` is unit u's gradient, the sum of its terms' gradients. Each
+  leaf's sum is the vector-Jacobian product of its one use at the
+  cotangents `weights_u g_ut`, over every term of every unit at once (one
+  matrix product per dense layer, as in a non-private backward pass), with
+  the other operands of the dropped units and their gradients set to zero
+  by `where` (so NaN rows contribute exactly zero).
 
   Args:
     plan: the plan.
     params: the params.
-    values: from `layer_values`.
-    weights: `[B]` per-example weights (clip factors).
-    keep: `[B]` bool, the rows that contribute.
+    values: leading axes `[units, terms]`, as for `squared_norms`.
+    weights: `[units]` per-unit weights (clip factors).
+    keep: `[units]` bool, the units that contribute.
 
   Returns:
     A pytree like `params`, each leaf in its accumulation dtype (float32 or
@@ -626,14 +905,25 @@ def weighted_grad_sum(plan: GhostPlan, params: PyTree, values: LayerValues,
                                                         jnp.float32))
           for leaf in leaves]
 
-  def rowwise(x):
-    return keep.reshape((-1,) + (1,) * (x.ndim - 1))
+  def rows(x):
+    return x.reshape((-1,) + x.shape[2:])
 
   for tap, others, g in zip(plan.taps, values.others, values.grads):
-    cotangent = jnp.where(rowwise(g), g, 0) * weights.reshape(
-        (-1,) + (1,) * (g.ndim - 1)).astype(g.dtype)
+    # Every term is one row of the vector-Jacobian product, weighted like
+    # its unit (the number of terms may differ between taps).
+    terms = g.shape[1]
+    row_weights = jnp.repeat(weights, terms)
+    row_keep = jnp.repeat(keep, terms)
+
+    def rowwise(x, row_keep=row_keep):
+      return row_keep.reshape((-1,) + (1,) * (x.ndim - 1))
+
+    g = rows(g)
+    cotangent = (jnp.where(rowwise(g), g, 0) * row_weights.reshape(
+        (-1,) + (1,) * (g.ndim - 1)).astype(g.dtype)).astype(
+            _aval(plan.program.nodes[tap.node]).dtype)
     others = tuple(jnp.where(rowwise(o), o, jnp.zeros((), o.dtype))
-                   for o in others)
+                   for o in map(rows, others))
     leaf = leaves[tap.leaf]
     # `cotangent` rides along unused so that vmap always has a batched input
     # (a rule for a one-operand operation has no other operands).

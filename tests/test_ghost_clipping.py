@@ -364,10 +364,10 @@ def test_equivalence_check_catches_a_wrong_norm_identity(monkeypatch):
   # loss, so no compilation made before the patch is reused after it.
   def diagonal_only(tap, program, leaf, others, g):
     del tap, program, leaf
-    (a,) = others
-    if a.ndim < 3:   # no positions: the identity is exact
-      return jnp.sum(a**2, axis=1) * jnp.sum(g**2, axis=1)
-    return jnp.sum(jnp.sum(a**2, -1) * jnp.sum(g**2, -1), axis=-1)
+    (a,) = others   # [units, terms (1 here), ...]
+    if a.ndim < 4:   # no positions: the identity is exact
+      return jnp.sum(a**2, axis=(1, 2)) * jnp.sum(g**2, axis=(1, 2))
+    return jnp.sum(jnp.sum(a**2, -1) * jnp.sum(g**2, -1), axis=(1, 2))
 
   def ghost_against_vmap():
     loss_fn, params, batch = _gram_and_materialized_model()
