@@ -24,6 +24,9 @@ The curated public API. Modules, one concern each:
   fingerprints and the warning on a key given to two runs;
 * `dpsco_jax.batching`: batch formation matching the accounting, and the
   in-step check of a fixed batch order;
+* `dpsco_jax.ledger`: the run's privacy record (mechanism identity, noise
+  multiplier, participation, steps taken), which the loop asks for the
+  epsilon spent so far;
 * `dpsco_jax.checkpoint`: checkpoint and resume with a privacy ledger, and
   releases that hold only what is safe to publish;
 * `dpsco_jax.audit`: empirical privacy auditing: canary runs of any
@@ -40,6 +43,7 @@ from dpsco_jax import estimators
 from dpsco_jax import ghost
 from dpsco_jax import guards
 from dpsco_jax import keys
+from dpsco_jax import ledger
 from dpsco_jax import neighboring
 from dpsco_jax import noise
 from dpsco_jax import parallel
@@ -88,6 +92,7 @@ from dpsco_jax.clipping import ClippedSum
 from dpsco_jax.clipping import GhostClippingFallbackWarning
 from dpsco_jax.clipping import UserBatch
 from dpsco_jax.estimators import noisy_gradient
+from dpsco_jax.ledger import PrivacyLedger
 from dpsco_jax.neighboring import NeighboringRelation
 from dpsco_jax.noise import NoiseMechanism
 from dpsco_jax.noise import NoiseState
@@ -104,6 +109,7 @@ __all__ = (
     'ghost',
     'guards',
     'keys',
+    'ledger',
     'neighboring',
     'noise',
     'parallel',
@@ -152,6 +158,7 @@ __all__ = (
     'GhostClippingFallbackWarning',
     'UserBatch',
     'noisy_gradient',
+    'PrivacyLedger',
     'NeighboringRelation',
     'NoiseMechanism',
     'NoiseState',
