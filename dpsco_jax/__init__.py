@@ -24,6 +24,10 @@ The curated public API. Modules, one concern each:
   fingerprints and the warning on a key given to two runs;
 * `dpsco_jax.batching`: batch formation matching the accounting, and the
   in-step check of a fixed batch order;
+* `dpsco_jax.plans`: one call from a privacy target to a run: the
+  calibrated transformation chained with your optimizer, the batches it is
+  accounted for (checked in every step), the accounting event and the
+  ledger, all from one description;
 * `dpsco_jax.ledger`: the run's privacy record (mechanism identity, noise
   multiplier, participation, steps taken), which the loop asks for the
   epsilon spent so far;
@@ -47,6 +51,7 @@ from dpsco_jax import ledger
 from dpsco_jax import neighboring
 from dpsco_jax import noise
 from dpsco_jax import parallel
+from dpsco_jax import plans
 from dpsco_jax import strategies
 from dpsco_jax.accounting import calibrate_noise_multiplier
 from dpsco_jax.accounting import epsilon_spent
@@ -113,6 +118,7 @@ __all__ = (
     'neighboring',
     'noise',
     'parallel',
+    'plans',
     'strategies',
     'calibrate_noise_multiplier',
     'epsilon_spent',

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from scipy import stats
 
 from dpsco_jax import accounting
 from dpsco_jax import checks
@@ -549,3 +550,284 @@ def fixed_order_guard(
                                          fingerprints=fingerprints, seen=seen)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+class EpochGuardState(NamedTuple):
+  """State of `shuffled_order_guard`.
+
+  Attributes:
+    step: steps seen so far.
+    seen: `[ceil(num_examples / 32)]` uint32, one bit per example that has
+      taken part in the current epoch (cleared at each epoch's first step).
+
+  The bitmap is a function of which training examples were used: not
+  noised, do not publish.
+  """
+
+  step: jax.Array
+  seen: jax.Array
+
+
+class PoissonGuardState(NamedTuple):
+  """State of `poisson_batch_guard` (the steps seen so far)."""
+
+  step: jax.Array
+
+
+def _require_updates_and_ids(updates, example_ids, guard: str,
+                             accounted: str) -> None:
+  if updates is None:
+    raise ValueError(f'{guard} guards the updates of a private estimator: '
+                     'place it after the estimator in the chain')
+  if example_ids is None:
+    raise ValueError(
+        f'{guard} needs the ids of the batch examples: update(..., '
+        f'example_ids=indices) (the indices the run\'s sampler yielded); '
+        f'the run is accounted as {accounted}')
+
+
+def _where(step: jax.Array) -> str:
+  return ('a step' if isinstance(step, jax.core.Tracer) else
+          f'step {int(step)}')
+
+
+def shuffled_order_guard(
+    steps_per_epoch: int,
+    *,
+    num_examples: int,
+    batch_size: int,
+    axis_name: Optional[str] = None,
+) -> optax.GradientTransformationExtraArgs:
+  """Refuses batches that break the `Shuffled(k, b)` participation.
+
+  `Shuffled(k, b)` accounting assumes every example in at most one batch of
+  each epoch of b steps, at any position, and batches of the accounted
+  size. The guard refuses (`dpsco_jax.guards`) a step whose batch holds an
+  id outside `[0, num_examples)`, an id twice, an id an earlier batch of the
+  same epoch held, or a number of examples other than `batch_size` (the
+  padded ids `batch_mask` drops are not counted). With `axis_name` the ids
+  of all devices are checked together.
+
+  Example:
+    >>> tx = optax.chain(
+    ...     dpsgd(loss_fn, l2_clip=1.0, noise_multiplier=z, num_steps=T),
+    ...     shuffled_order_guard(100, num_examples=50_000, batch_size=500),
+    ...     optax.sgd(0.1))
+
+  Args:
+    steps_per_epoch: b.
+    num_examples: the training set size the ids index.
+    batch_size: examples per batch, as accounted.
+    axis_name: the device axis when each device holds a shard of the batch.
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs`: `update(updates, state,
+    params=None, *, example_ids, batch_mask=None)`.
+  """
+  steps_per_epoch = checks.positive_int(steps_per_epoch, 'steps_per_epoch')
+  num_examples = checks.positive_int(num_examples, 'num_examples')
+  batch_size = checks.positive_int(batch_size, 'batch_size')
+  words = -(-num_examples // 32)
+
+  def init_fn(params):
+    del params
+    return EpochGuardState(step=jnp.zeros((), jnp.int32),
+                           seen=jnp.zeros((words,), jnp.uint32))
+
+  def update_fn(updates, state, params=None, *, example_ids=None,
+                batch_mask=None, **extra_args):
+    del params, extra_args
+    checks.state_type(state, EpochGuardState, 'shuffled_order_guard')
+    _require_updates_and_ids(updates, example_ids, 'shuffled_order_guard',
+                             'Shuffled (each example once per epoch)')
+    ids, keep = _ids_and_mask(example_ids, batch_mask)
+    ids, keep = parallel.gather(ids, axis_name), parallel.gather(keep,
+                                                                 axis_name)
+    epoch_start = state.step % steps_per_epoch == 0
+    found = _check_ids(ids, keep, jnp.where(epoch_start, 0, state.seen),
+                       num_examples)
+    size = jnp.sum(keep)
+    where = _where(state.step)
+    updates = guards.refuse_any([
+        (found.out_of_range,
+         f'the batch at {where} holds an example id outside [0, '
+         f'{num_examples}).'),
+        (found.repeated, f'the batch at {where} holds the same example id '
+         'twice (mask padding out with batch_mask).'),
+        (found.seen_before,
+         f'the batch at {where} holds an example that an earlier batch of '
+         'the same epoch held: Shuffled accounting assumes each example at '
+         'most once per epoch. Use batching.ShuffledBatches.'),
+        (size != batch_size,
+         f'the batch at {where} has a number of examples other than the '
+         f'{batch_size} the run is accounted for.'),
+    ], updates)
+    return updates, EpochGuardState(step=state.step + 1, seen=found.seen)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def poisson_size_bound(num_examples: int, sampling_probability: float,
+                       false_refusal: float = 1e-12) -> int:
+  """The largest Poisson batch `poisson_batch_guard` accepts.
+
+  The smallest m with `P(Binomial(n, q) > m) <= false_refusal`: a run
+  that really samples with probability q is refused with probability at
+  most `false_refusal` per step (and a refusal only stops the run; it never
+  weakens privacy).
+
+  Example:
+    >>> poisson_size_bound(60_000, 0.01)   # about 600 + 7.1 * 24
+
+  Args:
+    num_examples: n.
+    sampling_probability: q.
+    false_refusal: the per-step probability of refusing a true Poisson batch.
+
+  Returns:
+    m, an int.
+  """
+  return int(stats.binom.isf(false_refusal, num_examples,
+                             sampling_probability))
+
+
+def poisson_batch_guard(
+    *,
+    num_examples: int,
+    sampling_probability: float,
+    pad_to_multiple: int,
+    axis_name: Optional[str] = None,
+) -> optax.GradientTransformationExtraArgs:
+  """Refuses batches that a `PoissonBatches` sampler could not have made.
+
+  Poisson accounting (`PoissonSampling(q, T)`) assumes each example in
+  each batch independently with probability q, the noisy sum divided by the
+  expected size `q n`. A fixed-size batch of 1,000 from 2,000 examples at
+  q = 0.05 is not such a batch, and its epsilon is not the one accounted.
+  The guard refuses a step
+
+  * without `batch_mask` (Poisson batches are padded and masked), or whose
+    padded size is not a multiple of `pad_to_multiple` (checked when the
+    step is traced: the shape is static);
+  * whose number of real examples exceeds `poisson_size_bound(n, q)` (a
+    true Poisson batch does so with probability below 1e-12 per step);
+  * holding an id outside `[0, num_examples)` or a real id twice.
+
+  It cannot tell a Poisson batch from another random batch of a plausible
+  size: use `batching.PoissonBatches` (or a plan) to form them.
+
+  Example:
+    >>> batches = PoissonBatches(50_000, 0.01, num_steps=1000, seed=1)
+    >>> guard = poisson_batch_guard(
+    ...     num_examples=50_000, sampling_probability=0.01,
+    ...     pad_to_multiple=batches.pad_to_multiple)
+
+  Args:
+    num_examples: n.
+    sampling_probability: q.
+    pad_to_multiple: the sampler's `pad_to_multiple`.
+    axis_name: the device axis when each device holds a shard of the batch.
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs`: `update(updates, state,
+    params=None, *, example_ids, batch_mask)`.
+  """
+  num_examples = checks.positive_int(num_examples, 'num_examples')
+  pad_to_multiple = checks.positive_int(pad_to_multiple, 'pad_to_multiple')
+  if not 0.0 < float(sampling_probability) <= 1.0:
+    raise ValueError('sampling_probability must be in (0, 1], got '
+                     f'{sampling_probability!r}')
+  largest = poisson_size_bound(num_examples, float(sampling_probability))
+
+  def init_fn(params):
+    del params
+    return PoissonGuardState(step=jnp.zeros((), jnp.int32))
+
+  def update_fn(updates, state, params=None, *, example_ids=None,
+                batch_mask=None, **extra_args):
+    del params, extra_args
+    checks.state_type(state, PoissonGuardState, 'poisson_batch_guard')
+    _require_updates_and_ids(updates, example_ids, 'poisson_batch_guard',
+                             f'Poisson sampling at q = {sampling_probability}')
+    if batch_mask is None:
+      raise ValueError(
+          'a Poisson-sampled run needs batch_mask: its batches are padded to '
+          'a multiple of a fixed size and masked (batching.PoissonBatches '
+          'yields (indices, mask)); a batch without a mask is not a Poisson '
+          'batch')
+    ids, keep = _ids_and_mask(example_ids, batch_mask)
+    ids, keep = parallel.gather(ids, axis_name), parallel.gather(keep,
+                                                                 axis_name)
+    if ids.shape[0] % pad_to_multiple:
+      raise ValueError(
+          f'the batch is padded to {ids.shape[0]} entries, not a multiple of '
+          f'{pad_to_multiple} (the sampler\'s pad_to_multiple): it was not '
+          'formed by the Poisson sampler the run is accounted for')
+    found = _check_ids(ids, keep, jnp.zeros((-(-num_examples // 32),),
+                                            jnp.uint32), num_examples)
+    where = _where(state.step)
+    updates = guards.refuse_any([
+        (found.out_of_range,
+         f'the batch at {where} holds an example id outside [0, '
+         f'{num_examples}).'),
+        (found.repeated, f'the batch at {where} holds the same example id '
+         'twice: Poisson sampling includes an example at most once.'),
+        (jnp.sum(keep) > largest,
+         f'the batch at {where} holds more than {largest} examples, which a '
+         f'Poisson batch at q = {sampling_probability} of {num_examples} '
+         'examples practically never does: it was not formed by Poisson '
+         'sampling, and its epsilon is not the one accounted.'),
+    ], updates)
+    return updates, PoissonGuardState(step=state.step + 1)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def participation_guard(
+    participation: accounting.Participation,
+    *,
+    num_examples: int,
+    batch_size: Optional[int] = None,
+    pad_to_multiple: Optional[int] = None,
+    axis_name: Optional[str] = None,
+) -> optax.GradientTransformationExtraArgs:
+  """The in-step check of the batches an accounting assumes.
+
+  `FixedOrder` -> `fixed_order_guard`; `Shuffled` -> `shuffled_order_guard`
+  (needs `batch_size`); `PoissonSampling` -> `poisson_batch_guard` (needs
+  `pad_to_multiple`).
+
+  Example:
+    >>> guard = participation_guard(sampler.participation, num_examples=n,
+    ...                             batch_size=sampler.batch_size)
+
+  Args:
+    participation: the accounted participation pattern.
+    num_examples: the training set size.
+    batch_size: examples per batch (fixed-size patterns).
+    pad_to_multiple: the Poisson sampler's padding multiple.
+    axis_name: the device axis, or None.
+
+  Returns:
+    The guard transformation; chain it right after the private estimator.
+
+  Raises:
+    ValueError: if a needed argument is missing or the pattern is unknown.
+  """
+  if isinstance(participation, accounting.FixedOrder):
+    return fixed_order_guard(participation.steps_per_epoch,
+                             num_examples=num_examples, axis_name=axis_name)
+  if isinstance(participation, accounting.Shuffled):
+    if batch_size is None:
+      raise ValueError('the Shuffled guard needs batch_size')
+    return shuffled_order_guard(participation.steps_per_epoch,
+                                num_examples=num_examples,
+                                batch_size=batch_size, axis_name=axis_name)
+  if isinstance(participation, accounting.PoissonSampling):
+    if pad_to_multiple is None:
+      raise ValueError('the Poisson guard needs pad_to_multiple')
+    return poisson_batch_guard(
+        num_examples=num_examples,
+        sampling_probability=participation.sampling_probability,
+        pad_to_multiple=pad_to_multiple, axis_name=axis_name)
+  raise ValueError(f'unknown participation pattern {participation!r}')

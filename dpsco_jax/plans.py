@@ -1,0 +1,967 @@
+"""Plans: one call from a privacy target to everything a private run needs.
+
+A plan is built from ONE description of a run (algorithm, privacy target,
+data size, batching, epochs, restarts) and derives from it, so they cannot
+disagree:
+
+* the calibrated private transformation, chained with your optimizer
+  (private part first: the order cannot be wrong) and followed by the
+  in-step check of the batches the accounting assumes
+  (`batching.participation_guard`);
+* the batch sampler, whose batches are the ones accounted for;
+* the noise mechanism, the noise multiplier, the participation pattern and
+  the `dp_accounting` event;
+* the `ledger.PrivacyLedger` of the run, which the loop asks for the
+  epsilon spent so far (`plan.epsilon_at(step)`) and checkpoints store.
+
+    plan = plans.dpftrl(loss_fn, optimizer=optax.sgd(0.1, momentum=0.9),
+                        epsilon=2.0, delta=1e-5, num_examples=n,
+                        batch_size=100, epochs=10, l2_clip=1.0)
+    opt_state = plan.init(params)
+    for step, inputs in enumerate(plan.batches_of(data)):
+      updates, opt_state = plan.transformation.update(
+          None, opt_state, params, **inputs)
+      params = optax.apply_updates(params, updates)
+    print(plan.epsilon)            # spent by the whole run, <= 2.0
+
+Every family has a plan: `dpsgd` (Poisson, shuffled or fixed-order
+batches), `dpftrl` (tree noise, restarts), `dpmemf` (matrix factorization,
+paper 001 Algorithm 2), `accelerated_dp_srgd` and `unaccelerated_dp_srg`
+(papers 000/001 Algorithm 1 and its ablation), `dp_srg_memf` (paper 001
+Algorithm 3), `diff2_gd` and `dp_gd` (paper 003 across clients). The
+lower-level pieces they compose stay public; a transformation built by
+hand is checked against its accounting with `ledger.check_state`.
+
+A plan is either calibrated (`epsilon=`: the smallest noise multiplier
+that meets it) or given its noise (`noise_multiplier=`: the epsilon it
+spends is computed); exactly one of the two.
+"""
+
+import dataclasses
+import secrets
+from typing import Any, Callable, Iterator, Mapping, Optional, Union
+
+import dp_accounting
+import jax
+import numpy as np
+import optax
+
+from dpsco_jax import accounting
+from dpsco_jax import batching
+from dpsco_jax import checks
+from dpsco_jax import estimators
+from dpsco_jax import ledger as ledger_lib
+from dpsco_jax import neighboring
+from dpsco_jax import noise
+from dpsco_jax import strategies
+from dpsco_jax.algorithms import baselines
+from dpsco_jax.algorithms import diff2
+from dpsco_jax.algorithms import diff2_accounting
+from dpsco_jax.algorithms import mf
+from dpsco_jax.algorithms import srg
+
+PyTree = Any
+LossFn = Callable[[PyTree, PyTree], jax.Array]
+Sampler = Union[batching.FixedOrderBatches, batching.ShuffledBatches,
+                batching.PoissonBatches]
+Relation = neighboring.NeighboringRelation
+
+SAMPLINGS = ('poisson', 'shuffled', 'fixed')
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Everything a private run needs, derived from one description.
+
+  Attributes:
+    algorithm: the family, e.g. 'dpftrl'.
+    transformation: the whole update: the private estimator, the batch
+      check and your optimizer, in that order. Call
+      `update(None, opt_state, params, **inputs)` with `inputs` from
+      `batches_of`.
+    private_transformation: the calibrated private estimator alone (the
+      lower-level piece; `transformation` is built from it).
+    batches: the batch sampler whose batches are accounted for (None for
+      the full-batch DIFF2 family, where each round uses all local data).
+    mechanism: the noise mechanism the private transformation draws from.
+    noise_multiplier: the calibrated (or given) noise multiplier; for
+      DIFF2, its `Diff2NoiseMultipliers`.
+    participation: how the sampler forms batches (None for DIFF2).
+    event: the `dp_accounting` event of the whole run.
+    ledger: the run's `PrivacyLedger` (None for DIFF2, accounted by
+      `algorithms.diff2_accounting`: its two multipliers are not one
+      mechanism's).
+    epsilon: the epsilon the whole run spends (at most `target_epsilon`).
+    target_epsilon: the epsilon asked for, or None when the noise was given.
+    delta: the run's delta.
+    method: the accounting method.
+    num_steps: the steps (rounds) of the run.
+    num_examples: the training set size.
+    hyperparameters: the description's other values (clip, batch size,
+      restarts...), for run records.
+  """
+
+  algorithm: str
+  transformation: optax.GradientTransformationExtraArgs = dataclasses.field(
+      repr=False)
+  private_transformation: optax.GradientTransformationExtraArgs = (
+      dataclasses.field(repr=False))
+  batches: Optional[Sampler]
+  mechanism: noise.NoiseMechanism = dataclasses.field(repr=False)
+  noise_multiplier: Any
+  participation: Optional[accounting.Participation]
+  event: dp_accounting.DpEvent = dataclasses.field(repr=False)
+  ledger: Optional[ledger_lib.PrivacyLedger] = dataclasses.field(repr=False)
+  epsilon: float
+  target_epsilon: Optional[float]
+  delta: float
+  method: str
+  num_steps: int
+  num_examples: int
+  hyperparameters: Mapping[str, Any]
+  _epsilon_of_prefix: Optional[Callable[[int], float]] = dataclasses.field(
+      default=None, repr=False)
+
+  def init(self, params: PyTree) -> PyTree:
+    """The optimizer state of step 0, checked against the accounting.
+
+    Example:
+      >>> opt_state = plan.init(params)
+
+    Args:
+      params: the initial params.
+
+    Returns:
+      `transformation.init(params)`.
+    """
+    opt_state = self.transformation.init(params)
+    if self.ledger is not None:
+      self.ledger.check_state(opt_state)
+    return opt_state
+
+  def epsilon_at(self, step: int) -> float:
+    """The epsilon spent by the first `step` steps (what to log as you go).
+
+    Example:
+      >>> plan.epsilon_at(100)
+
+    Args:
+      step: in `[0, num_steps]`.
+
+    Returns:
+      epsilon; `epsilon` at `num_steps`.
+    """
+    if self._epsilon_of_prefix is not None:
+      step = ledger_lib._non_negative_int(step, 'step')  # pylint: disable=protected-access
+      if step > self.num_steps:
+        raise ValueError(f'step {step} is past the {self.num_steps} steps of '
+                         'the plan')
+      return 0.0 if step == 0 else self._epsilon_of_prefix(step)
+    return self.ledger.epsilon_at(step, self.mechanism)
+
+  def batches_of(self, data: PyTree, start_step: int = 0
+                 ) -> Iterator[dict[str, Any]]:
+    """The inputs of each step's `update`, from the sampler's batches.
+
+    Example:
+      >>> for inputs in plan.batches_of({'x': x, 'y': y}):
+      ...   updates, state = plan.transformation.update(None, state, params,
+      ...                                               **inputs)
+
+    Args:
+      data: a pytree of arrays whose leading axis indexes the
+        `num_examples` training examples.
+      start_step: the first step (to resume a run at step k).
+
+    Returns:
+      An iterator of dicts with `batch` (the examples, leading axis the
+      batch), `example_ids` and, for Poisson batches, `batch_mask`.
+
+    Raises:
+      ValueError: if the data's leading axes are not `num_examples`, or the
+        plan has no sampler (DIFF2 rounds use all local data).
+    """
+    if self.batches is None:
+      raise ValueError(f'{self.algorithm} uses all local data every round: '
+                       'pass batch=local_data to update')
+    sizes = {np.shape(leaf)[0] if np.ndim(leaf) else None
+             for leaf in jax.tree_util.tree_leaves(data)}
+    if sizes != {self.num_examples}:
+      raise ValueError(
+          f'the data\'s leading axes are {sorted(map(str, sizes))}; the plan '
+          f'is for num_examples = {self.num_examples} (privacy is accounted '
+          'for that data set size)')
+    take = lambda indices: jax.tree_util.tree_map(lambda x: x[indices], data)
+    for drawn in self.batches.iterate(start_step):
+      if isinstance(drawn, tuple):
+        indices, mask = drawn
+        yield {'batch': take(indices), 'batch_mask': mask,
+               'example_ids': indices}
+      else:
+        yield {'batch': take(drawn), 'example_ids': drawn}
+
+  def describe(self) -> dict[str, Any]:
+    """The plan as JSON-compatible values (for a run record).
+
+    Example:
+      >>> json.dumps(plan.describe())
+
+    Returns:
+      A dict; the noise key never appears in it.
+    """
+    multiplier = self.noise_multiplier
+    if isinstance(multiplier, tuple):
+      multiplier = {k: float(v) for k, v in multiplier._asdict().items()}
+    else:
+      multiplier = float(multiplier)
+    return {
+        'algorithm': self.algorithm,
+        'mechanism': self.mechanism.name,
+        'mechanism_identity': self.mechanism.identity,
+        'noise_multiplier': multiplier,
+        'participation': (None if self.participation is None else {
+            'kind': type(self.participation).__name__,
+            **dataclasses.asdict(self.participation)}),
+        'epsilon': self.epsilon, 'target_epsilon': self.target_epsilon,
+        'delta': self.delta, 'method': self.method,
+        'num_steps': self.num_steps, 'num_examples': self.num_examples,
+        'hyperparameters': dict(self.hyperparameters),
+    }
+
+
+# ---------------------------------------------------------------- shared
+
+
+def _target(epsilon: Optional[float], noise_multiplier: Any,
+            delta: float) -> None:
+  """Exactly one of a privacy target and a given noise."""
+  if (epsilon is None) == (noise_multiplier is None):
+    raise ValueError('give exactly one of epsilon= (the noise is calibrated '
+                     'to it) and noise_multiplier= (its epsilon is computed)')
+  accounting.validate_epsilon_delta(epsilon, delta)
+
+
+def _fresh_seed(seed: Optional[int]) -> int:
+  """The sampler seed: given, or fresh from OS entropy (it decides who is in
+  which batch, so a guessable one would weaken nothing accounted but leak
+  the batches; keep it as private as the data)."""
+  return secrets.randbits(63) if seed is None else int(seed)
+
+
+def _sampler(sampling: str, num_examples: int, batch_size: int, epochs: int,
+             seed: Optional[int]) -> Sampler:
+  """The sampler of a batched plan."""
+  num_examples = checks.positive_int(num_examples, 'num_examples')
+  batch_size = checks.positive_int(batch_size, 'batch_size')
+  epochs = checks.positive_int(epochs, 'epochs')
+  if batch_size > num_examples:
+    raise ValueError(f'batch_size {batch_size} exceeds num_examples '
+                     f'{num_examples}')
+  seed = _fresh_seed(seed)
+  if sampling == 'fixed':
+    return batching.FixedOrderBatches(num_examples, batch_size, epochs,
+                                      order_seed=seed)
+  if sampling == 'shuffled':
+    return batching.ShuffledBatches(num_examples, batch_size, epochs,
+                                    seed=seed)
+  if sampling == 'poisson':
+    steps = epochs * (num_examples // batch_size)
+    return batching.PoissonBatches(num_examples, batch_size / num_examples,
+                                   steps, seed)
+  raise ValueError(f'sampling must be one of {SAMPLINGS}, got {sampling!r}')
+
+
+def _normalize_by(sampler: Sampler) -> float:
+  if isinstance(sampler, batching.PoissonBatches):
+    return sampler.expected_batch_size
+  return float(sampler.batch_size)
+
+
+def _noise_multiplier(mechanism, participation, epsilon, delta,
+                      noise_multiplier, method, relation) -> float:
+  if noise_multiplier is not None:
+    return checks.noise_multiplier(noise_multiplier)
+  return accounting.calibrate_noise_multiplier(
+      mechanism, participation, epsilon, delta, method=method,
+      neighboring_relation=relation)
+
+
+def _batched_plan(
+    algorithm: str,
+    build: Callable[[float, float], optax.GradientTransformationExtraArgs],
+    *,
+    mechanism: noise.NoiseMechanism,
+    sampler: Sampler,
+    optimizer: Optional[optax.GradientTransformation],
+    epsilon: Optional[float],
+    noise_multiplier: Optional[float],
+    delta: float,
+    method: str,
+    relation: Relation,
+    axis_name: Optional[str],
+    hyperparameters: Mapping[str, Any],
+) -> Plan:
+  """Calibrates, builds and checks a plan whose batches come from `sampler`.
+
+  `build(noise_multiplier, normalize_by)` makes the private transformation.
+  """
+  _target(epsilon, noise_multiplier, delta)
+  relation = Relation(relation)
+  participation = sampler.participation
+  if mechanism.num_steps != participation.num_steps:
+    raise AssertionError('the mechanism and the sampler disagree on the '
+                         'number of steps')
+  multiplier = _noise_multiplier(mechanism, participation, epsilon, delta,
+                                 noise_multiplier, method, relation)
+  private = build(multiplier, _normalize_by(sampler))
+  guard = batching.participation_guard(
+      participation, num_examples=sampler.num_examples,
+      batch_size=getattr(sampler, 'batch_size', None),
+      pad_to_multiple=getattr(sampler, 'pad_to_multiple', None),
+      axis_name=axis_name)
+  parts = [private, guard] + ([] if optimizer is None else [optimizer])
+  if optimizer is not None and not hasattr(optimizer, 'update'):
+    raise ValueError(f'optimizer must be an optax GradientTransformation, '
+                     f'got {type(optimizer).__name__}')
+  ledger = ledger_lib.PrivacyLedger.create(
+      mechanism, multiplier, participation, delta, key=None,
+      target_epsilon=epsilon, method=method, neighboring_relation=relation)
+  return Plan(
+      algorithm=algorithm, transformation=optax.chain(*parts),
+      private_transformation=private, batches=sampler, mechanism=mechanism,
+      noise_multiplier=multiplier, participation=participation,
+      event=accounting.dp_event(mechanism, multiplier, participation),
+      ledger=ledger, epsilon=ledger.planned_epsilon,
+      target_epsilon=None if epsilon is None else float(epsilon),
+      delta=float(delta), method=method, num_steps=participation.num_steps,
+      num_examples=sampler.num_examples,
+      hyperparameters={'sampling': type(sampler).__name__,
+                       'batch_size': _normalize_by(sampler),
+                       **hyperparameters})
+
+
+# ----------------------------------------------------------------- plans
+
+
+def dpsgd(
+    loss_fn: LossFn,
+    *,
+    optimizer: optax.GradientTransformation,
+    num_examples: int,
+    batch_size: int,
+    epochs: int,
+    l2_clip: float,
+    delta: float,
+    epsilon: Optional[float] = None,
+    noise_multiplier: Optional[float] = None,
+    sampling: str = 'poisson',
+    seed: Optional[int] = None,
+    key: estimators.KeyLike = None,
+    method: str = 'pld',
+    neighboring_relation: Relation = Relation.ADD_OR_REMOVE,
+    microbatch_size: Optional[int] = None,
+    axis_name: Optional[str] = None,
+) -> Plan:
+  """A DP-SGD run (`dpsco_jax.dpsgd`), calibrated to (epsilon, delta).
+
+  `epochs * (num_examples // batch_size)` steps. With `sampling='poisson'`
+  (default) every example joins each batch with probability
+  `batch_size / num_examples` (amplified accounting, noisy sum divided by
+  the expected batch size); 'shuffled' reshuffles every epoch and 'fixed'
+  keeps one public order (no amplification claimed for either).
+
+  Example:
+    >>> plan = plans.dpsgd(loss_fn, optimizer=optax.sgd(0.1),
+    ...                    num_examples=60_000, batch_size=256, epochs=3,
+    ...                    l2_clip=1.0, epsilon=2.0, delta=1e-5)
+    >>> opt_state = plan.init(params)
+
+  Args:
+    loss_fn: `loss_fn(params, example) -> scalar` for ONE example.
+    optimizer: the optax optimizer the private gradient feeds.
+    num_examples: training set size n.
+    batch_size: examples per batch (expected size under Poisson sampling).
+    epochs: passes over the data.
+    l2_clip: per-example clip norm.
+    delta: target delta.
+    epsilon: target epsilon (or give `noise_multiplier`).
+    noise_multiplier: the noise to use (or give `epsilon`).
+    sampling: 'poisson', 'shuffled' or 'fixed'.
+    seed: the sampler's seed (None: fresh from OS entropy; it decides which
+      examples are in which batch: keep it private).
+    key: the noise key (None: fresh from OS entropy).
+    method: accounting method (`accounting.METHODS`).
+    neighboring_relation: the relation the noise is calibrated for.
+    microbatch_size: optional cap on per-example gradients held at once.
+    axis_name: the device axis on several devices.
+
+  Returns:
+    A `Plan`.
+  """
+  sampler = _sampler(sampling, num_examples, batch_size, epochs, seed)
+  steps = sampler.num_steps
+  return _batched_plan(
+      'dpsgd',
+      lambda z, divisor: baselines.dpsgd(
+          loss_fn, l2_clip=l2_clip, noise_multiplier=z, num_steps=steps,
+          key=key, neighboring_relation=neighboring_relation,
+          normalize_by=divisor, microbatch_size=microbatch_size,
+          axis_name=axis_name),
+      mechanism=baselines.dpsgd_mechanism(steps), sampler=sampler,
+      optimizer=optimizer, epsilon=epsilon, noise_multiplier=noise_multiplier,
+      delta=delta, method=method, relation=neighboring_relation,
+      axis_name=axis_name,
+      hyperparameters={'l2_clip': l2_clip, 'epochs': epochs})
+
+
+def _restart_every(restart: Union[None, str, int], steps_per_epoch: int
+                   ) -> Optional[int]:
+  if restart is None:
+    return None
+  if restart == 'epoch':
+    return steps_per_epoch
+  return checks.positive_int(restart, 'restart')
+
+
+def dpftrl(
+    loss_fn: LossFn,
+    *,
+    optimizer: optax.GradientTransformation,
+    num_examples: int,
+    batch_size: int,
+    epochs: int,
+    l2_clip: float,
+    delta: float,
+    epsilon: Optional[float] = None,
+    noise_multiplier: Optional[float] = None,
+    restart: Union[None, str, int] = 'epoch',
+    honaker: bool = False,
+    sampling: str = 'fixed',
+    seed: Optional[int] = None,
+    key: estimators.KeyLike = None,
+    method: str = 'pld',
+    neighboring_relation: Relation = Relation.ADD_OR_REMOVE,
+    microbatch_size: Optional[int] = None,
+    axis_name: Optional[str] = None,
+) -> Plan:
+  """A DP-FTRL run (`dpsco_jax.dpftrl`, tree noise), calibrated.
+
+  Batches in one public order every epoch (`sampling='fixed'`, accounted
+  as `FixedOrder`, checked in every step) or reshuffled each epoch
+  ('shuffled': exact with a restart every epoch, an upper bound
+  otherwise). A fresh tree starts every epoch by default (`restart=
+  'epoch'`), every `restart` steps for an int, never for None.
+
+  Example:
+    >>> plan = plans.dpftrl(loss_fn, optimizer=optax.sgd(0.1, momentum=0.9),
+    ...                     num_examples=n, batch_size=100, epochs=10,
+    ...                     l2_clip=1.0, epsilon=2.0, delta=1e-5)
+
+  Args:
+    loss_fn: `loss_fn(params, example) -> scalar` for ONE example.
+    optimizer: the optax optimizer (DP-FTRL is `optax.sgd`, with momentum
+      its momentum variant).
+    num_examples: n.
+    batch_size: examples per batch.
+    epochs: passes over the data.
+    l2_clip: per-example clip norm.
+    delta: target delta.
+    epsilon: target epsilon (or give `noise_multiplier`).
+    noise_multiplier: the tree-node noise to use (or give `epsilon`).
+    restart: 'epoch', an int number of steps, or None.
+    honaker: Honaker's variance-reduced tree estimates.
+    sampling: 'fixed' or 'shuffled'.
+    seed: the order's seed (None: fresh from OS entropy).
+    key: the noise key (None: fresh from OS entropy).
+    method: accounting method.
+    neighboring_relation: the relation the noise is calibrated for.
+    microbatch_size: optional cap on per-example gradients held at once.
+    axis_name: the device axis on several devices.
+
+  Returns:
+    A `Plan`.
+  """
+  if sampling not in ('fixed', 'shuffled'):
+    raise ValueError("DP-FTRL's tree noise is not amplified by sampling: "
+                     f"sampling must be 'fixed' or 'shuffled', got {sampling!r}")
+  sampler = _sampler(sampling, num_examples, batch_size, epochs, seed)
+  steps = sampler.num_steps
+  restart_every = _restart_every(restart, sampler.steps_per_epoch)
+  return _batched_plan(
+      'dpftrl',
+      lambda z, divisor: baselines.dpftrl(
+          loss_fn, l2_clip=l2_clip, noise_multiplier=z, num_steps=steps,
+          key=key, restart_every=restart_every, honaker=honaker,
+          neighboring_relation=neighboring_relation, normalize_by=divisor,
+          microbatch_size=microbatch_size, axis_name=axis_name),
+      mechanism=baselines.dpftrl_mechanism(steps, restart_every, honaker),
+      sampler=sampler, optimizer=optimizer, epsilon=epsilon,
+      noise_multiplier=noise_multiplier, delta=delta, method=method,
+      relation=neighboring_relation, axis_name=axis_name,
+      hyperparameters={'l2_clip': l2_clip, 'epochs': epochs,
+                       'restart_every': restart_every, 'honaker': honaker})
+
+
+def _strategy(strategy: Optional[np.ndarray], steps: int, epochs: int,
+              momentum: float, decay: float, bands: Optional[int]
+              ) -> np.ndarray:
+  if strategy is not None:
+    return np.asarray(strategy)
+  return strategies.optimize_strategy(
+      strategies.workload(steps, 'true', momentum=momentum, decay=decay),
+      epochs, bands=bands)
+
+
+def dpmemf(
+    loss_fn: LossFn,
+    *,
+    optimizer: optax.GradientTransformation,
+    num_examples: int,
+    batch_size: int,
+    epochs: int,
+    l2_clip: float,
+    delta: float,
+    epsilon: Optional[float] = None,
+    noise_multiplier: Optional[float] = None,
+    strategy: Optional[np.ndarray] = None,
+    momentum: float = 0.0,
+    bands: Optional[int] = None,
+    seed: Optional[int] = None,
+    key: estimators.KeyLike = None,
+    method: str = 'pld',
+    neighboring_relation: Relation = Relation.ADD_OR_REMOVE,
+    microbatch_size: Optional[int] = None,
+    axis_name: Optional[str] = None,
+) -> Plan:
+  """A DP-MEMF run (paper 001 Algorithm 2), calibrated.
+
+  Batches in one public order every epoch (`FixedOrder(k, b)`, checked in
+  every step). Without `strategy`, one is optimized for the workload of SGD
+  with `momentum` (`strategies.workload(k b, 'true', momentum=...)`; set it
+  to your optimizer's) under (k, b)-participation, `bands` making it banded.
+
+  Example:
+    >>> plan = plans.dpmemf(loss_fn, optimizer=optax.sgd(0.5, momentum=0.9),
+    ...                     num_examples=n, batch_size=500, epochs=6,
+    ...                     l2_clip=1.0, epsilon=4.0, delta=1e-5,
+    ...                     momentum=0.9)
+
+  Args:
+    loss_fn: `loss_fn(params, example) -> scalar` for ONE example.
+    optimizer: the optax optimizer.
+    num_examples: n.
+    batch_size: examples per batch.
+    epochs: k.
+    l2_clip: per-example clip norm.
+    delta: target delta.
+    epsilon: target epsilon (or give `noise_multiplier`).
+    noise_multiplier: the noise to use (or give `epsilon`).
+    strategy: the lower-triangular `[k b, k b]` strategy, or None.
+    momentum: the workload's momentum when the strategy is optimized here.
+    bands: bands of the optimized strategy (None: dense).
+    seed: the order's seed (None: fresh from OS entropy).
+    key: the noise key (None: fresh from OS entropy).
+    method: accounting method.
+    neighboring_relation: the relation the noise is calibrated for.
+    microbatch_size: optional cap on per-example gradients held at once.
+    axis_name: the device axis on several devices.
+
+  Returns:
+    A `Plan`.
+  """
+  sampler = _sampler('fixed', num_examples, batch_size, epochs, seed)
+  b = sampler.steps_per_epoch
+  c = _strategy(strategy, sampler.num_steps, epochs, momentum, 0.0, bands)
+  mechanism = mf.epoch_mechanism(c, 'buffer', b)
+  if mechanism.num_steps != sampler.num_steps:
+    raise ValueError(f'the strategy covers {mechanism.num_steps} steps; the '
+                     f'run has {sampler.num_steps} ({epochs} epochs of {b})')
+  return _batched_plan(
+      'dpmemf',
+      lambda z, divisor: mf.dpmemf(
+          loss_fn, l2_clip=l2_clip, noise_multiplier=z, strategy=c,
+          steps_per_epoch=b, key=key, check_order=False,
+          neighboring_relation=neighboring_relation, normalize_by=divisor,
+          microbatch_size=microbatch_size, axis_name=axis_name),
+      mechanism=mechanism, sampler=sampler, optimizer=optimizer,
+      epsilon=epsilon, noise_multiplier=noise_multiplier, delta=delta,
+      method=method, relation=neighboring_relation,
+      axis_name=axis_name,
+      hyperparameters={'l2_clip': l2_clip, 'epochs': epochs,
+                       'strategy_given': strategy is not None,
+                       'momentum': momentum, 'bands': bands})
+
+
+def _single_pass(algorithm: str, loss_fn: LossFn, *, num_examples: int,
+                 batch_size: int, beta: float, radius: Optional[float],
+                 l2_clip: float, delta: float, epsilon: Optional[float],
+                 noise_multiplier: Optional[float], gradient: str,
+                 seed: Optional[int], key: estimators.KeyLike, method: str,
+                 relation: Relation, microbatch_size: Optional[int],
+                 axis_name: Optional[str]) -> Plan:
+  """The plans of Algorithm 1 and its unaccelerated ablation."""
+  sampler = _sampler('fixed', num_examples, batch_size, 1, seed)
+  steps = sampler.num_steps
+  if gradient == 'srg':
+    mechanism = srg.srg_mechanism(steps)
+  elif gradient == 'independent' and algorithm == 'accelerated_dp_srgd':
+    mechanism = noise.gaussian(steps)
+  else:
+    raise ValueError("gradient must be 'srg'"
+                     + (" or 'independent'" if algorithm ==
+                        'accelerated_dp_srgd' else '') + f', got {gradient!r}')
+
+  def build(z, divisor):
+    common = dict(l2_clip=l2_clip, noise_multiplier=z, num_steps=steps,
+                  beta=beta, radius=radius, key=key, mechanism=mechanism,
+                  neighboring_relation=relation, normalize_by=divisor,
+                  microbatch_size=microbatch_size, axis_name=axis_name)
+    if algorithm == 'accelerated_dp_srgd':
+      return srg.accelerated_dp_srgd(loss_fn, gradient=gradient, **common)
+    return srg.unaccelerated_dp_srg(loss_fn, **common)
+
+  return _batched_plan(
+      algorithm, build, mechanism=mechanism, sampler=sampler, optimizer=None,
+      epsilon=epsilon, noise_multiplier=noise_multiplier, delta=delta,
+      method=method, relation=relation, axis_name=axis_name,
+      hyperparameters={'l2_clip': l2_clip, 'beta': beta, 'radius': radius,
+                       'gradient': gradient})
+
+
+def accelerated_dp_srgd(
+    loss_fn: LossFn,
+    *,
+    num_examples: int,
+    batch_size: int,
+    beta: float,
+    radius: Optional[float],
+    l2_clip: float,
+    delta: float,
+    epsilon: Optional[float] = None,
+    noise_multiplier: Optional[float] = None,
+    gradient: str = 'srg',
+    seed: Optional[int] = None,
+    key: estimators.KeyLike = None,
+    method: str = 'pld',
+    neighboring_relation: Relation = Relation.ADD_OR_REMOVE,
+    microbatch_size: Optional[int] = None,
+    axis_name: Optional[str] = None,
+) -> Plan:
+  """An Accelerated-DP-SRGD run (papers 000/001 Algorithm 1), calibrated.
+
+  One pass in `num_examples // batch_size` fresh batches (single epoch,
+  checked in every step). The transformation is the whole optimizer (no
+  optax optimizer after it); the algorithm's output is
+  `final_params(opt_state)` after the last step. `srgd_preset` gives the
+  theorems' beta, clip and batch size.
+
+  Example:
+    >>> plan = plans.accelerated_dp_srgd(
+    ...     loss_fn, num_examples=10_000, batch_size=100, beta=10.0,
+    ...     radius=1.0, l2_clip=1.0, epsilon=1.0, delta=1e-6)
+
+  Args:
+    loss_fn: `loss_fn(params, example) -> scalar` for ONE example.
+    num_examples: n.
+    batch_size: B.
+    beta: the scaling beta.
+    radius: the l2-ball radius R, or None.
+    l2_clip: clip norm of each per-example difference.
+    delta: target delta.
+    epsilon: target epsilon (or give `noise_multiplier`).
+    noise_multiplier: the noise to use (or give `epsilon`).
+    gradient: 'srg' (Algorithm 1) or 'independent' (Theorem 5.13 ablation).
+    seed: the order's seed (None: fresh from OS entropy).
+    key: the noise key (None: fresh from OS entropy).
+    method: accounting method ('gdp_paper' is the papers' route).
+    neighboring_relation: the relation the noise is calibrated for.
+    microbatch_size: optional cap on per-example values held at once.
+    axis_name: the device axis on several devices.
+
+  Returns:
+    A `Plan`.
+  """
+  return _single_pass(
+      'accelerated_dp_srgd', loss_fn, num_examples=num_examples,
+      batch_size=batch_size, beta=beta, radius=radius, l2_clip=l2_clip,
+      delta=delta, epsilon=epsilon, noise_multiplier=noise_multiplier,
+      gradient=gradient, seed=seed, key=key, method=method,
+      relation=neighboring_relation, microbatch_size=microbatch_size,
+      axis_name=axis_name)
+
+
+def unaccelerated_dp_srg(
+    loss_fn: LossFn,
+    *,
+    num_examples: int,
+    batch_size: int,
+    beta: float,
+    radius: Optional[float],
+    l2_clip: float,
+    delta: float,
+    epsilon: Optional[float] = None,
+    noise_multiplier: Optional[float] = None,
+    seed: Optional[int] = None,
+    key: estimators.KeyLike = None,
+    method: str = 'pld',
+    neighboring_relation: Relation = Relation.ADD_OR_REMOVE,
+    microbatch_size: Optional[int] = None,
+    axis_name: Optional[str] = None,
+) -> Plan:
+  """An unaccelerated SRG run (the §4.3 ablation of Algorithm 1), calibrated.
+
+  Example:
+    >>> plan = plans.unaccelerated_dp_srg(
+    ...     loss_fn, num_examples=10_000, batch_size=100, beta=10.0,
+    ...     radius=1.0, l2_clip=1.0, epsilon=1.0, delta=1e-6)
+
+  Args:
+    loss_fn: `loss_fn(params, example) -> scalar` for ONE example.
+    num_examples: n.
+    batch_size: B.
+    beta: inverse step size.
+    radius: the l2-ball radius, or None.
+    l2_clip: clip norm of each per-example difference.
+    delta: target delta.
+    epsilon: target epsilon (or give `noise_multiplier`).
+    noise_multiplier: the noise to use (or give `epsilon`).
+    seed: the order's seed (None: fresh from OS entropy).
+    key: the noise key (None: fresh from OS entropy).
+    method: accounting method.
+    neighboring_relation: the relation the noise is calibrated for.
+    microbatch_size: optional cap on per-example values held at once.
+    axis_name: the device axis on several devices.
+
+  Returns:
+    A `Plan`.
+  """
+  return _single_pass(
+      'unaccelerated_dp_srg', loss_fn, num_examples=num_examples,
+      batch_size=batch_size, beta=beta, radius=radius, l2_clip=l2_clip,
+      delta=delta, epsilon=epsilon, noise_multiplier=noise_multiplier,
+      gradient='srg', seed=seed, key=key, method=method,
+      relation=neighboring_relation, microbatch_size=microbatch_size,
+      axis_name=axis_name)
+
+
+def dp_srg_memf(
+    loss_fn: LossFn,
+    *,
+    optimizer: optax.GradientTransformation,
+    num_examples: int,
+    batch_size: int,
+    epochs: int,
+    l2_clip: float,
+    decay: float,
+    delta: float,
+    epsilon: Optional[float] = None,
+    noise_multiplier: Optional[float] = None,
+    strategy: Optional[np.ndarray] = None,
+    momentum: float = 0.0,
+    bands: Optional[int] = None,
+    seed: Optional[int] = None,
+    key: estimators.KeyLike = None,
+    method: str = 'pld',
+    neighboring_relation: Relation = Relation.ADD_OR_REMOVE,
+    microbatch_size: Optional[int] = None,
+    axis_name: Optional[str] = None,
+) -> Plan:
+  """A DP-SRG-MEMF run (paper 001 Algorithm 3), calibrated.
+
+  Fixed order every epoch (checked in every step); without `strategy`, one
+  is optimized for `strategies.workload(k b, 'true', momentum=momentum,
+  decay=decay)` (= M A L) under (k, b)-participation.
+
+  Example:
+    >>> plan = plans.dp_srg_memf(
+    ...     loss_fn, optimizer=optax.sgd(0.5, momentum=0.9), num_examples=n,
+    ...     batch_size=500, epochs=6, l2_clip=1.0, decay=math.exp(-2.5),
+    ...     epsilon=4.0, delta=1e-5, momentum=0.9)
+
+  Args:
+    loss_fn: `loss_fn(params, example) -> scalar` for ONE example.
+    optimizer: the optax optimizer.
+    num_examples: n.
+    batch_size: examples per batch.
+    epochs: k.
+    l2_clip: clip norm of each per-example difference.
+    decay: c in [0, 1].
+    delta: target delta.
+    epsilon: target epsilon (or give `noise_multiplier`).
+    noise_multiplier: the noise to use (or give `epsilon`).
+    strategy: the lower-triangular `[k b, k b]` strategy, or None.
+    momentum: the workload's momentum when the strategy is optimized here.
+    bands: bands of the optimized strategy (None: dense).
+    seed: the order's seed (None: fresh from OS entropy).
+    key: the noise key (None: fresh from OS entropy).
+    method: accounting method.
+    neighboring_relation: the relation the noise is calibrated for.
+    microbatch_size: optional cap on per-example values held at once.
+    axis_name: the device axis on several devices.
+
+  Returns:
+    A `Plan`.
+  """
+  sampler = _sampler('fixed', num_examples, batch_size, epochs, seed)
+  b = sampler.steps_per_epoch
+  decay = srg.validate_decay(decay)
+  c = _strategy(strategy, sampler.num_steps, epochs, momentum, decay, bands)
+  mechanism = mf.epoch_mechanism(c, 'buffer', b)
+  if mechanism.num_steps != sampler.num_steps:
+    raise ValueError(f'the strategy covers {mechanism.num_steps} steps; the '
+                     f'run has {sampler.num_steps} ({epochs} epochs of {b})')
+  return _batched_plan(
+      'dp_srg_memf',
+      lambda z, divisor: srg.dp_srg_memf(
+          loss_fn, l2_clip=l2_clip, noise_multiplier=z, strategy=c,
+          steps_per_epoch=b, decay=decay, key=key, check_order=False,
+          neighboring_relation=neighboring_relation, normalize_by=divisor,
+          microbatch_size=microbatch_size, axis_name=axis_name),
+      mechanism=mechanism, sampler=sampler, optimizer=optimizer,
+      epsilon=epsilon, noise_multiplier=noise_multiplier, delta=delta,
+      method=method, relation=neighboring_relation,
+      axis_name=axis_name,
+      hyperparameters={'l2_clip': l2_clip, 'epochs': epochs, 'decay': decay,
+                       'strategy_given': strategy is not None,
+                       'momentum': momentum, 'bands': bands})
+
+
+def diff2_gd(
+    loss_fn: LossFn,
+    *,
+    learning_rate: float,
+    num_rounds: int,
+    restart_interval: int,
+    grad_clip: float,
+    diff_clip_factor: float,
+    num_examples: int,
+    delta: float,
+    epsilon: Optional[float] = None,
+    noise_multipliers: Optional[diff2.Diff2NoiseMultipliers] = None,
+    method: Optional[str] = None,
+    budget_split: Optional[float] = None,
+    key: estimators.KeyLike = None,
+    microbatch_size: Optional[int] = None,
+    axis_name: Optional[str] = None,
+) -> Plan:
+  """A DIFF2-GD run across clients (paper 003 Algorithms 1 and 3), calibrated.
+
+  Every round uses all of each client's data (`update(None, state, params,
+  batch=local_data, batch_mask=local_mask)`, one client per device on
+  `axis_name`); replace-one item-level privacy, accounted by
+  `algorithms.diff2_accounting` (Proposition 4.1's split of the budget
+  between the restart and difference rounds, then a common scale).
+
+  Example:
+    >>> plan = plans.diff2_gd(loss_fn, learning_rate=0.125, num_rounds=2000,
+    ...                       restart_interval=20, grad_clip=1.0,
+    ...                       diff_clip_factor=1.5, num_examples=n,
+    ...                       epsilon=3.0, delta=1e-5, axis_name='clients')
+
+  Args:
+    loss_fn: `loss_fn(params, example) -> scalar` for ONE example.
+    learning_rate: eta.
+    num_rounds: R.
+    restart_interval: T (1 is DP-GD).
+    grad_clip: C_1.
+    diff_clip_factor: C_2 / C_1.
+    num_examples: the total number of examples over the clients (recorded;
+      the accounting is per example and does not depend on it).
+    delta: target delta.
+    epsilon: target epsilon (or give `noise_multipliers`).
+    noise_multipliers: the noise to use (or give `epsilon`).
+    method: 'pld' (default), 'rdp' or 'paper'.
+    budget_split: u of Proposition 4.1 (default 1.25).
+    key: the server noise key (None: fresh from OS entropy).
+    microbatch_size: optional cap on per-example values held at once.
+    axis_name: the client axis.
+
+  Returns:
+    A `Plan` (no sampler, no ledger: see `Plan`).
+  """
+  _target(epsilon, noise_multipliers, delta)
+  num_rounds = checks.positive_int(num_rounds, 'num_rounds')
+  restart_interval = checks.positive_int(restart_interval, 'restart_interval')
+  method = method or 'pld'
+  if noise_multipliers is None:
+    z = diff2_accounting.calibrate(num_rounds, restart_interval, epsilon,
+                                   delta, method=method,
+                                   budget_split=budget_split)
+  else:
+    z = diff2.Diff2NoiseMultipliers(*noise_multipliers)
+  private = diff2.diff2_estimator(
+      loss_fn, grad_clip=grad_clip, diff_clip_factor=diff_clip_factor,
+      restart_interval=restart_interval, num_rounds=num_rounds,
+      noise_multipliers=z, key=key, microbatch_size=microbatch_size,
+      axis_name=axis_name)
+  spent = lambda rounds: diff2_accounting.epsilon_spent(
+      rounds, restart_interval, z, delta, method=method)
+  return Plan(
+      algorithm='diff2_gd' if restart_interval > 1 else 'dp_gd',
+      transformation=optax.chain(private, optax.sgd(learning_rate)),
+      private_transformation=private, batches=None,
+      mechanism=diff2.diff2_mechanism(num_rounds), noise_multiplier=z,
+      participation=None,
+      event=diff2_accounting.diff2_dp_event(num_rounds, restart_interval, z),
+      ledger=None, epsilon=spent(num_rounds),
+      target_epsilon=None if epsilon is None else float(epsilon),
+      delta=float(delta), method=method, num_steps=num_rounds,
+      num_examples=checks.positive_int(num_examples, 'num_examples'),
+      hyperparameters={'learning_rate': learning_rate,
+                       'restart_interval': restart_interval,
+                       'grad_clip': grad_clip,
+                       'diff_clip_factor': diff_clip_factor},
+      _epsilon_of_prefix=spent)
+
+
+def dp_gd(
+    loss_fn: LossFn,
+    *,
+    learning_rate: float,
+    num_rounds: int,
+    grad_clip: float,
+    num_examples: int,
+    delta: float,
+    epsilon: Optional[float] = None,
+    noise_multiplier: Optional[float] = None,
+    method: Optional[str] = None,
+    key: estimators.KeyLike = None,
+    microbatch_size: Optional[int] = None,
+    axis_name: Optional[str] = None,
+) -> Plan:
+  """A DP-GD run across clients (paper 003's baseline: DIFF2 with T = 1).
+
+  Example:
+    >>> plan = plans.dp_gd(loss_fn, learning_rate=0.25, num_rounds=2000,
+    ...                    grad_clip=1.0, num_examples=n, epsilon=3.0,
+    ...                    delta=1e-5, axis_name='clients')
+
+  Args:
+    loss_fn: `loss_fn(params, example) -> scalar` for ONE example.
+    learning_rate: eta.
+    num_rounds: R.
+    grad_clip: C_1.
+    num_examples: the total number of examples (recorded).
+    delta: target delta.
+    epsilon: target epsilon (or give `noise_multiplier`).
+    noise_multiplier: the noise to use (or give `epsilon`).
+    method: 'pld' (default), 'rdp' or 'paper'.
+    key: the server noise key (None: fresh from OS entropy).
+    microbatch_size: optional cap on per-example values held at once.
+    axis_name: the client axis.
+
+  Returns:
+    A `Plan`.
+  """
+  return diff2_gd(
+      loss_fn, learning_rate=learning_rate, num_rounds=num_rounds,
+      restart_interval=1, grad_clip=grad_clip, diff_clip_factor=1.0,
+      num_examples=num_examples, delta=delta, epsilon=epsilon,
+      noise_multipliers=(None if noise_multiplier is None else
+                         diff2.Diff2NoiseMultipliers(noise_multiplier, 0.0)),
+      method=method, key=key, microbatch_size=microbatch_size,
+      axis_name=axis_name)
+
+
+__all__ = ('Plan', 'accelerated_dp_srgd', 'diff2_gd', 'dp_gd', 'dp_srg_memf',
+           'dpftrl', 'dpmemf', 'dpsgd', 'unaccelerated_dp_srg')
