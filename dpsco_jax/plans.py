@@ -106,7 +106,9 @@ class Plan:
       repr=False)
   private_transformation: optax.GradientTransformationExtraArgs = (
       dataclasses.field(repr=False))
-  batches: Optional[Sampler]
+  # Not in the repr: a sampler's seed decides which examples are in which
+  # batch (Poisson amplification needs it secret), and reprs end up in logs.
+  batches: Optional[Sampler] = dataclasses.field(repr=False)
   mechanism: noise.NoiseMechanism = dataclasses.field(repr=False)
   noise_multiplier: Any
   participation: Optional[accounting.Participation]
@@ -265,7 +267,8 @@ def _sampler(sampling: str, num_examples: int, batch_size: int, epochs: int,
     return batching.ShuffledBatches(num_examples, batch_size, epochs,
                                     seed=seed)
   if sampling == 'poisson':
-    steps = epochs * (num_examples // batch_size)
+    # As many expected passes: T q = epochs.
+    steps = max(1, round(epochs * num_examples / batch_size))
     return batching.PoissonBatches(num_examples, batch_size / num_examples,
                                    steps, seed)
   raise ValueError(f'sampling must be one of {SAMPLINGS}, got {sampling!r}')
@@ -364,11 +367,13 @@ def dpsgd(
 ) -> Plan:
   """A DP-SGD run (`dpsco_jax.dpsgd`), calibrated to (epsilon, delta).
 
-  `epochs * (num_examples // batch_size)` steps. With `sampling='poisson'`
-  (default) every example joins each batch with probability
+  With `sampling='poisson'` (default) every example joins each of
+  `round(epochs * num_examples / batch_size)` batches with probability
   `batch_size / num_examples` (amplified accounting, noisy sum divided by
-  the expected batch size); 'shuffled' reshuffles every epoch and 'fixed'
-  keeps one public order (no amplification claimed for either).
+  the expected batch size). 'shuffled' reshuffles every epoch and 'fixed'
+  keeps one public order (no amplification claimed for either), each
+  `epochs * (num_examples // batch_size)` steps of full batches (the
+  `num_examples % batch_size` left over are not used in an epoch).
 
   Example:
     >>> plan = plans.dpsgd(loss_fn, optimizer=optax.sgd(0.1),

@@ -56,9 +56,15 @@ def test_metrics_cover_every_run_from_start_to_end(finished_run):
     # The last logged accuracy is the one reported in the summary.
     last = [r for r in metrics if r['algorithm'] == name][-1]
     assert float(last['test_accuracy']) == pytest.approx(row['test_accuracy'])
-    # Zero init predicts uniformly: loss ln(10) before the first step.
+    # Zero init predicts uniformly: loss ln(10) before the first step, and
+    # nothing is spent yet.
     first = [r for r in metrics if r['algorithm'] == name][0]
     assert float(first['train_loss']) == pytest.approx(math.log(10), rel=1e-5)
+    assert float(first['epsilon']) == 0.0
+    # The epsilon so far grows to the run's.
+    spent = [float(r['epsilon']) for r in metrics if r['algorithm'] == name]
+    assert spent == sorted(spent)
+    assert spent[-1] == pytest.approx(row['epsilon_spent'])
 
 
 @pytest.mark.parametrize('name', PRIVATE)
@@ -80,7 +86,7 @@ def test_step_counts_follow_the_samplers(finished_run):
   assert by_name['dpmemf']['num_steps'] == fixed_order_steps
   assert by_name['nonprivate']['num_steps'] == fixed_order_steps
   # Poisson: as many expected epochs.
-  assert by_name['dpsgd']['num_steps'] == round(
+  assert by_name["dpsgd"]["num_steps"] == round(
       config.num_epochs * 1437 / config.expected_batch_size)
 
 

@@ -1,0 +1,214 @@
+"""Flax (nnx) models for the experiments, and the one-example loss they need.
+
+Every private transformation of dpsco_jax takes `loss_fn(params, example)`
+for ONE example (no batch axis) and a params pytree. A flax nnx model is
+both code and state; `split` separates them once, and `example_loss` makes
+the one-example loss from the model's code (it adds the batch axis of one
+that flax layers expect, and takes it off again):
+
+    model = models.MLP([64, 128, 10], rngs=nnx.Rngs(0))
+    graphdef, params = models.split(model)
+    loss_fn = models.example_loss(graphdef, models.cross_entropy)
+    plan = dpsco_jax.plans.dpsgd(loss_fn, optimizer=optax.sgd(0.1), ...)
+    opt_state = plan.init(params)
+    ...
+    logits = models.apply(graphdef, params, test['x'])   # a batch
+
+The dense layers of an MLP take the ghost-norm path of
+`dpsco_jax.clipping` (two backward passes, no per-example gradients); a
+convolution falls back to per-example gradients, announced once
+(`GhostClippingFallbackWarning`).
+
+flax is an experiments dependency (the `experiments` extra), not a core
+one: the library itself only needs a params pytree and a loss function.
+"""
+
+from typing import Any, Callable, Sequence
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import optax
+
+PyTree = Any
+
+
+class MLP(nnx.Module):
+  """A ReLU multilayer perceptron.
+
+  Example:
+    >>> model = MLP([64, 128, 10], rngs=nnx.Rngs(0))
+    >>> model(jnp.zeros((5, 64))).shape
+    (5, 10)
+
+  Args:
+    sizes: input, hidden... and output widths.
+    rngs: flax's random streams (for the initialization).
+  """
+
+  def __init__(self, sizes: Sequence[int], *, rngs: nnx.Rngs):
+    if len(sizes) < 2:
+      raise ValueError(f'an MLP needs an input and an output size, got '
+                       f'{list(sizes)}')
+    self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs)
+                            for a, b in zip(sizes[:-1], sizes[1:])])
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x = x.reshape(x.shape[0], -1)
+    for layer in self.layers[:-1]:
+      x = jax.nn.relu(layer(x))
+    return self.layers[-1](x)
+
+
+class CNN(nnx.Module):
+  """A small convolutional network for square grey images ([B, H, W]).
+
+  Two 3x3 convolutions with ReLU and 2x2 average pooling, a global average,
+  then a linear classifier (no normalization layers: batch statistics mix
+  examples, which per-example clipping forbids).
+
+  Example:
+    >>> model = CNN(num_classes=10, channels=(8, 16), rngs=nnx.Rngs(0))
+    >>> model(jnp.zeros((5, 8, 8))).shape
+    (5, 10)
+
+  Args:
+    num_classes: outputs.
+    channels: the two convolutions' widths.
+    rngs: flax's random streams.
+  """
+
+  def __init__(self, num_classes: int, channels: Sequence[int] = (16, 32),
+               *, rngs: nnx.Rngs):
+    first, second = channels
+    self.conv1 = nnx.Conv(1, first, kernel_size=(3, 3), rngs=rngs)
+    self.conv2 = nnx.Conv(first, second, kernel_size=(3, 3), rngs=rngs)
+    self.head = nnx.Linear(second, num_classes, rngs=rngs)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x = x[..., None]                                   # [B, H, W, 1]
+    x = jax.nn.relu(self.conv1(x))
+    x = nnx.avg_pool(x, window_shape=(2, 2), strides=(2, 2))
+    x = jax.nn.relu(self.conv2(x))
+    return self.head(jnp.mean(x, axis=(1, 2)))
+
+
+def split(model: nnx.Module) -> tuple[nnx.GraphDef, PyTree]:
+  """The model's code and its parameters (the pytree that is trained).
+
+  Example:
+    >>> graphdef, params = split(MLP([4, 2], rngs=nnx.Rngs(0)))
+
+  Args:
+    model: an nnx module whose state is all `nnx.Param`s.
+
+  Returns:
+    `(graphdef, params)`.
+
+  Raises:
+    ValueError: if the model holds state other than parameters (batch
+      statistics, counters): per-example clipping cannot train them.
+  """
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  if jax.tree_util.tree_leaves(rest):
+    raise ValueError(
+        'the model holds state other than nnx.Param (e.g. BatchNorm '
+        'statistics), which mixes examples and cannot be trained with '
+        'per-example clipping; use a model without it (GroupNorm/LayerNorm '
+        'are per-example)')
+  return graphdef, params
+
+
+def apply(graphdef: nnx.GraphDef, params: PyTree, x: jax.Array) -> jax.Array:
+  """The model's outputs on a batch `x` (leading axis the batch).
+
+  Example:
+    >>> logits = apply(graphdef, params, test['x'])
+
+  Args:
+    graphdef: from `split`.
+    params: the parameters.
+    x: a batch of inputs.
+
+  Returns:
+    The model's outputs, one row per example.
+  """
+  return nnx.merge(graphdef, params)(x)
+
+
+def cross_entropy(logits: jax.Array, label: jax.Array) -> jax.Array:
+  """Softmax cross-entropy of one example's logits and integer label."""
+  return optax.softmax_cross_entropy_with_integer_labels(logits, label)
+
+
+def example_loss(graphdef: nnx.GraphDef,
+                 loss: Callable[[jax.Array, jax.Array], jax.Array] = (
+                     cross_entropy)
+                 ) -> Callable[[PyTree, PyTree], jax.Array]:
+  """`loss_fn(params, example)` of ONE example `{'x': ..., 'y': ...}`.
+
+  flax layers expect a batch axis: the example gets one of size 1 and the
+  output loses it, so the private transformations' one-example contract
+  holds.
+
+  Example:
+    >>> loss_fn = example_loss(graphdef)
+    >>> loss_fn(params, {'x': x[0], 'y': y[0]}).shape
+    ()
+
+  Args:
+    graphdef: from `split`.
+    loss: `loss(outputs, label) -> scalar` of one example.
+
+  Returns:
+    The one-example loss.
+  """
+
+  def loss_fn(params: PyTree, example: PyTree) -> jax.Array:
+    outputs = apply(graphdef, params, example['x'][None])[0]
+    return loss(outputs, example['y'])
+
+  return loss_fn
+
+
+def mean_loss(graphdef: nnx.GraphDef,
+              loss: Callable[[jax.Array, jax.Array], jax.Array] = (
+                  cross_entropy)
+              ) -> Callable[[PyTree, PyTree], jax.Array]:
+  """The batch-mean loss (non-private training and evaluation).
+
+  Example:
+    >>> value = mean_loss(graphdef)(params, {'x': x, 'y': y})
+
+  Args:
+    graphdef: from `split`.
+    loss: as in `example_loss`.
+
+  Returns:
+    `loss_fn(params, batch) -> scalar`.
+  """
+
+  def loss_fn(params: PyTree, batch: PyTree) -> jax.Array:
+    outputs = apply(graphdef, params, batch['x'])
+    return jnp.mean(jax.vmap(loss)(outputs, batch['y']))
+
+  return loss_fn
+
+
+def accuracy(graphdef: nnx.GraphDef, params: PyTree, data: PyTree
+             ) -> jax.Array:
+  """The fraction of `data` whose argmax output is its label.
+
+  Example:
+    >>> accuracy(graphdef, params, test)
+
+  Args:
+    graphdef: from `split`.
+    params: the parameters.
+    data: `{'x': [n, ...], 'y': [n]}`.
+
+  Returns:
+    A scalar in [0, 1].
+  """
+  predictions = jnp.argmax(apply(graphdef, params, data['x']), axis=-1)
+  return jnp.mean(predictions == data['y'])

@@ -1,0 +1,183 @@
+"""The training loop every experiment shares: a plan's run, with progress.
+
+`run_plan` runs a `dpsco_jax.plans.Plan` to its end on a data set: the
+plan's batches, its jitted transformation, a progress line with the
+epsilon spent so far, and a metrics row at every evaluation. `run_optimizer`
+runs a non-private reference through the same loop. An experiment file then
+keeps only what its paper needs (data, models, grid, plots):
+
+    plan = plans.dpftrl(loss_fn, optimizer=optax.sgd(0.5, momentum=0.9),
+                        epsilon=2.0, delta=1e-5, num_examples=n, ...)
+    result = spine.run_plan('dpftrl', plan, params, train,
+                            evaluate=lambda p: {'test_accuracy': acc(p)},
+                            eval_every=10)
+    outputs.write_csv('metrics.csv', result.rows)
+
+Every row holds `algorithm`, `step`, `epoch`, `epsilon` (spent so far;
+`inf` for a non-private run) and the evaluation's metrics. Evaluations are
+diagnostics outside the privacy guarantee unless they use public data.
+"""
+
+import math
+import time
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional
+
+from absl import logging
+import jax
+import optax
+
+from dpsco_jax import plans
+from experiments import outputs
+
+PyTree = Any
+Row = dict[str, Any]
+Evaluate = Callable[[PyTree], Mapping[str, float]]
+
+
+class RunResult(NamedTuple):
+  """The end of a run.
+
+  Attributes:
+    params: the final params (for Algorithm 1: `final_params` of the state
+      is the algorithm's output; the params are the last query point).
+    opt_state: the final optimizer state (NON-PRIVATE: never publish).
+    rows: one metrics row per evaluation.
+    wall_seconds: the run's wall time, compilation included.
+  """
+
+  params: PyTree
+  opt_state: PyTree
+  rows: list[Row]
+  wall_seconds: float
+
+
+def _loop(name: str, num_steps: int, steps_per_epoch: float,
+          inputs: Iterable[Mapping[str, Any]], step: Callable, params: PyTree,
+          opt_state: PyTree, evaluate: Evaluate, eval_every: int,
+          epsilon_at: Callable[[int], float]) -> RunResult:
+  """The loop: one jitted step per input, evaluations, progress."""
+  if eval_every < 1:
+    raise ValueError(f'eval_every must be >= 1, got {eval_every}')
+  start = time.perf_counter()
+  progress = outputs.Progress(name, num_steps)
+  rows = []
+
+  def record(t: int) -> None:
+    metrics = {k: float(v) for k, v in evaluate(params).items()}
+    rows.append({'algorithm': name, 'step': t,
+                 'epoch': t / steps_per_epoch, 'epsilon': epsilon_at(t),
+                 **metrics})
+    progress.update(t, epsilon=rows[-1]['epsilon'], **metrics)
+
+  record(0)
+  t = 0
+  for t, batch_inputs in enumerate(inputs, start=1):
+    params, opt_state = step(params, opt_state, batch_inputs)
+    if t % eval_every == 0 or t == num_steps:
+      record(t)
+  if t != num_steps:
+    raise RuntimeError(f'{name}: the batches ended after {t} of {num_steps} '
+                       'steps')
+  return RunResult(params, opt_state, rows, time.perf_counter() - start)
+
+
+def run_plan(name: str, plan: plans.Plan, params: PyTree, data: PyTree, *,
+             evaluate: Evaluate, eval_every: int) -> RunResult:
+  """Runs `plan` to its end on `data`.
+
+  Example:
+    >>> result = run_plan('dpsgd', plan, params, train,
+    ...                   evaluate=lambda p: {'acc': accuracy(p)},
+    ...                   eval_every=20)
+
+  Args:
+    name: the run's name in rows and logs.
+    plan: the plan (its batches index `data`).
+    params: the initial params.
+    data: the training set, a pytree with leading axis `num_examples`.
+    evaluate: `evaluate(params) -> {metric: value}`, at every evaluation.
+    eval_every: evaluate every this many steps (and at step 0 and the end).
+
+  Returns:
+    The `RunResult`.
+  """
+  logging.info('%s: noise multiplier %.4g, %d steps, epsilon %.4g at delta '
+               '%g (%s)', name, plan.noise_multiplier, plan.num_steps,
+               plan.epsilon, plan.delta, plan.mechanism.name)
+
+  @jax.jit
+  def step(params, opt_state, batch_inputs):
+    updates, opt_state = plan.transformation.update(None, opt_state, params,
+                                                    **batch_inputs)
+    return optax.apply_updates(params, updates), opt_state
+
+  steps_per_epoch = plan.num_examples / plan.hyperparameters.get(
+      'batch_size', plan.num_examples)
+  return _loop(name, plan.num_steps, steps_per_epoch, plan.batches_of(data),
+               step, params, plan.init(params), evaluate, eval_every,
+               plan.epsilon_at)
+
+
+def run_optimizer(name: str, optimizer: optax.GradientTransformation,
+                  batch_loss: Callable[[PyTree, PyTree], Any], params: PyTree,
+                  data: PyTree, batches: Iterable[Any], *, num_steps: int,
+                  steps_per_epoch: float, evaluate: Evaluate,
+                  eval_every: int) -> RunResult:
+  """A non-private reference: `optimizer` on the batch-mean gradient.
+
+  Example:
+    >>> result = run_optimizer('sgd', optax.sgd(0.5), mean_loss, params,
+    ...                        train, sampler, num_steps=sampler.num_steps,
+    ...                        steps_per_epoch=sampler.steps_per_epoch,
+    ...                        evaluate=evaluate, eval_every=10)
+
+  Args:
+    name: the run's name.
+    optimizer: the optax optimizer.
+    batch_loss: `batch_loss(params, batch) -> scalar`, the batch mean.
+    params: the initial params.
+    data: the training set.
+    batches: example indices of each step.
+    num_steps: the number of batches.
+    steps_per_epoch: for the rows' `epoch`.
+    evaluate: as in `run_plan`.
+    eval_every: as in `run_plan`.
+
+  Returns:
+    The `RunResult` (`epsilon` is inf in every row after step 0).
+  """
+
+  @jax.jit
+  def step(params, opt_state, batch):
+    grads = jax.grad(batch_loss)(params, batch)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  inputs = (jax.tree_util.tree_map(lambda x, i=indices: x[i], data)
+            for indices in batches)
+  return _loop(name, num_steps, steps_per_epoch, inputs, step, params,
+               optimizer.init(params), evaluate, eval_every,
+               lambda t: 0.0 if t == 0 else math.inf)
+
+
+def privacy_entry(name: str, plan: plans.Plan,
+                  spent_steps: Optional[int] = None) -> dict[str, Any]:
+  """The run record's privacy entry of a plan's run.
+
+  Example:
+    >>> outputs.run_record(config, privacy=[privacy_entry('dpsgd', plan)])
+
+  Args:
+    name: the run's name.
+    plan: its plan.
+    spent_steps: the steps run (default: all of them).
+
+  Returns:
+    A JSON-compatible dict: the plan's description, the `dp_accounting`
+    event and the epsilon spent.
+  """
+  steps = plan.num_steps if spent_steps is None else spent_steps
+  return {'name': name, **plan.describe(),
+          'dp_event': outputs.event_to_dict(plan.event),
+          'dp_event_repr': repr(plan.event),
+          'epsilon_spent': plan.epsilon_at(steps)}
