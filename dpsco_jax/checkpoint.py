@@ -32,14 +32,18 @@ Layout (format version 2; `path` is e.g. 'run/checkpoint'):
       ckpt-00000400-1f2e3d4c5b6a/  one complete checkpoint (the version)
         MANIFEST.json              format, version, step, ledger, sampler,
                                    metadata, leaf specs
-        arrays/                    an orbax-checkpoint (StandardCheckpointHandler)
-                                   tree {'params': {'0': ..}, 'opt_state':
+        arrays/                    the orbax-checkpoint (written with
+                                   StandardCheckpointHandler) of the tree
+                                   {'params': {'0': ..}, 'opt_state':
                                    {'0': ..}}, keyed by leaf index
 
-Every file is created with mode 0600 and every directory 0700. Leaves are
-stored by their index in `jax.tree_util.tree_flatten` order, as host (NumPy)
-arrays; the manifest lists each leaf's path, shape and dtype, so that a
-template that does not match is refused, by path, before any array is read.
+The checkpoint directory and each version are created with mode 0700, so
+nothing in them is ever readable by others; before a save commits, every
+file in the version is set to 0600 and every directory to 0700 (orbax
+creates its own with the default modes). Leaves are stored by their index
+in `jax.tree_util.tree_flatten` order, as host (NumPy) arrays; the manifest
+lists each leaf's path, shape and dtype, so that a template that does not
+match is refused, by path, before any array is read.
 Zero-size leaves are described in the manifest only (orbax stores no empty
 arrays). Arrays can be read without this library:
 `orbax.checkpoint.Checkpointer(orbax.checkpoint.StandardCheckpointHandler())
