@@ -9,11 +9,13 @@ it resumes from the last checkpoint, with the same batches and the same
 noise, to the same final params bit for bit:
 
     python -m experiments.resumable --algorithm=dpmemf \
-        --checkpoint=results/resumable/checkpoint.npz \
-        --release=results/resumable/release.npz
+        --checkpoint=results/resumable/checkpoint \
+        --release=results/resumable/release
 
-The checkpoint holds non-private state (noise key and buffers, batch
-fingerprints, the sampler seed): keep it private. The release file
+The checkpoint is a directory (orbax-checkpoint arrays and a JSON manifest
+with the privacy ledger, replaced atomically at each save) holding
+non-private state (noise key and buffers, batch fingerprints, the sampler
+seed): keep it private. The release directory
 (`checkpoint.export_release`) holds only the final params and the privacy
 ledger with the epsilon spent, and is the one to publish.
 """
@@ -48,15 +50,15 @@ def define_flags() -> None:
   in tests) defines no flags.
 
   Example:
-    >>> define_flags(); flags.FLAGS(['resumable', '--checkpoint=c.npz'])
+    >>> define_flags(); flags.FLAGS(['resumable', '--checkpoint=run/ckpt'])
   """
   flags.DEFINE_enum('algorithm', 'dpmemf', ALGORITHMS, 'The private algorithm.')
   flags.DEFINE_string(
-      'checkpoint', None, 'Checkpoint file (NON-PRIVATE: keep it private); '
-      'resumed from when it exists.')
+      'checkpoint', None, 'Checkpoint directory (NON-PRIVATE: keep it '
+      'private); resumed from when it holds a checkpoint.')
   flags.DEFINE_string(
-      'release', None, 'Where to export the final params and privacy ledger '
-      '(safe to publish).')
+      'release', None, 'Directory to export the final params and privacy '
+      'ledger to (safe to publish).')
   flags.DEFINE_integer(
       'checkpoint_every', 4, 'Save a checkpoint every this many steps (and at '
       'the last step).')
@@ -257,14 +259,14 @@ def train(settings: Settings, checkpoint_path: str,
   """Trains from the checkpoint at `checkpoint_path` (or from scratch).
 
   Example:
-    >>> train(Settings(algorithm='dpftrl'), 'run/checkpoint.npz',
-    ...       'run/release.npz')
+    >>> train(Settings(algorithm='dpftrl'), 'run/checkpoint', 'run/release')
 
   Args:
     settings: the configuration (the same on every restart).
-    checkpoint_path: the checkpoint file, written every
+    checkpoint_path: the checkpoint directory, written every
       `settings.checkpoint_every` steps and at the last step.
-    release_path: where to export the final params and ledger, or None.
+    release_path: the directory to export the final params and ledger
+      to, or None.
     on_step: called with each completed step number (after any checkpoint).
     stop_after: return after this step, as an interrupted run would (no
       release is written).

@@ -1,5 +1,8 @@
 """`experiments.resumable` as a subprocess of tests/test_checkpoint.py.
 
+Its checkpoint (`--checkpoint`, a directory: orbax-checkpoint arrays and a
+JSON manifest) is resumed from when the command runs again.
+
 With `--pause_after_step=k` the run stops after step k (checkpointed or
 not), writes `--pause_marker`, and sleeps, so that the test can SIGKILL it
 at a known point:

@@ -120,7 +120,7 @@ def test_the_fresh_key_reaches_the_ledger_and_the_checkpoint(tmp_path):
   assert checkpoint.noise_key_of(state) is key
   ledger = checkpoint.PrivacyLedger.create(
       mechanism, 1.0, accounting.single_epoch(4), 1e-5, key=key)
-  path = str(tmp_path / 'ckpt.npz')
+  path = str(tmp_path / 'ckpt')
   checkpoint.save(path, params=PARAMS, opt_state=state, step=0,
                   ledger=ledger)
   ckpt = checkpoint.restore(path, params_like=PARAMS, opt_state_like=state,
@@ -134,7 +134,7 @@ def test_the_fresh_key_reaches_the_ledger_and_the_checkpoint(tmp_path):
 def test_a_run_with_a_fresh_key_resumes_with_the_checkpoints_key(tmp_path):
   """The resumed process draws another fresh key at construction; the run
   continues with the saved one, and the outputs equal an uninterrupted run."""
-  path = str(tmp_path / 'ckpt.npz')
+  path = str(tmp_path / 'ckpt')
   mechanism = dpsco_jax.dpsgd_mechanism(4)
 
   def ledger():

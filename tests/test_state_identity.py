@@ -191,12 +191,12 @@ def test_save_refuses_a_state_of_another_mechanism_than_the_ledgers(tmp_path):
   ledger = _ledger(dpsco_jax.dpsgd_mechanism(NUM_STEPS))
   with pytest.raises(checkpoint.CheckpointMismatchError,
                      match="not made by the ledger's mechanism"):
-    checkpoint.save(str(tmp_path / 'ckpt.npz'), params=PARAMS,
+    checkpoint.save(str(tmp_path / 'ckpt'), params=PARAMS,
                     opt_state=_dpftrl().init(PARAMS), step=0, ledger=ledger)
 
 
 def test_restore_refuses_to_continue_dpsgd_as_dpftrl(tmp_path):
-  path = str(tmp_path / 'ckpt.npz')
+  path = str(tmp_path / 'ckpt')
   dpsgd, dpftrl = _dpsgd(), _dpftrl()
   ledger = _ledger(dpsco_jax.dpsgd_mechanism(NUM_STEPS))
   state = dpsgd.init(PARAMS)
@@ -224,7 +224,7 @@ def test_restore_refuses_to_continue_dpsgd_as_dpftrl(tmp_path):
 
 
 def test_restore_refuses_a_ledger_of_another_mechanism(tmp_path):
-  path = str(tmp_path / 'ckpt.npz')
+  path = str(tmp_path / 'ckpt')
   ledger = _ledger(dpsco_jax.dpsgd_mechanism(NUM_STEPS))
   checkpoint.save(path, params=PARAMS, opt_state=_dpsgd().init(PARAMS),
                   step=0, ledger=ledger)
