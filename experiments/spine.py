@@ -26,6 +26,7 @@ from absl import logging
 import jax
 import optax
 
+from dpsco_jax import checkpoint
 from dpsco_jax import plans
 from experiments import outputs
 
@@ -54,7 +55,9 @@ class RunResult(NamedTuple):
 def _loop(name: str, num_steps: int, steps_per_epoch: float,
           inputs: Iterable[Mapping[str, Any]], step: Callable, params: PyTree,
           opt_state: PyTree, evaluate: Evaluate, eval_every: int,
-          epsilon_at: Callable[[int], float]) -> RunResult:
+          epsilon_at: Callable[[int], float], first_step: int = 0,
+          after_step: Optional[Callable[[int, PyTree, PyTree], None]] = None
+          ) -> RunResult:
   """The loop: one jitted step per input, evaluations, progress."""
   if eval_every < 1:
     raise ValueError(f'eval_every must be >= 1, got {eval_every}')
@@ -69,12 +72,14 @@ def _loop(name: str, num_steps: int, steps_per_epoch: float,
                  **metrics})
     progress.update(t, epsilon=rows[-1]['epsilon'], **metrics)
 
-  record(0)
-  t = 0
-  for t, batch_inputs in enumerate(inputs, start=1):
+  record(first_step)
+  t = first_step
+  for t, batch_inputs in enumerate(inputs, start=first_step + 1):
     params, opt_state = step(params, opt_state, batch_inputs)
     if t % eval_every == 0 or t == num_steps:
       record(t)
+    if after_step is not None:
+      after_step(t, params, opt_state)
   if t != num_steps:
     raise RuntimeError(f'{name}: the batches ended after {t} of {num_steps} '
                        'steps')
@@ -82,8 +87,18 @@ def _loop(name: str, num_steps: int, steps_per_epoch: float,
 
 
 def run_plan(name: str, plan: plans.Plan, params: PyTree, data: PyTree, *,
-             evaluate: Evaluate, eval_every: int) -> RunResult:
-  """Runs `plan` to its end on `data`.
+             evaluate: Evaluate, eval_every: int,
+             checkpoint_dir: Optional[str] = None,
+             checkpoint_every: int = 100) -> RunResult:
+  """Runs `plan` to its end on `data`, resuming from a checkpoint if any.
+
+  With `checkpoint_dir`, the run starts from the checkpoint there when one
+  exists (`dpsco_jax.checkpoint.restore_or_init`: the plan's ledger and
+  sampler must be the checkpoint's, so build the plan with the same `seed`;
+  a fresh noise key is replaced by the saved one) and saves every
+  `checkpoint_every` steps and at the end. A run killed and resumed ends
+  bit-identical to one that ran through. The checkpoint holds NON-PRIVATE
+  state: never publish it.
 
   Example:
     >>> result = run_plan('dpsgd', plan, params, train,
@@ -97,9 +112,11 @@ def run_plan(name: str, plan: plans.Plan, params: PyTree, data: PyTree, *,
     data: the training set, a pytree with leading axis `num_examples`.
     evaluate: `evaluate(params) -> {metric: value}`, at every evaluation.
     eval_every: evaluate every this many steps (and at step 0 and the end).
+    checkpoint_dir: where to checkpoint (None: no checkpoints).
+    checkpoint_every: steps between checkpoints.
 
   Returns:
-    The `RunResult`.
+    The `RunResult` (its rows start at the step the run resumed from).
   """
   logging.info('%s: noise multiplier %.4g, %d steps, epsilon %.4g at delta '
                '%g (%s)', name, plan.noise_multiplier, plan.num_steps,
@@ -113,9 +130,29 @@ def run_plan(name: str, plan: plans.Plan, params: PyTree, data: PyTree, *,
 
   steps_per_epoch = plan.num_examples / plan.hyperparameters.get(
       'batch_size', plan.num_examples)
-  return _loop(name, plan.num_steps, steps_per_epoch, plan.batches_of(data),
-               step, params, plan.init(params), evaluate, eval_every,
-               plan.epsilon_at)
+  opt_state, first, after_step = plan.init(params), 0, None
+  if checkpoint_dir is not None:
+    restored = checkpoint.restore_or_init(
+        checkpoint_dir, params=params, opt_state=opt_state,
+        ledger=plan.ledger, sampler=plan.batches)
+    params, opt_state, first = (restored.params, restored.opt_state,
+                                restored.step)
+    ledger = [restored.ledger]
+    if first:
+      logging.info('%s: resumed at step %d of %d', name, first,
+                   plan.num_steps)
+
+    def save_when_due(t, params, opt_state):
+      if t % checkpoint_every == 0 or t == plan.num_steps:
+        ledger[0] = checkpoint.save(
+            checkpoint_dir, params=params, opt_state=opt_state, step=t,
+            ledger=ledger[0], sampler_state=plan.batches)
+
+    after_step = save_when_due
+
+  return _loop(name, plan.num_steps, steps_per_epoch,
+               plan.batches_of(data, first), step, params, opt_state,
+               evaluate, eval_every, plan.epsilon_at, first, after_step)
 
 
 def run_optimizer(name: str, optimizer: optax.GradientTransformation,

@@ -1,0 +1,78 @@
+"""The experiment spine: a plan's run with epsilon so far, killed and resumed."""
+
+import warnings
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from dpsco_jax import plans
+from experiments import models
+from experiments import spine
+
+N = 40
+
+
+def _setup():
+  rng = np.random.default_rng(0)
+  data = {'x': rng.normal(size=(N, 6)).astype(np.float32),
+          'y': rng.integers(0, 3, size=N).astype(np.int32)}
+  graphdef, params = models.split(models.MLP([6, 8, 3], rngs=nnx.Rngs(0)))
+  plan = plans.dpftrl(
+      models.example_loss(graphdef), optimizer=optax.sgd(0.1, momentum=0.9),
+      num_examples=N, batch_size=8, epochs=2, l2_clip=1.0,
+      noise_multiplier=2.0, delta=1e-5, seed=3, key=jax.random.key(5))
+  evaluate = lambda p: {'loss': models.mean_loss(graphdef)(p, data)}
+  return plan, params, data, evaluate
+
+
+class _Killed(Exception):
+  pass
+
+
+def test_rows_carry_the_epsilon_so_far():
+  plan, params, data, evaluate = _setup()
+  with warnings.catch_warnings():
+    warnings.simplefilter('ignore')
+    result = spine.run_plan('dpftrl', plan, params, data, evaluate=evaluate,
+                            eval_every=3)
+  steps = [row['step'] for row in result.rows]
+  assert steps == [0, 3, 6, 9, 10]
+  assert [row['epsilon'] for row in result.rows] == [
+      plan.epsilon_at(t) for t in steps]
+  assert result.rows[-1]['epsilon'] == pytest.approx(plan.epsilon)
+  assert result.rows[-1]['epoch'] == pytest.approx(2.0)
+
+
+def test_a_killed_run_resumes_bit_identical(tmp_path):
+  plan, params, data, evaluate = _setup()
+  with warnings.catch_warnings():
+    warnings.simplefilter('ignore')
+    through = spine.run_plan('dpftrl', plan, params, data, evaluate=evaluate,
+                             eval_every=100)
+    calls = []
+
+    def dies_at_step_7(p):
+      calls.append(1)
+      if len(calls) == 2:       # the evaluation at step 7
+        raise _Killed
+      return evaluate(p)
+
+    directory = str(tmp_path / 'checkpoint')
+    with pytest.raises(_Killed):
+      spine.run_plan('dpftrl', plan, params, data, evaluate=dies_at_step_7,
+                     eval_every=7, checkpoint_dir=directory,
+                     checkpoint_every=4)
+    # The plan is rebuilt as a new process would (same seed and key).
+    plan, params, data, evaluate = _setup()
+    resumed = spine.run_plan('dpftrl', plan, params, data, evaluate=evaluate,
+                             eval_every=100, checkpoint_dir=directory,
+                             checkpoint_every=4)
+  assert resumed.rows[0]['step'] == 4
+  for a, b in zip(jax.tree_util.tree_leaves(through.params),
+                  jax.tree_util.tree_leaves(resumed.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert jnp.isfinite(resumed.rows[-1]['loss'])
