@@ -492,7 +492,7 @@ def _write(path: str, prefix: str, manifest: dict, readme: str,
       # Orbax writes `arrays.orbax-checkpoint-tmp` and renames it to
       # `arrays` once complete.
       with _quiet_orbax():
-        _orbax().save(os.path.join(version, ARRAYS),
+        _orbax().save(os.path.abspath(os.path.join(version, ARRAYS)),
                       args=ocp.args.StandardSave(arrays))
     with open(os.path.join(version, MANIFEST), 'x') as f:
       f.write(manifest_text)
@@ -563,7 +563,7 @@ def _load_arrays(version: str, manifest: dict, names: tuple[str, ...]) -> dict:
   if not target:
     return {name: {} for name in names}
   with _quiet_orbax():
-    restored = _orbax().restore(os.path.join(version, ARRAYS),
+    restored = _orbax().restore(os.path.abspath(os.path.join(version, ARRAYS)),
                                 args=ocp.args.StandardRestore(target))
   return {name: restored.get(name, {}) for name in names}
 

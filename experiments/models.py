@@ -212,3 +212,45 @@ def accuracy(graphdef: nnx.GraphDef, params: PyTree, data: PyTree
   """
   predictions = jnp.argmax(apply(graphdef, params, data['x']), axis=-1)
   return jnp.mean(predictions == data['y'])
+
+
+# ------------------------------------------------ plain-JAX linear model
+
+
+def linear_init(num_features: int, num_classes: int) -> dict[str, jax.Array]:
+  """Zero weights and bias of multiclass logistic regression (a plain dict).
+
+  The loss is convex: zero init has no symmetry to break. The same model as
+  `MLP([num_features, num_classes])`, without flax, for code that wants a
+  dict of arrays (checkpoint tests, vmapped sweeps).
+
+  Example:
+    >>> params = linear_init(64, 10)
+
+  Args:
+    num_features: inputs.
+    num_classes: outputs.
+
+  Returns:
+    `{'w': [num_features, num_classes], 'b': [num_classes]}`.
+  """
+  return {'w': jnp.zeros((num_features, num_classes), jnp.float32),
+          'b': jnp.zeros((num_classes,), jnp.float32)}
+
+
+def linear_logits(params: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+  """Class scores of one example `[features]` or a batch `[n, features]`."""
+  return x @ params['w'] + params['b']
+
+
+def linear_example_loss(params: dict[str, jax.Array],
+                        example: PyTree) -> jax.Array:
+  """Softmax cross-entropy of ONE example (what private gradients clip)."""
+  return cross_entropy(linear_logits(params, example['x']), example['y'])
+
+
+def linear_mean_loss(params: dict[str, jax.Array],
+                     batch: PyTree) -> jax.Array:
+  """Mean cross-entropy of a batch (non-private training, evaluation)."""
+  return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(
+      linear_logits(params, batch['x']), batch['y']))

@@ -22,7 +22,7 @@ ledger with the epsilon spent, and is the one to publish.
 
 import dataclasses
 import time
-from typing import Callable, Iterator, NamedTuple, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 from absl import app
 from absl import flags
@@ -31,13 +31,11 @@ import jax
 import numpy as np
 import optax
 
-import dpsco_jax
 from dpsco_jax import accounting
-from dpsco_jax import batching
 from dpsco_jax import checkpoint
-from dpsco_jax import noise
-from dpsco_jax import strategies
+from dpsco_jax import plans
 from experiments import datasets
+from experiments import models
 from experiments import quickstart
 
 ALGORITHMS = ('dpmemf', 'dpftrl', 'dpsgd')
@@ -138,20 +136,17 @@ class Run(NamedTuple):
   """Everything a run needs, rebuilt identically on every (re)start.
 
   Attributes:
-    tx: the transformation chain.
-    step: the jitted step `(params, opt_state, batch, mask, indices)`.
-    sampler: the batch sampler.
-    batches: `start_step -> iterator of (indices, mask)`.
-    mechanism: the noise mechanism the transformation builds.
-    ledger: the run's ledger at step 0.
+    plan: the run's plan (transformation, sampler, mechanism, ledger).
+    step: the jitted step `(params, opt_state, inputs) -> (params,
+      opt_state)`, `inputs` from `plan.batches_of`.
   """
 
-  tx: optax.GradientTransformation
-  step: quickstart.StepFn
-  sampler: checkpoint.Sampler
-  batches: Callable[[int], Iterator[tuple[np.ndarray, Optional[np.ndarray]]]]
-  mechanism: noise.NoiseMechanism
-  ledger: checkpoint.PrivacyLedger
+  plan: plans.Plan
+  step: Callable
+
+  @property
+  def tx(self) -> optax.GradientTransformation:
+    return self.plan.transformation
 
 
 class Result(NamedTuple):
@@ -164,21 +159,26 @@ class Result(NamedTuple):
     step: the last step run.
   """
 
-  params: quickstart.Params
+  params: dict
   ledger: checkpoint.PrivacyLedger
   start_step: int
   step: int
 
 
-def build(settings: Settings, num_examples: int) -> Run:
-  """The transformation, sampler, mechanism and ledger of a run.
+def init_params() -> dict:
+  """Zero-initialized logistic regression on the 64 digit pixels."""
+  return models.linear_init(64, 10)
 
-  Everything is a function of `settings`, so a resumed process rebuilds the
-  same run (the checkpoint refuses to resume a different one).
+
+def build(settings: Settings, num_examples: int) -> Run:
+  """The plan and jitted step of a run.
+
+  Everything is a function of `settings` (seeds included), so a resumed
+  process rebuilds the same run (the checkpoint refuses a different one).
 
   Example:
     >>> run = build(Settings(algorithm='dpftrl'), num_examples=1437)
-    >>> run.ledger.planned_epsilon
+    >>> run.plan.ledger.planned_epsilon
 
   Args:
     settings: the configuration.
@@ -193,63 +193,34 @@ def build(settings: Settings, num_examples: int) -> Run:
   if settings.algorithm not in ALGORITHMS:
     raise ValueError(f'algorithm must be one of {ALGORITHMS}, got '
                      f'{settings.algorithm!r}')
-  key = jax.random.key(quickstart.seed_for(settings.seed,
-                                           f'{settings.algorithm}/noise'))
-  normalize_by = None
+  seed = lambda purpose: quickstart.seed_for(
+      settings.seed, f'{settings.algorithm}/{purpose}')
+  target = {'epsilon': settings.epsilon}
+  if settings.noise_multiplier is not None:
+    target = {'noise_multiplier': settings.noise_multiplier}
+  common = dict(
+      optimizer=optax.sgd(settings.learning_rate, momentum=settings.momentum),
+      num_examples=num_examples, epochs=settings.num_epochs,
+      l2_clip=settings.clip, delta=settings.delta, method=settings.method,
+      seed=seed('batches'), key=jax.random.key(seed('noise')), **target)
+  loss_fn = models.linear_example_loss
   if settings.algorithm == 'dpsgd':
-    num_steps = round(settings.num_epochs * num_examples /
-                      settings.expected_batch_size)
-    sampler = batching.PoissonBatches(
-        num_examples, settings.expected_batch_size / num_examples, num_steps,
-        seed=quickstart.seed_for(settings.seed, 'dpsgd/sampling'))
-    mechanism = dpsco_jax.dpsgd_mechanism(num_steps)
-    normalize_by = sampler.expected_batch_size
-    batches = sampler.iterate
-  else:
-    sampler = batching.FixedOrderBatches(
-        num_examples, settings.batch_size, settings.num_epochs,
-        order_seed=quickstart.seed_for(settings.seed, 'fixed_order'))
-    num_steps = sampler.num_steps
-
-    def batches(start_step):
-      for indices in sampler.iterate(start_step):
-        yield indices, None
-
-    if settings.algorithm == 'dpftrl':
-      mechanism = dpsco_jax.dpftrl_mechanism(num_steps,
-                                             sampler.steps_per_epoch)
-    else:
-      strategy = strategies.optimize_strategy(
-          strategies.workload(num_steps, 'true', momentum=settings.momentum),
-          sampler.num_epochs)
-      mechanism = dpsco_jax.dpmemf_mechanism(strategy)
-  target = None
-  noise_multiplier = settings.noise_multiplier
-  if noise_multiplier is None:
-    target = settings.epsilon
-    noise_multiplier = dpsco_jax.calibrate_noise_multiplier(
-        mechanism, sampler.participation, settings.epsilon, settings.delta,
-        method=settings.method)
-  common = dict(l2_clip=settings.clip, noise_multiplier=noise_multiplier,
-                key=key, normalize_by=normalize_by)
-  if settings.algorithm == 'dpsgd':
-    private = dpsco_jax.dpsgd(quickstart.example_loss, num_steps=num_steps,
-                              **common)
+    plan = plans.dpsgd(loss_fn, batch_size=settings.expected_batch_size,
+                       **common)
   elif settings.algorithm == 'dpftrl':
-    private = dpsco_jax.dpftrl(quickstart.example_loss, num_steps=num_steps,
-                               restart_every=sampler.steps_per_epoch,
-                               **common)
+    plan = plans.dpftrl(loss_fn, batch_size=settings.batch_size,
+                        restart='epoch', **common)
   else:
-    private = dpsco_jax.dpmemf(quickstart.example_loss, strategy=strategy,
-                               steps_per_epoch=sampler.steps_per_epoch,
-                               num_examples=num_examples, **common)
-  tx = optax.chain(private, optax.sgd(settings.learning_rate,
-                                      momentum=settings.momentum))
-  ledger = checkpoint.PrivacyLedger.create(
-      mechanism, noise_multiplier, sampler.participation, settings.delta,
-      key=key, target_epsilon=target, method=settings.method)
-  return Run(tx, quickstart.private_step(tx), sampler, batches, mechanism,
-             ledger)
+    plan = plans.dpmemf(loss_fn, batch_size=settings.batch_size,
+                        momentum=settings.momentum, **common)
+
+  @jax.jit
+  def step(params, opt_state, inputs):
+    updates, opt_state = plan.transformation.update(None, opt_state, params,
+                                                    **inputs)
+    return optax.apply_updates(params, updates), opt_state
+
+  return Run(plan, step)
 
 
 def train(settings: Settings, checkpoint_path: str,
@@ -280,10 +251,10 @@ def train(settings: Settings, checkpoint_path: str,
   """
   train_data, test_data = datasets.load_digits()
   run = build(settings, len(train_data['y']))
-  params = quickstart.init_params()
+  plan, params = run.plan, init_params()
   restored = checkpoint.restore_or_init(
-      checkpoint_path, params=params, opt_state=run.tx.init(params),
-      ledger=run.ledger, sampler=run.sampler)
+      checkpoint_path, params=params, opt_state=plan.init(params),
+      ledger=plan.ledger, sampler=plan.batches)
   params, opt_state, ledger = (restored.params, restored.opt_state,
                                restored.ledger)
   if restored.step:
@@ -294,32 +265,27 @@ def train(settings: Settings, checkpoint_path: str,
                  settings.algorithm, ledger.num_steps,
                  ledger.noise_multiplier)
   step = restored.step
-  for step, (indices, mask) in enumerate(run.batches(restored.step),
-                                         start=restored.step + 1):
-    batch, mask = jax.device_put(({'x': train_data['x'][indices],
-                                   'y': train_data['y'][indices]}, mask))
-    params, opt_state = run.step(params, opt_state, batch, mask, indices)
+  for step, inputs in enumerate(plan.batches_of(train_data, restored.step),
+                                start=restored.step + 1):
+    params, opt_state = run.step(params, opt_state, inputs)
     if step % settings.checkpoint_every == 0 or step == ledger.num_steps:
       ledger = checkpoint.save(
           checkpoint_path, params=params, opt_state=opt_state, step=step,
-          ledger=ledger, sampler_state=run.sampler)
-      # The exact epsilon of a partial run costs an accounting call; the
-      # ledger computes it on demand (ledger.epsilon_spent(mechanism)).
+          ledger=ledger, sampler_state=plan.batches)
       logging.info('%s: checkpoint at step %d of %d', settings.algorithm,
                    step, ledger.num_steps)
     if on_step is not None:
       on_step(step)
     if step == stop_after:
       return Result(params, ledger, restored.step, step)
-  _, correct = quickstart.evaluate(params, jax.device_put(train_data),
-                                   jax.device_put(test_data))
-  accuracy = int(correct) / len(test_data['y'])
+  predictions = np.argmax(models.linear_logits(params, test_data['x']), -1)
+  accuracy = float(np.mean(predictions == test_data['y']))
   logging.info('%s: done, test accuracy %.4f, epsilon spent %.4f at delta %g',
                settings.algorithm, accuracy,
-               ledger.epsilon_spent(run.mechanism), ledger.delta)
+               ledger.epsilon_spent(plan.mechanism), ledger.delta)
   if release_path is not None:
     checkpoint.export_release(release_path, params, ledger,
-                              mechanism=run.mechanism,
+                              mechanism=plan.mechanism,
                               metadata={'test_accuracy': accuracy})
   return Result(params, ledger, restored.step, step)
 

@@ -55,7 +55,7 @@ from dpsco_jax import noise
 from dpsco_jax import strategies
 from experiments import datasets
 from experiments import outputs
-from experiments import quickstart
+from experiments import models
 from experiments import sweeps
 
 ALGORITHMS = ('dpmemf', 'dpsgd')
@@ -154,7 +154,7 @@ def make_train_fn(config: ml_collections.ConfigDict, train_data: Split,
   b, size = schedule.steps_per_epoch, schedule.batch_size
 
   def accuracy(params):
-    predictions = jnp.argmax(quickstart.logits(params, test['x']), axis=-1)
+    predictions = jnp.argmax(models.linear_logits(params, test['x']), axis=-1)
     return jnp.mean((predictions == test['y']).astype(jnp.float32))
 
   def train_fn(hparams: Dict[str, jax.Array],
@@ -171,7 +171,7 @@ def make_train_fn(config: ml_collections.ConfigDict, train_data: Split,
     elif config.algorithm == 'dpmemf':
       tx = optax.chain(
           dpsco_jax.dpmemf(
-              quickstart.example_loss, l2_clip=hparams['clip'],
+              models.linear_example_loss, l2_clip=hparams['clip'],
               noise_multiplier=noise_multiplier, strategy=strategy,
               steps_per_epoch=b, key=noise_key,
               # The fixed order is built into the scan: step t always uses
@@ -181,11 +181,11 @@ def make_train_fn(config: ml_collections.ConfigDict, train_data: Split,
     else:
       tx = optax.chain(
           dpsco_jax.dpsgd(
-              quickstart.example_loss, l2_clip=hparams['clip'],
+              models.linear_example_loss, l2_clip=hparams['clip'],
               noise_multiplier=noise_multiplier,
               num_steps=schedule.num_steps, key=noise_key),
           sgd)
-    params = quickstart.init_params()
+    params = models.linear_init(64, 10)
     state = tx.init(params)
 
     def step(carry, t):
@@ -193,7 +193,7 @@ def make_train_fn(config: ml_collections.ConfigDict, train_data: Split,
       indices = batches[t % b]
       batch = {'x': x_train[indices], 'y': y_train[indices]}
       if noise_multiplier is None:
-        grads = jax.grad(quickstart.mean_loss)(params, batch)
+        grads = jax.grad(models.linear_mean_loss)(params, batch)
         updates, state = tx.update(grads, state, params)
       else:
         updates, state = tx.update(None, state, params, batch=batch)
@@ -203,7 +203,7 @@ def make_train_fn(config: ml_collections.ConfigDict, train_data: Split,
     (params, _), curve = jax.lax.scan(step, (params, state),
                                       jnp.arange(schedule.num_steps))
     return {'test_accuracy': curve[-1],
-            'train_loss': quickstart.mean_loss(params, train_all),
+            'train_loss': models.linear_mean_loss(params, train_all),
             'test_accuracy_curve': curve}
 
   return train_fn

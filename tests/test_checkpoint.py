@@ -146,6 +146,22 @@ def test_opt_state_round_trips_bit_for_bit(tmp_path, name):
       _train(tx, params, state, sampler, 7, NUM_STEPS))
 
 
+def test_a_relative_path_works(tmp_path, monkeypatch):
+  # orbax wants absolute paths; a user's 'run/checkpoint' must still work.
+  monkeypatch.chdir(tmp_path)
+  tx, _, ledger, sampler = _setup('dpsgd')
+  params, state = _train(tx, _params(), tx.init(_params()), sampler, 0, 2)
+  checkpoint.save('run/checkpoint', params=params, opt_state=state, step=2,
+                  ledger=ledger, sampler_state=sampler)
+  restored = checkpoint.restore('run/checkpoint', params_like=_params(),
+                                opt_state_like=tx.init(_params()),
+                                ledger=ledger, sampler=sampler)
+  _assert_identical(restored.opt_state, state)
+  checkpoint.export_release('run/model', params, restored.ledger)
+  released, _ = checkpoint.load_release('run/model', params_like=_params())
+  _assert_identical(released, params)
+
+
 def test_any_pytree_round_trips(tmp_path):
   tree = {
       'raw_key': jax.random.PRNGKey(3),
@@ -606,7 +622,7 @@ def test_killed_run_resumes_bit_identically(tmp_path):
   assert resumed.returncode == 0, output
   assert 'resumed from step 4 of 18' in output
 
-  like = resumable.quickstart.init_params()
+  like = resumable.init_params()
   params, release = checkpoint.load_release(
       str(tmp_path / 'run-release'), params_like=like)
   reference_params, reference_release = checkpoint.load_release(
