@@ -17,11 +17,14 @@ def get_config() -> ml_collections.ConfigDict:
   config.seed = 0
   # Privacy target of each private run (delta < 1 / 1437 training examples).
   config.epsilon = 2.0
+  # delta of each private run.
   config.delta = 1e-5
-  # Optimizer, shared by every algorithm: the private gradient (or the plain
-  # mean gradient) followed by `optax.sgd(learning_rate, momentum)`.
+  # Per-example l2 clip norm. Every algorithm feeds its private gradient (or
+  # the plain mean gradient) to `optax.sgd(learning_rate, momentum)`.
   config.clip = 1.0
+  # SGD step size.
   config.learning_rate = 0.5
+  # SGD momentum (also the momentum of the DP-MEMF workload).
   config.momentum = 0.9
   # Fixed-order batches (DP-FTRL, DP-MEMF and the non-private reference). The 1,437
   # training examples are 6 batches of 239 (+3 never used): a round 256
@@ -33,6 +36,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.num_epochs = 10
   # Evaluate (train loss, test accuracy) every this many steps and at the end.
   config.eval_every = 10
-  # A tuple so that it can be overridden on the command line.
+  # Algorithms to run, from 'dpsgd', 'dpftrl', 'dpmemf', 'nonprivate' (a
+  # tuple, so that it can be overridden on the command line).
   config.algorithms = ('dpsgd', 'dpftrl', 'dpmemf', 'nonprivate')
   return config

@@ -29,36 +29,49 @@ import ml_collections
 def get_config() -> ml_collections.ConfigDict:
   """Returns the default (full) config."""
   config = ml_collections.ConfigDict()
+  # True: the smoke-test grid of `quick()` below (minutes, not hours).
   config.quick = False
+  # Dimension d of the linear regression.
   config.dim = 20
+  # Radius R of the l2-ball constraint set.
   config.radius = 1.0
+  # Standard deviation of the label noise.
   config.noise_std = 0.5
-  # ||w*|| per case: inside the ball and outside it.
+  # Cases: the optimum w* inside the ball and outside it.
   config.cases = ('inside', 'outside')
+  # ||w*|| of each case (same order as `cases`).
   config.optimum_norms = (0.5, 2.0)
+  # Data set sizes n (one pass each).
   config.num_examples = (10_000, 100_000, 1_000_000)
   # B = round(c * n^e) for (c, e) below: n^{1/4}, sqrt(n)/4, sqrt(n),
   # 4 sqrt(n), n^{3/4}. The 'headline' batch is sqrt(n) (index 2) and the
   # 'small' one n^{1/4} (index 0).
   config.batch_rules = ((1.0, 0.25), (0.25, 0.5), (1.0, 0.5), (4.0, 0.5),
                         (1.0, 0.75))
+  # Index in batch_rules of the headline batch size.
   config.headline_rule = 2
+  # Index in batch_rules of the small batch size.
   config.small_rule = 0
+  # Privacy target of every run.
   config.epsilon = 1.0
   # delta = n^-delta_exponent.
   config.delta_exponent = 1.1
+  # Methods compared (Algorithm 1, its ablations, DP-SGD, DP-FTRL).
   config.methods = ('srgd', 'srgd_independent', 'unaccelerated_srg', 'dpsgd',
                     'dpftrl')
-  # Grids. lr for DP-SGD / DP-FTRL; beta for unaccelerated SRG; beta / T^1.5
-  # for the two accelerated methods.
+  # Learning-rate grid of DP-SGD and DP-FTRL.
   config.learning_rates = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0)
+  # beta grid of unaccelerated SRG.
   config.srg_betas = (1.0, 3.0, 10.0, 30.0, 100.0, 300.0, 1000.0)
+  # beta / T^1.5 grid of the two accelerated methods.
   config.accelerated_relative_betas = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
+  # Clip grid (per-example gradient or difference).
   config.clips = (1.0, 4.0)
-  # Hyperparameters are picked on `tune_seeds` (their mean excess risk) and
+  # Seeds hyperparameters are picked on (their mean excess risk); they are
   # reported on `eval_seeds`, fresh data and noise, so that the reported
   # numbers carry no selection bias.
   config.tune_seeds = (0, 1, 2)
+  # Seeds the picked hyperparameters are reported on.
   config.eval_seeds = tuple(range(100, 110))
   # Runs x B examples per compiled call (caps the memory of per-example
   # gradients; the chunking never changes the results).

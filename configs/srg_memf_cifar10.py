@@ -21,8 +21,12 @@ from configs import srg_memf_fashion_mnist
 def get_config() -> ml_collections.ConfigDict:
   """Returns the CIFAR-10 config."""
   config = srg_memf_fashion_mnist.get_config()
+  # Data set (loaded from data_path).
   config.dataset = 'cifar10'
+  # Required: the folder or file you downloaded (see the docstring).
   config.data_path = ml_collections.config_dict.placeholder(str)
+  # The paper's CIFAR-10 setting: 6 epochs at epsilon 2.
   config.num_epochs = 6
+  # Privacy target (accounted with zCDP, as the paper).
   config.epsilon = 2.0
   return config

@@ -19,6 +19,8 @@ from configs import srg_memf_fashion_mnist
 def get_config() -> ml_collections.ConfigDict:
   """Returns the MNIST config (Fashion-MNIST's protocol, MNIST's data)."""
   config = srg_memf_fashion_mnist.get_config()
+  # Data set (loaded from data_path).
   config.dataset = 'mnist'
+  # Required: the folder or file you downloaded (see the docstring).
   config.data_path = ml_collections.config_dict.placeholder(str)
   return config

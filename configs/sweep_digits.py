@@ -23,17 +23,22 @@ def get_config() -> ml_collections.ConfigDict:
   # Seeds 0..num_seeds-1; each seed draws its run's public batch order and
   # its noise key.
   config.num_seeds = 20
-  # The grid (tuples, so they can be overridden on the command line).
+  # Learning-rate grid (tuples, so they can be overridden on the command
+  # line).
   config.learning_rates = (0.25, 0.5, 1.0)
+  # Clip grid.
   config.clips = (0.5, 1.0, 2.0)
+  # SGD momentum (also the DP-MEMF workload momentum).
   config.momentum = 0.9
-  # Privacy: the table is at `epsilon`; the privacy-utility plot sweeps
-  # every value of `epsilons` (which should contain `epsilon`).
+  # Privacy target of the table.
   config.epsilon = 2.0
+  # Privacy targets of the privacy-utility plot (should contain `epsilon`).
   config.epsilons = (0.5, 1.0, 2.0, 4.0, 8.0)
+  # delta of every private run.
   config.delta = 1e-5
-  # Fixed-order batches: 1,437 training examples are 6 batches of 239.
+  # Fixed-order batch size: 1,437 training examples are 6 batches of 239.
   config.batch_size = 239
+  # Passes over the training data.
   config.num_epochs = 10
   # Runs per compiled call (memory cap); None runs the whole sweep at once.
   config.max_parallel = 90

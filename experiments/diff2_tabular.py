@@ -39,13 +39,13 @@ import matplotlib
 matplotlib.use('Agg')
 from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
 import ml_collections
-from ml_collections import config_flags
 import numpy as np
 import optax
 from scipy import stats
 
 import dpsco_jax
 from dpsco_jax.algorithms import diff2_accounting
+from experiments import cli
 from experiments import tabular_data
 
 AXIS = 'clients'
@@ -405,11 +405,11 @@ def markdown_table(rows: List[Dict[str, Any]]) -> str:
 def define_flags() -> None:
   """The command-line flags; defined only when run as a program, so that
   importing this module next to other experiments defines no flags."""
-  config_flags.DEFINE_config_file(
-      'config', None, 'Path to the config file (configs/diff2_tabular.py).')
+  cli.define_config(
+      'configs/diff2_tabular.py',
+      'DIFF2-GD against DP-GD and GD across clients on tabular regression (paper 003)')
   flags.DEFINE_string('output_dir', 'results/diff2_tabular',
                       'Where to write CSVs and plots.')
-  flags.mark_flags_as_required(['config'])
 
 
 if __name__ == '__main__':

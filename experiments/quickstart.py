@@ -34,12 +34,12 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 import ml_collections
-from ml_collections import config_flags
 import numpy as np
 import optax
 
 from dpsco_jax import batching
 from dpsco_jax import plans
+from experiments import cli
 from experiments import datasets
 from experiments import models
 from experiments import outputs
@@ -174,11 +174,11 @@ def main(argv: Sequence[str]) -> None:
 def define_flags() -> None:
   """The command-line flags; defined only when run as a program, so that
   importing this module next to other experiments defines no flags."""
-  config_flags.DEFINE_config_file(
-      'config', None, 'Path to the config file (configs/quickstart.py).')
+  cli.define_config(
+      'configs/quickstart.py',
+      'Private logistic regression on digits: DP-SGD, DP-FTRL, DP-MEMF against SGD')
   flags.DEFINE_string('output_dir', 'results/quickstart',
                       'Where to write CSVs, the plot and the run record.')
-  flags.mark_flags_as_required(['config'])
 
 
 if __name__ == '__main__':

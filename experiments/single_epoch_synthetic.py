@@ -77,7 +77,6 @@ import matplotlib
 matplotlib.use('Agg')
 from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
 import ml_collections
-from ml_collections import config_flags
 import numpy as np
 import optax
 from scipy import stats
@@ -87,6 +86,7 @@ from dpsco_jax import accounting
 from dpsco_jax import noise
 from dpsco_jax.algorithms import baselines
 from dpsco_jax.algorithms import srg
+from experiments import cli
 from experiments import datasets
 
 LABELS = {
@@ -684,11 +684,11 @@ def main(argv: Sequence[str]) -> None:
 
 def define_flags() -> None:
   """The command-line flags; defined only when run as a program."""
-  config_flags.DEFINE_config_file(
-      'config', None, 'Path to configs/single_epoch_synthetic.py.')
+  cli.define_config(
+      'configs/single_epoch_synthetic.py',
+      'Single-epoch private linear regression: Accelerated-DP-SRGD and its ablations (papers 000/001)')
   flags.DEFINE_string('output_dir', 'results/single_epoch_synthetic',
                       'Where to write the tables and plots.')
-  flags.mark_flags_as_required(['config'])
 
 
 if __name__ == '__main__':

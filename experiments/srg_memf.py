@@ -50,7 +50,6 @@ import matplotlib
 matplotlib.use('Agg')  # Files only: no display is needed (or available).
 from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
 import ml_collections
-from ml_collections import config_flags
 import numpy as np
 import optax
 from scipy import stats
@@ -58,6 +57,7 @@ from scipy import stats
 import dpsco_jax
 from dpsco_jax import accounting
 from dpsco_jax import strategies
+from experiments import cli
 from experiments import datasets
 from experiments import outputs
 from experiments import sweeps
@@ -462,9 +462,9 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == '__main__':
-  _CONFIG = config_flags.DEFINE_config_file(
-      'config', None, 'Path to a config file (configs/srg_memf_*.py).')
+  _CONFIG = cli.define_config(
+      'configs/srg_memf_digits.py',
+      'DP-SRG-MEMF against DP-MEMF (paper 001 section 5); other configs: configs/srg_memf_*.py')
   _OUTPUT_DIR = flags.DEFINE_string('output_dir', 'results/srg_memf',
                                     'Where to write the results.')
-  flags.mark_flags_as_required(['config'])
   app.run(main)

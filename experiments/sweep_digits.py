@@ -45,7 +45,6 @@ from absl import logging
 import jax
 import jax.numpy as jnp
 import ml_collections
-from ml_collections import config_flags
 import numpy as np
 import optax
 
@@ -53,6 +52,7 @@ import dpsco_jax
 from dpsco_jax import accounting
 from dpsco_jax import noise
 from dpsco_jax import strategies
+from experiments import cli
 from experiments import datasets
 from experiments import outputs
 from experiments import models
@@ -393,11 +393,11 @@ def main(argv: Sequence[str]) -> None:
 def define_flags() -> None:
   """The command-line flags; defined only when run as a program, so that
   importing this module next to other experiments defines no flags."""
-  config_flags.DEFINE_config_file(
-      'config', None, 'Path to the config file (configs/sweep_digits.py).')
+  cli.define_config(
+      'configs/sweep_digits.py',
+      'A seeds x (learning rate, clip) sweep of private logistic regression on digits')
   flags.DEFINE_string('output_dir', 'results/sweep_digits',
                       'Where to write the tables, plots and run record.')
-  flags.mark_flags_as_required(['config'])
 
 
 if __name__ == '__main__':
