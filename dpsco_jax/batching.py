@@ -27,6 +27,7 @@ samplers also give any single batch with `batch_at(step)`.
 import abc
 import dataclasses
 import math
+import warnings
 from typing import Iterator, NamedTuple, Optional
 
 import jax
@@ -41,11 +42,17 @@ from dpsco_jax import guards
 from dpsco_jax import parallel
 
 
+class RemainderWarning(UserWarning):
+  """Fixed-size batches leave `num_examples % batch_size` examples unused."""
+
+
 @dataclasses.dataclass(frozen=True)
 class _EpochBatches(abc.ABC):
   """Fixed-size batches over `num_epochs` passes of `num_examples // batch_size`.
 
-  The leftover `num_examples % batch_size` examples of an epoch are not used.
+  The leftover `num_examples % batch_size` examples of an epoch are not used
+  (`unused_per_epoch`), and a `RemainderWarning` says so when the sampler is
+  made.
 
   Attributes:
     num_examples: data set size.
@@ -64,6 +71,19 @@ class _EpochBatches(abc.ABC):
     if self.batch_size > self.num_examples:
       raise ValueError(f'batch_size {self.batch_size} exceeds num_examples '
                        f'{self.num_examples}')
+    if self.unused_per_epoch:
+      warnings.warn(
+          f'{type(self).__name__}: {self.num_examples} examples make '
+          f'{self.steps_per_epoch} batches of {self.batch_size}; '
+          f'{self.unused_per_epoch} example(s) per epoch are not used '
+          '(the accounting is unaffected: an unused example spends nothing). '
+          'Pick a batch size that divides the data set to use them all.',
+          RemainderWarning, stacklevel=3)
+
+  @property
+  def unused_per_epoch(self) -> int:
+    """Examples left out of every epoch (`num_examples % batch_size`)."""
+    return self.num_examples % self.batch_size
 
   @property
   def steps_per_epoch(self) -> int:

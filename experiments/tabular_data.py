@@ -12,17 +12,18 @@ Loaders take any path, so users point them at their own copies:
 * `synthetic_regression(...)`: a planted low-dimensional nonlinear
   regression with N >> d, the regime where DIFF2's bound beats DP-GD's.
 
-`prepare(x, y, seed)` applies the paper's preprocessing: standardize every
-attribute, divide the target by its maximum absolute value (both over the
-whole data set, as the paper does; these statistics are not privatized,
-like in the paper), random 80/20 train/test split; `split_clients` deals the
+`load_csv(path, target)` reads a user's own numeric CSV. `prepare(x, y,
+seed)` splits 80/20 at random, then standardizes every attribute and
+divides the target by its largest absolute value with statistics of the
+TRAINING rows only (not privatized, as in the paper), or scales by public
+bounds (`bounds=`, nothing computed from the data); `split_clients` deals the
 training rows into P IID clients of (nearly) equal size, padded to a common
 size with a mask.
 """
 
 import glob
 import os
-from typing import Dict, NamedTuple, Tuple
+from typing import Dict, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -179,37 +180,123 @@ def synthetic_regression(num_examples: int = 20000, dim: int = 4,
 
 
 def prepare(x: np.ndarray, y: np.ndarray, seed: int,
-            test_fraction: float = 0.2) -> Tuple[Split, Split]:
+            test_fraction: float = 0.2, *,
+            bounds: Optional[Tuple[np.ndarray, np.ndarray]] = None,
+            target_bound: Optional[float] = None) -> Tuple[Split, Split]:
   """The paper's preprocessing and a seeded random train/test split.
+
+  The split comes first, so nothing of the test rows reaches the training
+  data. Scaling, either:
+
+  * default (the paper's protocol): standardize every attribute with the
+    mean and standard deviation of the TRAINING rows, divide the target by
+    the training rows' largest absolute value. These statistics are not
+    privatized (as in the paper): the run's epsilon does not cover them;
+  * `bounds=(low, high)` and `target_bound`: public bounds, known before
+    seeing the data (e.g. a sensor's range): attributes are mapped to
+    [-1, 1] and the target divided by `target_bound`, values outside the
+    bounds clipped. Nothing is computed from the data: the run's epsilon
+    covers everything.
 
   Example:
     >>> train, test = prepare(*load_gas_turbine(path), seed=0)
+    >>> train, test = prepare(x, y, seed=0, bounds=(low, high),
+    ...                       target_bound=100.0)   # private end to end
 
   Args:
     x: attributes `[n, d]`.
     y: targets `[n]`.
     seed: the split seed.
     test_fraction: held-out fraction (the paper's 0.2).
+    bounds: public per-attribute `(low, high)`, each `[d]`, or None.
+    target_bound: public bound of `|y|` (required with `bounds`).
 
   Returns:
     `(train, test)`, dicts with float32 `'x' [n, d]` and `'y' [n]`.
 
   Raises:
-    ValueError: for a bad fraction or a constant attribute.
+    ValueError: for a bad fraction, a constant training attribute, or bad
+      bounds.
   """
   if not 0.0 < test_fraction < 1.0:
     raise ValueError(f'test_fraction must be in (0, 1), got {test_fraction}')
-  std = x.std(axis=0)
-  if np.any(std == 0):
-    raise ValueError('an attribute is constant: it cannot be standardized')
-  x = (x - x.mean(axis=0)) / std
-  y = y / np.max(np.abs(y))
   order = np.random.default_rng(seed).permutation(len(y))
   num_test = int(round(test_fraction * len(y)))
   test, train = order[:num_test], order[num_test:]
+  if bounds is None:
+    std = x[train].std(axis=0)
+    if np.any(std == 0):
+      raise ValueError('an attribute is constant on the training rows: it '
+                       'cannot be standardized')
+    x = (x - x[train].mean(axis=0)) / std
+    y = y / np.max(np.abs(y[train]))
+  else:
+    low, high = (np.broadcast_to(np.asarray(b, np.float64), x.shape[1:])
+                 for b in bounds)
+    if not np.all(high > low) or target_bound is None or not (
+        target_bound > 0):
+      raise ValueError('bounds need high > low for every attribute and a '
+                       'positive target_bound')
+    x = 2.0 * (np.clip(x, low, high) - low) / (high - low) - 1.0
+    y = np.clip(y, -target_bound, target_bound) / target_bound
   as_split = lambda rows: {'x': x[rows].astype(np.float32),
                            'y': y[rows].astype(np.float32)}
   return as_split(train), as_split(test)
+
+
+def load_csv(path: str, target: str,
+             features: Optional[Sequence[str]] = None
+             ) -> Tuple[np.ndarray, np.ndarray]:
+  """Numeric attributes and a target from a CSV file with a header row.
+
+  A user's own data in one call (no pandas), ready for `prepare` and a plan:
+
+      x, y = load_csv('my_data.csv', target='price')
+      train, test = prepare(x, y, seed=0)
+      plan = dpsco_jax.plans.dpsgd(loss_fn, num_examples=len(train['y']),
+                                   ...)
+
+  Example:
+    >>> x, y = load_csv('housing.csv', target='median_house_value',
+    ...                 features=['median_income', 'housing_median_age'])
+
+  Args:
+    path: the CSV file.
+    target: the target column's name.
+    features: the attribute columns (default: every other column).
+
+  Returns:
+    `(x float64 [n, d], y float64 [n])`.
+
+  Raises:
+    ValueError: for a missing column, or a cell that is not a number (with
+      its row and column).
+  """
+  header, cells = _read_csv(path)
+  features = [c for c in header if c != target] if features is None else list(
+      features)
+  missing = [c for c in [target, *features] if c not in header]
+  if missing:
+    raise ValueError(f'{path} has no column(s) {missing}; its columns are '
+                     f'{header}')
+
+  def column(name):
+    values = cells[:, header.index(name)]
+    try:
+      return values.astype(np.float64)
+    except ValueError:
+      for row, value in enumerate(values):
+        try:
+          float(value)
+        except ValueError:
+          raise ValueError(
+              f'{path}, row {row + 2}, column {name!r}: {value!r} is not a '
+              'number (encode categorical columns first, or leave them out '
+              'of features)') from None
+      raise
+
+  x = np.stack([column(c) for c in features], axis=1)
+  return x, column(target)
 
 
 def split_clients(train: Split, num_clients: int, seed: int) -> ClientData:

@@ -1,5 +1,6 @@
 """Batch samplers: the batches they form are the ones their accounting assumes."""
 
+import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -235,3 +236,15 @@ def test_guard_needs_the_training_set_size():
     batching.fixed_order_guard(3)  # pylint: disable=missing-kwoa
   with pytest.raises(ValueError, match='num_examples'):
     batching.fixed_order_guard(3, num_examples=0)
+
+
+def test_a_dropped_remainder_is_announced():
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter('always')
+    exact = batching.FixedOrderBatches(1000, 100)
+    assert not caught and exact.unused_per_epoch == 0
+    for sampler in (batching.FixedOrderBatches(1000, 300),
+                    batching.ShuffledBatches(1000, 300, seed=0)):
+      assert sampler.unused_per_epoch == 100
+  assert [w.category for w in caught] == [batching.RemainderWarning] * 2
+  assert '100 example(s) per epoch are not used' in str(caught[0].message)

@@ -67,11 +67,17 @@ def test_preprocessing_and_iid_clients():
   x, y = tabular_data.synthetic_regression(1003, 3)
   train, test = tabular_data.prepare(x * 5 + 2, y * 7, seed=1)
   assert len(test['y']) == 201 and len(train['y']) == 802
-  both = np.concatenate([train['x'], test['x']])
-  np.testing.assert_allclose(both.mean(0), 0, atol=1e-5)
-  np.testing.assert_allclose(both.std(0), 1, atol=1e-5)
-  assert np.max(np.abs(np.concatenate([train['y'], test['y']]))) == (
-      pytest.approx(1.0))
+  # Statistics of the TRAINING rows only: the test rows leave no trace.
+  np.testing.assert_allclose(train['x'].mean(0), 0, atol=1e-5)
+  np.testing.assert_allclose(train['x'].std(0), 1, atol=1e-5)
+  assert np.max(np.abs(train['y'])) == pytest.approx(1.0)
+  assert np.abs(test['x'].mean(0)).max() > 1e-3
+  changed = x * 5 + 2
+  test_rows = np.random.default_rng(1).permutation(1003)[:201]
+  changed[test_rows] *= 1000.0        # a test set from another world
+  again, _ = tabular_data.prepare(changed, y * 7, seed=1)
+  np.testing.assert_array_equal(again['x'], train['x'])
+  np.testing.assert_array_equal(again['y'], train['y'])
   clients = tabular_data.split_clients(train, 10, seed=0)
   assert clients.x.shape == (10, 81, 3)
   assert set(clients.sizes.tolist()) == {80, 81} and clients.sizes.sum() == 802
@@ -103,3 +109,34 @@ def test_tiny_run_of_every_algorithm():
     assert np.all(np.isfinite(metrics))
     if algorithm == 'gd':  # noiseless descent lowers the train loss
       assert np.all(metrics[:, :, -1, 0] < metrics[:, :, 0, 0])
+
+
+def test_public_bounds_compute_nothing_from_the_data():
+  x = np.array([[0.0, 10.0], [5.0, 20.0], [20.0, 0.0], [2.0, 15.0]])
+  y = np.array([1.0, -3.0, 8.0, 2.0])
+  train, test = tabular_data.prepare(x, y, seed=0, test_fraction=0.25,
+                                     bounds=([0.0, 0.0], [10.0, 20.0]),
+                                     target_bound=4.0)
+  rows = np.concatenate([train['x'], test['x']])
+  assert rows.min() >= -1.0 and rows.max() <= 1.0
+  # 20 is above its bound 10: clipped to 1; 5 of [0, 10] maps to 0.
+  assert sorted(rows[:, 0].tolist()) == [-1.0, -0.6000000238418579, 0.0, 1.0]
+  assert sorted(np.concatenate([train['y'], test['y']]).tolist()) == [
+      -0.75, 0.25, 0.5, 1.0]
+  with pytest.raises(ValueError, match='target_bound'):
+    tabular_data.prepare(x, y, seed=0, bounds=([0, 0], [1, 1]))
+
+
+def test_load_csv_reads_a_users_file(tmp_path):
+  path = tmp_path / 'mine.csv'
+  path.write_text('a,b,price\n1,2,3.5\n4,5,6\n')
+  x, y = tabular_data.load_csv(str(path), target='price')
+  np.testing.assert_array_equal(x, [[1, 2], [4, 5]])
+  np.testing.assert_array_equal(y, [3.5, 6])
+  x, _ = tabular_data.load_csv(str(path), target='price', features=['b'])
+  assert x.shape == (2, 1)
+  with pytest.raises(ValueError, match="no column.*'c'"):
+    tabular_data.load_csv(str(path), target='c')
+  path.write_text('a,price\n1,2\nred,3\n')
+  with pytest.raises(ValueError, match="row 3, column 'a': 'red'"):
+    tabular_data.load_csv(str(path), target='price')
