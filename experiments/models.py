@@ -61,36 +61,40 @@ class MLP(nnx.Module):
 
 
 class CNN(nnx.Module):
-  """A small convolutional network for square grey images ([B, H, W]).
+  """A small convolutional network for square grey images ([B, S, S]).
 
-  Two 3x3 convolutions with ReLU and 2x2 average pooling, a global average,
-  then a linear classifier (no normalization layers: batch statistics mix
-  examples, which per-example clipping forbids).
+  Two 3x3 convolutions with ReLU, 2x2 average pooling after the first, then
+  a linear classifier on the flattened features (no normalization layers:
+  batch statistics mix examples, which per-example clipping forbids).
 
   Example:
-    >>> model = CNN(num_classes=10, channels=(8, 16), rngs=nnx.Rngs(0))
+    >>> model = CNN(num_classes=10, image_size=8, rngs=nnx.Rngs(0))
     >>> model(jnp.zeros((5, 8, 8))).shape
     (5, 10)
 
   Args:
     num_classes: outputs.
+    image_size: S, the images' side (even).
     channels: the two convolutions' widths.
     rngs: flax's random streams.
   """
 
-  def __init__(self, num_classes: int, channels: Sequence[int] = (16, 32),
-               *, rngs: nnx.Rngs):
+  def __init__(self, num_classes: int, image_size: int,
+               channels: Sequence[int] = (16, 32), *, rngs: nnx.Rngs):
+    if image_size < 2 or image_size % 2:
+      raise ValueError(f'image_size must be even and >= 2, got {image_size}')
     first, second = channels
     self.conv1 = nnx.Conv(1, first, kernel_size=(3, 3), rngs=rngs)
     self.conv2 = nnx.Conv(first, second, kernel_size=(3, 3), rngs=rngs)
-    self.head = nnx.Linear(second, num_classes, rngs=rngs)
+    self.head = nnx.Linear((image_size // 2) ** 2 * second, num_classes,
+                           rngs=rngs)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    x = x[..., None]                                   # [B, H, W, 1]
+    x = x[..., None]                                   # [B, S, S, 1]
     x = jax.nn.relu(self.conv1(x))
     x = nnx.avg_pool(x, window_shape=(2, 2), strides=(2, 2))
     x = jax.nn.relu(self.conv2(x))
-    return self.head(jnp.mean(x, axis=(1, 2)))
+    return self.head(x.reshape(x.shape[0], -1))
 
 
 def split(model: nnx.Module) -> tuple[nnx.GraphDef, PyTree]:

@@ -16,6 +16,7 @@ EXPERIMENTS = {
     'single_epoch_synthetic': 'configs/single_epoch_synthetic.py',
     'sweep_digits': 'configs/sweep_digits.py',
     'srg_memf': 'configs/srg_memf_digits.py',
+    'flax_digits': 'configs/flax_digits.py',
 }
 CONFIGS = sorted(str(p.relative_to(REPO))
                  for p in (REPO / 'configs').glob('*.py')

@@ -1,0 +1,69 @@
+"""Flax models trained by plans on digits, end to end (tiny runs)."""
+
+import json
+import os
+import warnings
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import pytest
+
+from configs import flax_digits as flax_digits_config
+from dpsco_jax import clipping
+from experiments import flax_digits
+from experiments import models
+
+
+@pytest.mark.parametrize('model, algorithm', [('mlp', 'dpftrl'),
+                                              ('cnn', 'dp_srg_memf'),
+                                              ('mlp', 'dpmemf')])
+def test_a_flax_model_trains_privately(tmp_path, model, algorithm):
+  config = flax_digits_config.get_config()
+  config.model, config.algorithm = model, algorithm
+  config.num_epochs, config.eval_every = 3, 6
+  with warnings.catch_warnings():
+    warnings.simplefilter('ignore')
+    result = flax_digits.run(config, str(tmp_path))
+  first, last = result.rows[0], result.rows[-1]
+  assert first['epsilon'] == 0.0
+  assert 1.99 < last['epsilon'] <= 2.0 + 1e-9
+  assert last['epoch'] == pytest.approx(3.0, rel=0.02)
+  # Ten classes: chance is 0.1; even three private epochs do far better.
+  assert last['test_accuracy'] > 0.3, last
+  with open(os.path.join(tmp_path, 'run_record.json')) as f:
+    record = json.load(f)
+  assert record['privacy'][0]['epsilon_spent'] == pytest.approx(
+      last['epsilon'])
+  assert os.path.getsize(os.path.join(tmp_path, 'learning_curve.png')) > 0
+
+
+def test_example_loss_is_one_example_and_dense_layers_go_ghost():
+  graphdef, params = models.split(models.MLP([4, 8, 3], rngs=nnx.Rngs(0)))
+  loss_fn = models.example_loss(graphdef)
+  example = {'x': jnp.ones(4), 'y': jnp.asarray(1)}
+  assert loss_fn(params, example).shape == ()
+  batch = {'x': jnp.ones((5, 4)), 'y': jnp.zeros(5, jnp.int32)}
+  statistic = clipping.clipped_grad_sum(loss_fn, l2_clip=1.0)
+  assert statistic.ghost_plan(batch, params) is not None
+  # The ghost sum equals the per-example one.
+  vmapped = clipping.clipped_grad_sum(loss_fn, l2_clip=1.0, method='vmap')
+  for a, b in zip(jax.tree.leaves(statistic(batch, params).sum),
+                  jax.tree.leaves(vmapped(batch, params).sum)):
+    assert jnp.allclose(a, b, atol=1e-5)
+
+
+def test_split_refuses_state_that_mixes_examples():
+
+  class WithBatchNorm(nnx.Module):
+
+    def __init__(self):
+      self.norm = nnx.BatchNorm(4, rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+      return self.norm(x)
+
+  with pytest.raises(ValueError, match='BatchNorm'):
+    models.split(WithBatchNorm())
+  with pytest.raises(ValueError, match='even'):
+    models.CNN(10, image_size=7, rngs=nnx.Rngs(0))
