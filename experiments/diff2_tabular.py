@@ -313,8 +313,11 @@ def main(argv: Sequence[str]) -> None:
             curve_rows.append({'dataset': name, 'epsilon': epsilon,
                                'algorithm': algorithm, 'metric': metric,
                                'round': int(r), 'mean': m, 'std': s})
-          axes[k].plot(rounds, mean, label=algorithm)
-          axes[k].fill_between(rounds, mean - std, mean + std, alpha=0.25)
+          # On a log axis a mean - std band falls below zero and fills the
+          # plot; the median and the quartiles over seeds stay readable.
+          lower, median, upper = np.quantile(curves, [0.25, 0.5, 0.75], 0)
+          axes[k].plot(rounds, median, label=algorithm)
+          axes[k].fill_between(rounds, lower, upper, alpha=0.25)
           minima[algorithm] = np.min(curves, axis=1)
           runs = raw[(algorithm, None if algorithm == 'gd' else epsilon)]
           per_seed = [m[s, :, 0] for _, m in runs
@@ -343,7 +346,7 @@ def main(argv: Sequence[str]) -> None:
         axes[k].legend()
       figure.suptitle(f'{name}, epsilon = {epsilon:g}, delta = '
                       f'{config.delta:g}, P = {config.num_clients}, '
-                      f'{len(config.seeds)} seeds (mean +- std)')
+                      f'{len(config.seeds)} seeds (median and quartiles)')
       figure.tight_layout()
       figure.savefig(os.path.join(output_dir, f'{name}_eps{epsilon:g}.png'),
                      dpi=90)

@@ -399,16 +399,22 @@ def paired_differences(runs: Dict[str, Sequence[float]]) -> List[str]:
 
 
 def plot(path: str, results: List[Dict[str, Any]]) -> None:
-  """Bar chart of mean test accuracy with 95% intervals."""
+  """Mean test accuracy with 95% intervals, one point per algorithm.
+
+  Points, not bars: a bar's length would be read from an axis that does not
+  start at 0. The axis holds every interval whole.
+  """
   fig, ax = plt.subplots(figsize=(7, 3.5))
   names = [r['algorithm'] for r in results]
-  means = [100 * r['mean_test_accuracy'] for r in results]
-  halves = [100 * r['ci95'] for r in results]
-  ax.bar(names, means, yerr=halves, capsize=4, color='tab:blue')
-  private = [m for m, n in zip(means, names) if n != 'nonprivate']
-  low = min(private) if private else min(means)
-  ax.set_ylim(max(0.0, low - 5), max(means) + 2)
-  ax.set_ylabel('test accuracy (%)')
+  means = np.array([100 * r['mean_test_accuracy'] for r in results])
+  halves = np.array([100 * r['ci95'] for r in results])
+  ax.errorbar(names, means, yerr=halves, fmt='o', capsize=5,
+              color='tab:blue')
+  low, high = np.min(means - halves), np.max(means + halves)
+  margin = max(0.5, 0.08 * (high - low))
+  ax.set_ylim(low - margin, high + margin)
+  ax.set_ylabel('test accuracy (%), mean and 95% interval')
+  ax.grid(axis='y', alpha=0.3)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
