@@ -263,6 +263,7 @@ def noisy_gradient(
         neighboring.NeighboringRelation.ADD_OR_REMOVE),
     normalize_by: Optional[float] = None,
     microbatch_size: Optional[int] = None,
+    clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Noisy clipped mean gradient: the estimator behind DP-SGD and DP-FTRL.
@@ -301,6 +302,9 @@ def noisy_gradient(
       (e.g. the expected batch size under Poisson sampling): dividing by the
       realized count would use a private quantity.
     microbatch_size: optional cap on per-example gradients held at once.
+    clipping_method: 'auto' (default: ghost norms when the loss qualifies,
+      else per-example gradients, announced once), 'ghost' or 'vmap'
+      (`dpsco_jax.clipping`).
     axis_name: the `pmap`/`shard_map` axis name when run on several devices.
 
   Returns:
@@ -309,7 +313,8 @@ def noisy_gradient(
     has the params' structure and dtypes.
   """
   statistic = clipping.clipped_grad_sum(
-      loss_fn, l2_clip, microbatch_size=microbatch_size)
+      loss_fn, l2_clip, microbatch_size=microbatch_size,
+                        method=clipping_method)
   noise_multiplier = validate_noise_multiplier(noise_multiplier)
   stddev = noise_multiplier * statistic.sensitivity(neighboring_relation)
   if mechanism.num_steps is None:

@@ -363,6 +363,7 @@ def dpsgd(
     method: str = 'pld',
     neighboring_relation: Relation = Relation.ADD_OR_REMOVE,
     microbatch_size: Optional[int] = None,
+    clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
 ) -> Plan:
   """A DP-SGD run (`dpsco_jax.dpsgd`), calibrated to (epsilon, delta).
@@ -398,6 +399,9 @@ def dpsgd(
     method: accounting method (`accounting.METHODS`).
     neighboring_relation: the relation the noise is calibrated for.
     microbatch_size: optional cap on per-example gradients held at once.
+    clipping_method: 'auto' (default: ghost norms when the loss qualifies,
+      else per-example gradients, announced once), 'ghost' or 'vmap'
+      (`dpsco_jax.clipping`).
     axis_name: the device axis on several devices.
 
   Returns:
@@ -411,6 +415,7 @@ def dpsgd(
           loss_fn, l2_clip=l2_clip, noise_multiplier=z, num_steps=steps,
           key=key, neighboring_relation=neighboring_relation,
           normalize_by=divisor, microbatch_size=microbatch_size,
+                                clipping_method=clipping_method,
           axis_name=axis_name),
       mechanism=baselines.dpsgd_mechanism(steps), sampler=sampler,
       optimizer=optimizer, epsilon=epsilon, noise_multiplier=noise_multiplier,
@@ -447,6 +452,7 @@ def dpftrl(
     method: str = 'pld',
     neighboring_relation: Relation = Relation.ADD_OR_REMOVE,
     microbatch_size: Optional[int] = None,
+    clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
 ) -> Plan:
   """A DP-FTRL run (`dpsco_jax.dpftrl`, tree noise), calibrated.
@@ -481,6 +487,9 @@ def dpftrl(
     method: accounting method.
     neighboring_relation: the relation the noise is calibrated for.
     microbatch_size: optional cap on per-example gradients held at once.
+    clipping_method: 'auto' (default: ghost norms when the loss qualifies,
+      else per-example gradients, announced once), 'ghost' or 'vmap'
+      (`dpsco_jax.clipping`).
     axis_name: the device axis on several devices.
 
   Returns:
@@ -498,7 +507,8 @@ def dpftrl(
           loss_fn, l2_clip=l2_clip, noise_multiplier=z, num_steps=steps,
           key=key, restart_every=restart_every, honaker=honaker,
           neighboring_relation=neighboring_relation, normalize_by=divisor,
-          microbatch_size=microbatch_size, axis_name=axis_name),
+          microbatch_size=microbatch_size,
+          clipping_method=clipping_method, axis_name=axis_name),
       mechanism=baselines.dpftrl_mechanism(steps, restart_every, honaker),
       sampler=sampler, optimizer=optimizer, epsilon=epsilon,
       noise_multiplier=noise_multiplier, delta=delta, method=method,
@@ -536,6 +546,7 @@ def dpmemf(
     method: str = 'pld',
     neighboring_relation: Relation = Relation.ADD_OR_REMOVE,
     microbatch_size: Optional[int] = None,
+    clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
 ) -> Plan:
   """A DP-MEMF run (paper 001 Algorithm 2), calibrated.
@@ -569,6 +580,9 @@ def dpmemf(
     method: accounting method.
     neighboring_relation: the relation the noise is calibrated for.
     microbatch_size: optional cap on per-example gradients held at once.
+    clipping_method: 'auto' (default: ghost norms when the loss qualifies,
+      else per-example gradients, announced once), 'ghost' or 'vmap'
+      (`dpsco_jax.clipping`).
     axis_name: the device axis on several devices.
 
   Returns:
@@ -587,7 +601,8 @@ def dpmemf(
           loss_fn, l2_clip=l2_clip, noise_multiplier=z, strategy=c,
           steps_per_epoch=b, key=key, check_order=False,
           neighboring_relation=neighboring_relation, normalize_by=divisor,
-          microbatch_size=microbatch_size, axis_name=axis_name),
+          microbatch_size=microbatch_size,
+          clipping_method=clipping_method, axis_name=axis_name),
       mechanism=mechanism, sampler=sampler, optimizer=optimizer,
       epsilon=epsilon, noise_multiplier=noise_multiplier, delta=delta,
       method=method, relation=neighboring_relation,
@@ -603,7 +618,7 @@ def _single_pass(algorithm: str, loss_fn: LossFn, *, num_examples: int,
                  noise_multiplier: Optional[float], gradient: str,
                  seed: Optional[int], key: estimators.KeyLike, method: str,
                  relation: Relation, microbatch_size: Optional[int],
-                 axis_name: Optional[str]) -> Plan:
+                 axis_name: Optional[str], clipping_method: str) -> Plan:
   """The plans of Algorithm 1 and its unaccelerated ablation."""
   sampler = _sampler('fixed', num_examples, batch_size, 1, seed)
   steps = sampler.num_steps
@@ -620,7 +635,8 @@ def _single_pass(algorithm: str, loss_fn: LossFn, *, num_examples: int,
     common = dict(l2_clip=l2_clip, noise_multiplier=z, num_steps=steps,
                   beta=beta, radius=radius, key=key, mechanism=mechanism,
                   neighboring_relation=relation, normalize_by=divisor,
-                  microbatch_size=microbatch_size, axis_name=axis_name)
+                  microbatch_size=microbatch_size,
+                  clipping_method=clipping_method, axis_name=axis_name)
     if algorithm == 'accelerated_dp_srgd':
       return srg.accelerated_dp_srgd(loss_fn, gradient=gradient, **common)
     return srg.unaccelerated_dp_srg(loss_fn, **common)
@@ -650,6 +666,7 @@ def accelerated_dp_srgd(
     method: str = 'pld',
     neighboring_relation: Relation = Relation.ADD_OR_REMOVE,
     microbatch_size: Optional[int] = None,
+    clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
 ) -> Plan:
   """An Accelerated-DP-SRGD run (papers 000/001 Algorithm 1), calibrated.
@@ -681,6 +698,9 @@ def accelerated_dp_srgd(
     method: accounting method ('gdp_paper' is the papers' route).
     neighboring_relation: the relation the noise is calibrated for.
     microbatch_size: optional cap on per-example values held at once.
+    clipping_method: 'auto' (default: ghost norms when the loss qualifies,
+      else per-example gradients, announced once), 'ghost' or 'vmap'
+      (`dpsco_jax.clipping`).
     axis_name: the device axis on several devices.
 
   Returns:
@@ -692,6 +712,7 @@ def accelerated_dp_srgd(
       delta=delta, epsilon=epsilon, noise_multiplier=noise_multiplier,
       gradient=gradient, seed=seed, key=key, method=method,
       relation=neighboring_relation, microbatch_size=microbatch_size,
+                                     clipping_method=clipping_method,
       axis_name=axis_name)
 
 
@@ -711,6 +732,7 @@ def unaccelerated_dp_srg(
     method: str = 'pld',
     neighboring_relation: Relation = Relation.ADD_OR_REMOVE,
     microbatch_size: Optional[int] = None,
+    clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
 ) -> Plan:
   """An unaccelerated SRG run (the §4.3 ablation of Algorithm 1), calibrated.
@@ -735,6 +757,9 @@ def unaccelerated_dp_srg(
     method: accounting method.
     neighboring_relation: the relation the noise is calibrated for.
     microbatch_size: optional cap on per-example values held at once.
+    clipping_method: 'auto' (default: ghost norms when the loss qualifies,
+      else per-example gradients, announced once), 'ghost' or 'vmap'
+      (`dpsco_jax.clipping`).
     axis_name: the device axis on several devices.
 
   Returns:
@@ -746,6 +771,7 @@ def unaccelerated_dp_srg(
       delta=delta, epsilon=epsilon, noise_multiplier=noise_multiplier,
       gradient='srg', seed=seed, key=key, method=method,
       relation=neighboring_relation, microbatch_size=microbatch_size,
+                                     clipping_method=clipping_method,
       axis_name=axis_name)
 
 
@@ -769,6 +795,7 @@ def dp_srg_memf(
     method: str = 'pld',
     neighboring_relation: Relation = Relation.ADD_OR_REMOVE,
     microbatch_size: Optional[int] = None,
+    clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
 ) -> Plan:
   """A DP-SRG-MEMF run (paper 001 Algorithm 3), calibrated.
@@ -802,6 +829,9 @@ def dp_srg_memf(
     method: accounting method.
     neighboring_relation: the relation the noise is calibrated for.
     microbatch_size: optional cap on per-example values held at once.
+    clipping_method: 'auto' (default: ghost norms when the loss qualifies,
+      else per-example gradients, announced once), 'ghost' or 'vmap'
+      (`dpsco_jax.clipping`).
     axis_name: the device axis on several devices.
 
   Returns:
@@ -821,7 +851,8 @@ def dp_srg_memf(
           loss_fn, l2_clip=l2_clip, noise_multiplier=z, strategy=c,
           steps_per_epoch=b, decay=decay, key=key, check_order=False,
           neighboring_relation=neighboring_relation, normalize_by=divisor,
-          microbatch_size=microbatch_size, axis_name=axis_name),
+          microbatch_size=microbatch_size,
+          clipping_method=clipping_method, axis_name=axis_name),
       mechanism=mechanism, sampler=sampler, optimizer=optimizer,
       epsilon=epsilon, noise_multiplier=noise_multiplier, delta=delta,
       method=method, relation=neighboring_relation,
@@ -847,6 +878,7 @@ def diff2_gd(
     budget_split: Optional[float] = None,
     key: estimators.KeyLike = None,
     microbatch_size: Optional[int] = None,
+    clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
 ) -> Plan:
   """A DIFF2-GD run across clients (paper 003 Algorithms 1 and 3), calibrated.
@@ -879,6 +911,9 @@ def diff2_gd(
     budget_split: u of Proposition 4.1 (default 1.25).
     key: the server noise key (None: fresh from OS entropy).
     microbatch_size: optional cap on per-example values held at once.
+    clipping_method: 'auto' (default: ghost norms when the loss qualifies,
+      else per-example gradients, announced once), 'ghost' or 'vmap'
+      (`dpsco_jax.clipping`).
     axis_name: the client axis.
 
   Returns:
@@ -898,6 +933,7 @@ def diff2_gd(
       loss_fn, grad_clip=grad_clip, diff_clip_factor=diff_clip_factor,
       restart_interval=restart_interval, num_rounds=num_rounds,
       noise_multipliers=z, key=key, microbatch_size=microbatch_size,
+                                    clipping_method=clipping_method,
       axis_name=axis_name)
   spent = lambda rounds: diff2_accounting.epsilon_spent(
       rounds, restart_interval, z, delta, method=method)
@@ -932,6 +968,7 @@ def dp_gd(
     method: Optional[str] = None,
     key: estimators.KeyLike = None,
     microbatch_size: Optional[int] = None,
+    clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
 ) -> Plan:
   """A DP-GD run across clients (paper 003's baseline: DIFF2 with T = 1).
@@ -953,6 +990,9 @@ def dp_gd(
     method: 'pld' (default), 'rdp' or 'paper'.
     key: the server noise key (None: fresh from OS entropy).
     microbatch_size: optional cap on per-example values held at once.
+    clipping_method: 'auto' (default: ghost norms when the loss qualifies,
+      else per-example gradients, announced once), 'ghost' or 'vmap'
+      (`dpsco_jax.clipping`).
     axis_name: the client axis.
 
   Returns:
@@ -965,6 +1005,7 @@ def dp_gd(
       noise_multipliers=(None if noise_multiplier is None else
                          diff2.Diff2NoiseMultipliers(noise_multiplier, 0.0)),
       method=method, key=key, microbatch_size=microbatch_size,
+                              clipping_method=clipping_method,
       axis_name=axis_name)
 
 

@@ -330,3 +330,55 @@ class Diff2PlanTest(absltest.TestCase):
 
 if __name__ == '__main__':
   absltest.main()
+
+
+def _tied_loss(params, example):
+  # The weights are used twice: no ghost-norm rule applies.
+  return (example['x'] @ params - example['y']) ** 2 + jnp.sum(params ** 2)
+
+
+class ClippingMethodTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ('dpsgd', lambda **kw: plans.dpsgd(
+          optimizer=optax.sgd(0.1), epochs=1, sampling='fixed', **kw)),
+      ('dpftrl', lambda **kw: plans.dpftrl(optimizer=optax.sgd(0.1),
+                                           epochs=1, **kw)),
+      ('dp_srg_memf', lambda **kw: plans.dp_srg_memf(
+          optimizer=optax.sgd(0.1), epochs=1, decay=0.5, **kw)),
+      ('accelerated', lambda **kw: plans.accelerated_dp_srgd(
+          beta=10.0, radius=None, **kw)),
+  )
+  def test_the_method_reaches_the_clipped_statistic(self, make):
+    outputs = {}
+    for method in ('ghost', 'vmap'):
+      plan = make(loss_fn=_loss, noise_multiplier=1.0, key=3, seed=1,
+                  clipping_method=method, **COMMON)
+      with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        state = plan.init(jnp.ones(DIM))
+      inputs = next(plan.batches_of(_data()))
+      outputs[method], _ = plan.transformation.update(None, state,
+                                                      jnp.ones(DIM), **inputs)
+    np.testing.assert_allclose(outputs['ghost'], outputs['vmap'], rtol=2e-5,
+                               atol=1e-6)
+    plan = make(loss_fn=_tied_loss, noise_multiplier=1.0, key=4, seed=1,
+                clipping_method='ghost', **COMMON)
+    with warnings.catch_warnings():
+      warnings.simplefilter('ignore')
+      state = plan.init(jnp.ones(DIM))
+    with self.assertRaises(dpsco_jax.ghost.GhostClippingUnsupported):
+      plan.transformation.update(None, state, jnp.ones(DIM),
+                                 **next(plan.batches_of(_data())))
+
+  def test_diff2_takes_the_method_too(self):
+    plan = plans.diff2_gd(_tied_loss, learning_rate=0.1, num_rounds=4,
+                          restart_interval=2, grad_clip=1.0,
+                          diff_clip_factor=1.0, num_examples=N,
+                          noise_multipliers=(1.0, 1.0), delta=DELTA,
+                          clipping_method='ghost')
+    with warnings.catch_warnings():
+      warnings.simplefilter('ignore')
+      state = plan.init(jnp.ones(DIM))
+    with self.assertRaises(dpsco_jax.ghost.GhostClippingUnsupported):
+      plan.transformation.update(None, state, jnp.ones(DIM), batch=_data())

@@ -75,6 +75,7 @@ def dpsgd(
         neighboring.NeighboringRelation.ADD_OR_REMOVE),
     normalize_by: Optional[float] = None,
     microbatch_size: Optional[int] = None,
+    clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """DP-SGD's private gradient: clipped per-example sum plus i.i.d. noise.
@@ -106,6 +107,9 @@ def dpsgd(
     normalize_by: public batch size (required with a padding mask, e.g. the
       expected batch size under Poisson sampling).
     microbatch_size: optional cap on per-example gradients held at once.
+    clipping_method: 'auto' (default: ghost norms when the loss qualifies,
+      else per-example gradients, announced once), 'ghost' or 'vmap'
+      (`dpsco_jax.clipping`).
     axis_name: the `pmap`/`shard_map` axis name on several devices.
 
   Returns:
@@ -122,7 +126,8 @@ def dpsgd(
       mechanism=dpsgd_mechanism(checks.positive_int(num_steps, 'num_steps')),
       key=key,
       neighboring_relation=neighboring_relation, normalize_by=normalize_by,
-      microbatch_size=microbatch_size, axis_name=axis_name)
+      microbatch_size=microbatch_size,
+      clipping_method=clipping_method, axis_name=axis_name)
 
 
 def dpftrl(
@@ -138,6 +143,7 @@ def dpftrl(
         neighboring.NeighboringRelation.ADD_OR_REMOVE),
     normalize_by: Optional[float] = None,
     microbatch_size: Optional[int] = None,
+    clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """DP-FTRL's private gradient: clipped per-example sum plus tree residual noise.
@@ -171,6 +177,9 @@ def dpftrl(
     neighboring_relation: the relation the noise is calibrated for.
     normalize_by: public batch size (required with a padding mask).
     microbatch_size: optional cap on per-example gradients held at once.
+    clipping_method: 'auto' (default: ghost norms when the loss qualifies,
+      else per-example gradients, announced once), 'ghost' or 'vmap'
+      (`dpsco_jax.clipping`).
     axis_name: the `pmap`/`shard_map` axis name on several devices.
 
   Returns:
@@ -179,6 +188,8 @@ def dpftrl(
   """
   return estimators.noisy_gradient(
       loss_fn, l2_clip=l2_clip, noise_multiplier=noise_multiplier,
-      mechanism=dpftrl_mechanism(num_steps, restart_every, honaker), key=key, neighboring_relation=neighboring_relation,
+      mechanism=dpftrl_mechanism(num_steps, restart_every, honaker), key=key,
+      neighboring_relation=neighboring_relation,
       normalize_by=normalize_by, microbatch_size=microbatch_size,
+                                 clipping_method=clipping_method,
       axis_name=axis_name)

@@ -231,6 +231,7 @@ def diff2_estimator(
     neighboring_relation: neighboring.NeighboringRelation = (
         neighboring.NeighboringRelation.REPLACE_ONE),
     microbatch_size: Optional[int] = None,
+    clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """DIFF2's private running gradient estimator `v_t` (paper 003, Alg. 1).
@@ -269,6 +270,9 @@ def diff2_estimator(
       who knows the seed. Never give one key to two runs.
     neighboring_relation: REPLACE_ONE (the paper's) or ZERO_OUT.
     microbatch_size: optional cap on per-example gradients held at once.
+    clipping_method: 'auto' (default: ghost norms when the loss qualifies,
+      else per-example gradients, announced once), 'ghost' or 'vmap'
+      (`dpsco_jax.clipping`).
     axis_name: the client axis (pmap / shard_map / vmap), None for one
       client.
 
@@ -286,12 +290,14 @@ def diff2_estimator(
     Murata & Suzuki (2023), Algorithms 1-2, Lemma C.1 (sensitivity).
   """
   grad_statistic = clipping.clipped_grad_sum(
-      loss_fn, grad_clip, microbatch_size=microbatch_size)
+      loss_fn, grad_clip, microbatch_size=microbatch_size,
+                          method=clipping_method)
   # Differences are divided by the public movement before clipping, so the
   # statistic's clip is the constant C_2 (see the module docstring).
   diff_statistic = clipping.clipped_grad_difference_sum(
       loss_fn, clipping.validate_clip(diff_clip_factor, 'diff_clip_factor'),
-      microbatch_size=microbatch_size)
+      microbatch_size=microbatch_size,
+      method=clipping_method)
   restart_interval = checks.positive_int(restart_interval, 'restart_interval')
   mechanism = diff2_mechanism(num_rounds)
   relation = _validate_relation(neighboring_relation)
@@ -369,6 +375,7 @@ def diff2_gd(
     neighboring_relation: neighboring.NeighboringRelation = (
         neighboring.NeighboringRelation.REPLACE_ONE),
     microbatch_size: Optional[int] = None,
+    clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """DIFF2-GD (paper 003, Alg. 1 with the GD routine, Alg. 3).
@@ -396,6 +403,9 @@ def diff2_gd(
     key: see `diff2_estimator`.
     neighboring_relation: see `diff2_estimator`.
     microbatch_size: see `diff2_estimator`.
+    clipping_method: 'auto' (default: ghost norms when the loss qualifies,
+      else per-example gradients, announced once), 'ghost' or 'vmap'
+      (`dpsco_jax.clipping`).
     axis_name: see `diff2_estimator`.
 
   Returns:
@@ -413,7 +423,8 @@ def diff2_gd(
           restart_interval=restart_interval, num_rounds=num_rounds,
           noise_multipliers=noise_multipliers, key=key,
           neighboring_relation=neighboring_relation,
-          microbatch_size=microbatch_size, axis_name=axis_name),
+          microbatch_size=microbatch_size,
+          clipping_method=clipping_method, axis_name=axis_name),
       optax.sgd(learning_rate))
 
 
@@ -428,6 +439,7 @@ def dp_gd(
     neighboring_relation: neighboring.NeighboringRelation = (
         neighboring.NeighboringRelation.REPLACE_ONE),
     microbatch_size: Optional[int] = None,
+    clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """DP-GD across clients: DIFF2-GD with a restart every round (T = 1).
@@ -453,6 +465,9 @@ def dp_gd(
       who knows the seed. Never give one key to two runs.
     neighboring_relation: see `diff2_estimator`.
     microbatch_size: see `diff2_estimator`.
+    clipping_method: 'auto' (default: ghost norms when the loss qualifies,
+      else per-example gradients, announced once), 'ghost' or 'vmap'
+      (`dpsco_jax.clipping`).
     axis_name: the client axis, None for one client.
 
   Returns:
@@ -470,7 +485,8 @@ def dp_gd(
       diff_clip_factor=1.0, restart_interval=1, num_rounds=num_rounds,
       noise_multipliers=Diff2NoiseMultipliers(noise_multiplier, 0.0),
       key=key, neighboring_relation=neighboring_relation,
-      microbatch_size=microbatch_size, axis_name=axis_name)
+      microbatch_size=microbatch_size,
+      clipping_method=clipping_method, axis_name=axis_name)
 
 
 def bvr_keys(key: estimators.KeyLike) -> tuple[jax.Array, jax.Array,
@@ -507,6 +523,7 @@ def diff2_bvr_local_sgd(
     neighboring_relation: neighboring.NeighboringRelation = (
         neighboring.NeighboringRelation.REPLACE_ONE),
     microbatch_size: Optional[int] = None,
+    clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """DIFF2-BVR-L-SGD (paper 003, Alg. 1 with the BVR-L-SGD routine, Alg. 4).
@@ -555,6 +572,9 @@ def diff2_bvr_local_sgd(
     local_clip_factor: `C_3` (default `C_2`, as in Theorem 5.3).
     neighboring_relation: see `diff2_estimator`.
     microbatch_size: see `diff2_estimator`.
+    clipping_method: 'auto' (default: ghost norms when the loss qualifies,
+      else per-example gradients, announced once), 'ghost' or 'vmap'
+      (`dpsco_jax.clipping`).
     axis_name: the client axis, None for one client.
 
   Returns:
@@ -575,14 +595,16 @@ def diff2_bvr_local_sgd(
       restart_interval=restart_interval, num_rounds=num_rounds,
       noise_multipliers=noise_multipliers, key=server_key,
       neighboring_relation=neighboring_relation,
-      microbatch_size=microbatch_size, axis_name=axis_name)
+      microbatch_size=microbatch_size,
+      clipping_method=clipping_method, axis_name=axis_name)
   num_local = checks.positive_int(local_steps, 'local_steps') - 1
   local_batch_size = checks.positive_int(local_batch_size, 'local_batch_size')
   local_clip = clipping.validate_clip(
       diff_clip_factor if local_clip_factor is None else local_clip_factor,
       'local_clip_factor')
   local_statistic = clipping.clipped_grad_difference_sum(
-      loss_fn, local_clip, microbatch_size=microbatch_size)
+      loss_fn, local_clip, microbatch_size=microbatch_size,
+                           method=clipping_method)
   relation = _validate_relation(neighboring_relation)
   local_stddev = (_validate_multipliers(noise_multipliers).local *
                   local_statistic.sensitivity(relation))

@@ -78,6 +78,7 @@ def dpmemf(
         neighboring.NeighboringRelation.ADD_OR_REMOVE),
     normalize_by: Optional[float] = None,
     microbatch_size: Optional[int] = None,
+    clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """DP-MEMF's private gradient (paper 001 Algorithm 2, corrected).
@@ -122,6 +123,9 @@ def dpmemf(
     neighboring_relation: the relation the noise is calibrated for.
     normalize_by: public batch size (required with a padding mask).
     microbatch_size: optional cap on per-example gradients held at once.
+    clipping_method: 'auto' (default: ghost norms when the loss qualifies,
+      else per-example gradients, announced once), 'ghost' or 'vmap'
+      (`dpsco_jax.clipping`).
     axis_name: the `pmap`/`shard_map` axis name on several devices.
 
   Returns:
@@ -138,6 +142,7 @@ def dpmemf(
       loss_fn, l2_clip=l2_clip, noise_multiplier=noise_multiplier,
       mechanism=mechanism, key=key, neighboring_relation=neighboring_relation,
       normalize_by=normalize_by, microbatch_size=microbatch_size,
+                                 clipping_method=clipping_method,
       axis_name=axis_name)
   return with_order_check(estimator, steps_per_epoch, check_order, axis_name,
                           num_examples)

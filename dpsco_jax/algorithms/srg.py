@@ -109,6 +109,7 @@ def srg_gradient(
         neighboring.NeighboringRelation.ADD_OR_REMOVE),
     normalize_by: Optional[float] = None,
     microbatch_size: Optional[int] = None,
+    clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Noisy stochastic recursive gradient (papers 000/001 Algorithm 1, lines 3-4).
@@ -157,6 +158,9 @@ def srg_gradient(
       papers' zero-out neighbours are add-or-remove here).
     normalize_by: public batch size B (required with a padding mask).
     microbatch_size: optional cap on per-example differences held at once.
+    clipping_method: 'auto' (default: ghost norms when the loss qualifies,
+      else per-example gradients, announced once), 'ghost' or 'vmap'
+      (`dpsco_jax.clipping`).
     axis_name: the `pmap`/`shard_map` axis name on several devices.
 
   Returns:
@@ -188,7 +192,8 @@ def srg_gradient(
       SrgGradientState, coefficients, recursion, loss_fn, mechanism=mechanism,
       l2_clip=l2_clip, noise_multiplier=noise_multiplier, key=key,
       neighboring_relation=neighboring_relation, normalize_by=normalize_by,
-      microbatch_size=microbatch_size, axis_name=axis_name)
+      microbatch_size=microbatch_size,
+      clipping_method=clipping_method, axis_name=axis_name)
 
 
 def _recursive_gradient(
@@ -197,7 +202,8 @@ def _recursive_gradient(
     key: estimators.KeyLike = None,
     neighboring_relation: neighboring.NeighboringRelation,
     normalize_by: Optional[float], microbatch_size: Optional[int],
-    axis_name: Optional[str]) -> optax.GradientTransformationExtraArgs:
+    axis_name: Optional[str], clipping_method: str = 'auto'
+) -> optax.GradientTransformationExtraArgs:
   """The estimator shared by Algorithms 1 and 3: clipped differences, then a
   recursion that says where the noise goes.
 
@@ -209,13 +215,15 @@ def _recursive_gradient(
       (output, new grad, noise_state)`, with `total` the clipped sum over
       every device and `stddev` the noise std on one step's sum.
     loss_fn, mechanism, l2_clip, noise_multiplier, key, neighboring_relation,
-      normalize_by, microbatch_size, axis_name: as in `srg_gradient`.
+      normalize_by, microbatch_size, axis_name, clipping_method: as in
+      `srg_gradient`.
 
   Returns:
     The transformation.
   """
   statistic = clipping.clipped_grad_difference_sum(
-      loss_fn, l2_clip, microbatch_size=microbatch_size)
+      loss_fn, l2_clip, microbatch_size=microbatch_size,
+                        method=clipping_method)
   noise_multiplier = estimators.validate_noise_multiplier(noise_multiplier)
   stddev = noise_multiplier * statistic.sensitivity(neighboring_relation)
   key = keys.noise_key(key, f'recursive gradient ({mechanism.name})')
@@ -429,6 +437,7 @@ def accelerated_dp_srgd(
         neighboring.NeighboringRelation.ADD_OR_REMOVE),
     normalize_by: Optional[float] = None,
     microbatch_size: Optional[int] = None,
+    clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Accelerated-DP-SRGD, papers 000 and 001 Algorithm 1 (corrected).
@@ -483,6 +492,9 @@ def accelerated_dp_srgd(
     neighboring_relation: the relation the noise is calibrated for.
     normalize_by: public batch size B (required with a padding mask).
     microbatch_size: optional cap on per-example values held at once.
+    clipping_method: 'auto' (default: ghost norms when the loss qualifies,
+      else per-example gradients, announced once), 'ghost' or 'vmap'
+      (`dpsco_jax.clipping`).
     axis_name: the `pmap`/`shard_map` axis name on several devices.
 
   Returns:
@@ -500,6 +512,7 @@ def accelerated_dp_srgd(
         num_steps=None if mechanism is not None else num_steps, key=key,
         mechanism=mechanism, neighboring_relation=neighboring_relation,
         normalize_by=normalize_by, microbatch_size=microbatch_size,
+                                   clipping_method=clipping_method,
         axis_name=axis_name)
     if mechanism is not None and mechanism.num_steps != num_steps:
       raise ValueError(f'num_steps={num_steps} disagrees with the mechanism '
@@ -515,7 +528,8 @@ def accelerated_dp_srgd(
         loss_fn, l2_clip=l2_clip, noise_multiplier=noise_multiplier,
         mechanism=mechanism, key=key,
         neighboring_relation=neighboring_relation, normalize_by=normalize_by,
-        microbatch_size=microbatch_size, axis_name=axis_name)
+        microbatch_size=microbatch_size,
+        clipping_method=clipping_method, axis_name=axis_name)
   else:
     raise ValueError(
         f"gradient must be 'srg' or 'independent', got {gradient!r}")
@@ -590,6 +604,7 @@ def unaccelerated_dp_srg(
         neighboring.NeighboringRelation.ADD_OR_REMOVE),
     normalize_by: Optional[float] = None,
     microbatch_size: Optional[int] = None,
+    clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Unaccelerated SRG, the ablation of papers 000/001 §4.3.
@@ -618,6 +633,9 @@ def unaccelerated_dp_srg(
     neighboring_relation: the relation the noise is calibrated for.
     normalize_by: public batch size B (required with a padding mask).
     microbatch_size: optional cap on per-example differences held at once.
+    clipping_method: 'auto' (default: ghost norms when the loss qualifies,
+      else per-example gradients, announced once), 'ghost' or 'vmap'
+      (`dpsco_jax.clipping`).
     axis_name: the `pmap`/`shard_map` axis name on several devices.
 
   Returns:
@@ -631,6 +649,7 @@ def unaccelerated_dp_srg(
           mechanism=mechanism, key=key,
           neighboring_relation=neighboring_relation,
           normalize_by=normalize_by, microbatch_size=microbatch_size,
+                                     clipping_method=clipping_method,
           axis_name=axis_name),
       optax.sgd(1.0 / beta),
       projection(radius))
@@ -688,6 +707,7 @@ def dp_srg_memf(
         neighboring.NeighboringRelation.ADD_OR_REMOVE),
     normalize_by: Optional[float] = None,
     microbatch_size: Optional[int] = None,
+    clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """DP-SRG-MEMF, paper 001 Algorithm 3 (corrected), as an optax estimator.
@@ -740,6 +760,9 @@ def dp_srg_memf(
     neighboring_relation: the relation the noise is calibrated for.
     normalize_by: public batch size (required with a padding mask).
     microbatch_size: optional cap on per-example differences held at once.
+    clipping_method: 'auto' (default: ghost norms when the loss qualifies,
+      else per-example gradients, announced once), 'ghost' or 'vmap'
+      (`dpsco_jax.clipping`).
     axis_name: the `pmap`/`shard_map` axis name on several devices.
 
   Returns:
@@ -771,7 +794,8 @@ def dp_srg_memf(
       SrgMemfState, coefficients, recursion, loss_fn, mechanism=mechanism,
       l2_clip=l2_clip, noise_multiplier=noise_multiplier, key=key,
       neighboring_relation=neighboring_relation, normalize_by=normalize_by,
-      microbatch_size=microbatch_size, axis_name=axis_name)
+      microbatch_size=microbatch_size,
+      clipping_method=clipping_method, axis_name=axis_name)
   return mf.with_order_check(estimator, steps_per_epoch, check_order,
                              axis_name, num_examples)
 
