@@ -5,9 +5,13 @@ batch as `dpsgd_step.py` (500 examples, 784 inputs, 10 classes), for:
 
 * `non-private`: `jax.grad` of the mean loss, then `optax.sgd`;
 * `dpsgd`: `dpsco_jax.dpsgd` + `optax.sgd` (one gradient per example);
-* `srg`: `dpsco_jax.srg_gradient` (binary-tree prefix noise) + `optax.sgd`:
-  two gradients per example (at x_t and x_{t-1}), so about 2x DP-SGD is the
+* `srg`: `dpsco_jax.srg_gradient` (binary-tree prefix noise, kept as a
+  running prefix: `1 + ctz(t)` node draws per step) + `optax.sgd`: two
+  gradients per example (at x_t and x_{t-1}), so about 2x DP-SGD is the
   floor;
+* `srg regenerated prefix`: the same with the tree drawing every node of
+  each prefix (`popcount(t)` draws; small in the first steps timed here,
+  about log2(t) / 2 later in a run);
 * `accelerated_srgd`: `dpsco_jax.accelerated_dp_srgd` (Algorithm 1: the
   same estimator plus the z/y/x coupling and two projections);
 * `dpmemf` and `dp_srg_memf`: DP-MEMF and DP-SRG-MEMF (paper 001 Alg 2 and
@@ -67,6 +71,7 @@ ITERS_SCALE = (20, 4)   # logistic regression, MLP
 RATIOS = (
     ('dpsgd', 'non-private'),
     ('srg', 'dpsgd'),
+    ('srg', 'srg regenerated prefix'),
     ('srg clip only', 'dpsgd clip only'),
     ('accelerated_srgd', 'dpsgd'),
     ('dp_srg_memf', 'dpmemf'),
@@ -83,8 +88,9 @@ def _jitted(tx: optax.GradientTransformationExtraArgs,
   return dpsgd_step.Variant(step, tx.init(params))
 
 
-VARIANTS = ('non-private', 'dpsgd', 'srg', 'accelerated_srgd', 'dpmemf',
-            'dp_srg_memf', 'dpsgd clip only', 'srg clip only')
+VARIANTS = ('non-private', 'dpsgd', 'srg', 'srg regenerated prefix',
+            'accelerated_srgd', 'dpmemf', 'dp_srg_memf', 'dpsgd clip only',
+            'srg clip only')
 
 
 def clip_only_variant(model: dpsgd_step.Model,
@@ -134,6 +140,11 @@ def make_variants(model: dpsgd_step.Model,
           loss, num_steps=TREE_STEPS, **common), sgd),
       'srg': lambda: optax.chain(dpsco_jax.srg_gradient(
           loss, num_steps=TREE_STEPS, **common), sgd),
+      # The tree drawing every node of each prefix (popcount(t) draws) instead
+      # of the default running prefix (1 + ctz(t) draws).
+      'srg regenerated prefix': lambda: optax.chain(dpsco_jax.srg_gradient(
+          loss, mechanism=dpsco_jax.noise.tree(TREE_STEPS, release='prefix'),
+          **common), sgd),
       'accelerated_srgd': lambda: dpsco_jax.accelerated_dp_srgd(
           loss, num_steps=TREE_STEPS, beta=1.0 / dpsgd_step.LEARNING_RATE,
           radius=100.0, **common),

@@ -437,6 +437,7 @@ def tree(
     release: str = 'per_step',
     restart_every: Optional[int] = None,
     honaker: bool = False,
+    prefix_storage: str = 'regenerate',
     sampler: Sampler = jax.random.normal,
 ) -> NoiseMechanism:
   """Binary-tree (continual counting) noise, paper 001 Lemma 4.3.
@@ -457,6 +458,14 @@ def tree(
   Either way the released values are post-processing of the same node
   measurements, so the encoder (and privacy) is the same.
 
+  Prefix release draws the `popcount(i)` nodes of the prefix at every step
+  (`prefix_storage='regenerate'`, no buffer), or keeps the last prefix noise
+  in a params-sized buffer and adds the residual (`'running'`: `1 + ctz(i)`
+  draws, two on average instead of about `log2(T) / 2`). Both release the
+  same node sums (up to float32 rounding of the running sum), so the
+  encoder, and the privacy, are the same; the identity differs, since the
+  states differ.
+
   Restarts: with `restart_every=R` a fresh tree starts every R steps. In
   'per_step' release the noise already added by earlier trees stays in
   (it is folded into the iterate, as DP-FTRL's restart does), and in
@@ -472,6 +481,9 @@ def tree(
     release: 'per_step' (residual noise) or 'prefix' (noise on prefix sums).
     restart_every: steps per tree; None for a single tree.
     honaker: use the Honaker variance-reduced node estimates.
+    prefix_storage: with `release='prefix'` and no Honaker: 'regenerate'
+      (draw the prefix's nodes each step) or 'running' (one buffer, fewer
+      draws).
     sampler: `(key, shape, dtype) -> array` unit-variance node sampler (tests
       replace it, e.g. with ones; keep the default in real use).
 
@@ -482,13 +494,22 @@ def tree(
   restart_every = _validate_steps(restart_every, 'restart_every', required=False)
   if release not in ('per_step', 'prefix'):
     raise ValueError(f"release must be 'per_step' or 'prefix', got {release!r}")
+  if prefix_storage not in ('regenerate', 'running'):
+    raise ValueError("prefix_storage must be 'regenerate' or 'running', got "
+                     f'{prefix_storage!r}')
+  running = prefix_storage == 'running'
+  if running and (release != 'prefix' or honaker):
+    raise ValueError("prefix_storage='running' is for release='prefix' "
+                     'without Honaker (the others draw few nodes already)')
   tree_size = min(restart_every or num_steps, num_steps)
   num_levels = tree_num_levels(tree_size)
   name = (f"{'honaker_' if honaker else ''}tree(release={release}, "
-          f'num_steps={num_steps}, restart_every={restart_every})')
+          f'num_steps={num_steps}, restart_every={restart_every}'
+          f"{', running prefix' if running else ''})")
   identity = mechanism_identity(
       'tree', num_steps=num_steps, release=release, tree_size=tree_size,
-      honaker=honaker, sampler=_sampler_name(sampler))
+      honaker=honaker, sampler=_sampler_name(sampler),
+      **({'prefix_storage': 'running'} if running else {}))
 
   def local_position(step):
     tree_index = step // tree_size
@@ -505,6 +526,15 @@ def tree(
   def standard_next(state, template):
     tree_index, i = local_position(state.step)
     zeros = _zeros(template)
+    if running:
+      residual, _ = residual_next(state, template, tree_index, i)
+      # A new tree (i == 1) starts its prefix from zero.
+      prefix = jax.tree_util.tree_map(
+          lambda b, r: jnp.where(i == 1, r, b.astype(r.dtype) + r),
+          state.buffers, residual)
+      buffers = jax.tree_util.tree_map(lambda b, p: p.astype(b.dtype),
+                                       state.buffers, prefix)
+      return prefix, buffers
     if release == 'prefix':
       total = zeros
       for level in range(num_levels):
@@ -514,10 +544,13 @@ def tree(
                                              template)),
             lambda t: t, total)
       return total, ()
+    return residual_next(state, template, tree_index, i)
+
+  def residual_next(state, template, tree_index, i):
     # Residual: the new node at level ctz(i) enters, the nodes of i-1 below it
     # (its trailing ones) leave.
     ctz = _trailing_zeros(i)
-    total = zeros
+    total = _zeros(template)
     for level in range(num_levels):
       branch = jnp.where(level == ctz, 1, jnp.where(level < ctz, 2, 0))
       total = jax.lax.switch(branch, [
@@ -573,6 +606,10 @@ def tree(
       buffers = jax.tree_util.tree_map(
           lambda leaf: jnp.zeros((num_levels,) + jnp.shape(leaf),
                                  _noise_dtype(leaf)), template)
+    if running:
+      buffers = jax.tree_util.tree_map(
+          lambda leaf: jnp.zeros(jnp.shape(leaf), _noise_dtype(leaf)),
+          template)
     return NoiseState(key=key, step=jnp.zeros((), jnp.int32), buffers=buffers)
 
   def draw_next(state, template):
@@ -589,6 +626,8 @@ def tree(
     check_state(state, identity, name)
     if honaker:
       _check_buffers(state.buffers, template, (num_levels,))
+    if running:
+      _check_buffers(state.buffers, template, ())
     if isinstance(state.step, jax.core.Tracer):
       return draw_next(state, template)
     # Called eagerly: refuse at once, and compile the per-level conds once

@@ -428,3 +428,36 @@ def test_honaker_state_must_match_the_template(template):
 def test_invalid_arguments_raise(make, match):
   with pytest.raises(ValueError, match=match):
     make()
+
+
+@pytest.mark.parametrize('restart_every', [None, 5])
+def test_running_prefix_equals_regenerated_prefix(restart_every):
+  template = {'w': jnp.zeros((3, 2)), 'b': jnp.zeros(4, jnp.bfloat16)}
+  kinds = {storage: noise.tree(13, release='prefix',
+                               restart_every=restart_every,
+                               prefix_storage=storage)
+           for storage in ('regenerate', 'running')}
+  assert kinds['running'].identity != kinds['regenerate'].identity
+  np.testing.assert_array_equal(kinds['running'].encoder_matrix(),
+                                kinds['regenerate'].encoder_matrix())
+  states = {k: m.init(template, jax.random.key(2)) for k, m in kinds.items()}
+  for _ in range(13):
+    draws = {}
+    for k, m in kinds.items():
+      draws[k], states[k] = m.next(states[k], template)
+    for a, b in zip(jax.tree.leaves(draws['running']),
+                    jax.tree.leaves(draws['regenerate'])):
+      np.testing.assert_allclose(np.asarray(a, np.float32),
+                                 np.asarray(b, np.float32), rtol=1e-5,
+                                 atol=1e-5)
+  with pytest.raises(ValueError, match='past'):
+    kinds['running'].next(states['running'], template)
+
+
+def test_running_prefix_is_only_for_plain_prefix_trees():
+  with pytest.raises(ValueError, match="prefix_storage='running'"):
+    noise.tree(8, release='per_step', prefix_storage='running')
+  with pytest.raises(ValueError, match="prefix_storage='running'"):
+    noise.tree(8, release='prefix', honaker=True, prefix_storage='running')
+  with pytest.raises(ValueError, match='regenerate'):
+    noise.tree(8, release='prefix', prefix_storage='cached')

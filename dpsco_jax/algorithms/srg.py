@@ -281,16 +281,21 @@ def srg_mechanism(num_steps: int, *, honaker: bool = False
   """The default noise of `srg_gradient`: a binary tree on prefix sums.
 
   Account with it: `accounting.calibrate_noise_multiplier(srg_mechanism(T),
-  accounting.single_epoch(T), epsilon, delta)`.
+  accounting.single_epoch(T), epsilon, delta)`. The plain tree keeps its
+  last prefix noise in a buffer and adds the residual (`prefix_storage=
+  'running'`: two node draws per step on average instead of about
+  `log2(T) / 2`, for one params-sized buffer); Honaker's keeps its level
+  buffers.
 
   Args:
     num_steps: T, the number of steps (one tree, no restarts).
     honaker: use Honaker's variance-reduced node estimates (same privacy).
 
   Returns:
-    `noise.tree(num_steps, release='prefix', honaker=honaker)`.
+    `noise.tree(num_steps, release='prefix', honaker=honaker, ...)`.
   """
-  return noise.tree(num_steps, release='prefix', honaker=honaker)
+  return noise.tree(num_steps, release='prefix', honaker=honaker,
+                    prefix_storage='regenerate' if honaker else 'running')
 
 
 class AcceleratedSrgdState(NamedTuple):
