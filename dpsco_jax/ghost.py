@@ -324,12 +324,6 @@ def _dense_layout(tap: Tap, program: _Program):
 _FEW_POSITIONS = 4
 
 
-def _pair_basis(x: jax.Array, y: jax.Array, half: bool) -> jax.Array:
-  """The terms of a pair in the sum/difference basis, stacked on axis 1."""
-  scale = 0.5 if half else 1.0
-  return jnp.stack([(x + y) * scale, (x - y) * scale], axis=1)
-
-
 def _norm(x: jax.Array) -> jax.Array:
   return jnp.sqrt(jnp.sum(jnp.square(x), axis=-1))
 
@@ -387,14 +381,15 @@ def _dense_squared_norms(tap: Tap, program: _Program, leaf: jax.Array,
   O(P'^2 (C + F))) or the squared entries of `A^T G` (O(P' C F)), whichever
   the shapes make cheaper.
 
-  A pair of terms (a gradient difference `a u1 v1^T - b u2 v2^T`, the
-  cross-term identity) is first rewritten in the sum/difference basis
+  A gradient difference `a u1 v1^T - b u2 v2^T` (the cross-term identity)
+  arrives from `difference_terms` in the sum/difference basis
   `((u1 + u2)/2) (h1 + h2)^T + ((u1 - u2)/2) (h1 - h2)^T`, `h1 = a v1`,
   `h2 = -b v2`: the same matrix, but when the two points are close (x' near
   x, a near b, the recursive-gradient regime) the cross terms of the plain
   pair are large and cancel, and float32 rounding of their sum could
   understate the norm by far more than the clip, while the terms of the
-  rewritten pair are of the size of the difference itself.
+  rewritten pair are of the size of the difference itself. The weighted
+  sum (`weighted_grad_sum`) is formed from the same terms.
   """
   if not _norm_preserving(tap.chain):
     return _materialized_squared_norms(tap, program, leaf, others, g)
@@ -419,17 +414,6 @@ def _dense_squared_norms(tap: Tap, program: _Program, leaf: jax.Array,
     # (many tiny matrix products), measured several times slower on CPU.
     cols_a = [a[:, t, :, p] for t in range(terms) for p in range(positions)]
     cols_g = [g[:, t, :, p] for t in range(terms) for p in range(positions)]
-    if terms == 2:
-      cols_a = [(x + y) * 0.5 for x, y in zip(cols_a[:positions],
-                                              cols_a[positions:])] + [
-                                                  (x - y) * 0.5 for x, y in
-                                                  zip(cols_a[:positions],
-                                                      cols_a[positions:])]
-      cols_g = [x + y for x, y in zip(cols_g[:positions],
-                                      cols_g[positions:])] + [
-                                          x - y for x, y in
-                                          zip(cols_g[:positions],
-                                              cols_g[positions:])]
     total = 0.0
     for p, (ap, gp) in enumerate(zip(cols_a, cols_g)):
       for aq, gq in zip(cols_a[p:], cols_g[p:]):
@@ -440,9 +424,6 @@ def _dense_squared_norms(tap: Tap, program: _Program, leaf: jax.Array,
     return _with_rounding_margin(
         jnp.sum(total, axis=1), magnitude, contract=contract,
         features=features, columns=len(cols_a), dtype=acc)
-  if terms == 2:
-    a = _pair_basis(a[:, 0], a[:, 1], half=True)
-    g = _pair_basis(g[:, 0], g[:, 1], half=False)
   # A unit's terms are more positions of the same layer.
   positions *= terms
   a = jnp.swapaxes(a, 1, 2).reshape(units, batch, positions, contract)
@@ -495,6 +476,10 @@ def dense_uses_gram(tap: Tap, plan: GhostPlan,
 # without positions, any dimension numbers); `add`/`sub` cover biases and
 # `mul` elementwise scales (e.g. a norm layer's scale), whose per-example
 # gradients are small enough to materialize.
+# Rules whose parameter gradient is linear in the output gradient alone (a
+# bias: the other operand does not enter it).
+_LINEAR_IN_COTANGENT = ('add', 'sub')
+
 LAYER_RULES: dict[str, LayerRule] = {
     'dot_general': LayerRule(_no_check, _dense_squared_norms),
     'add': LayerRule(_no_check, _materialized_squared_norms),
@@ -800,17 +785,27 @@ def difference_terms(plan: GhostPlan, params: PyTree, prev_params: PyTree,
                                     previous.others, current.grads,
                                     previous.grads):
     acc = jnp.promote_types(g.dtype, jnp.float32)
-    if tap.param_free:
-      # The same operands at both points (computed alike from the example,
-      # so bitwise equal): the unit is the one term `u (a v1 - b v2)^T`,
-      # exact, cheaper, and without cross terms to cancel.
+    h1, h2 = a * g.astype(acc), -b * h.astype(acc)
+    if tap.param_free or tap.rule in _LINEAR_IN_COTANGENT:
+      # One term `u (a v1 - b v2)^T`: the same operands at both points
+      # (computed alike from the example, so bitwise equal), or a use whose
+      # gradient does not involve them (a bias). Exact, cheaper, and
+      # without cross terms to cancel.
       others.append(tuple(o[:, None] for o in now))
-      grads.append((a * g.astype(acc) - b * h.astype(acc))[:, None])
+      grads.append((h1 + h2)[:, None])
     else:
-      others.append(tuple(jnp.stack([o, p], axis=1)
+      # The two terms in the sum/difference basis: `((u1 + u2) / 2)
+      # (h1 + h2)^T + ((u1 - u2) / 2) (h1 - h2)^T` is the same bilinear
+      # gradient, but when the points are close (x' near x, a near b) the
+      # plain terms are large and cancel, while these are of the size of
+      # the difference. The norms AND the weighted sum use these same
+      # computed terms: a sum formed from the plain terms would carry their
+      # rounding (about u a |v1| |u1|, far above the difference), which the
+      # norm measured here does not see, and a contribution could leave its
+      # clip by that much.
+      others.append(tuple(jnp.stack([(o + p) * 0.5, (o - p) * 0.5], axis=1)
                           for o, p in zip(now, before)))
-      grads.append(jnp.stack([a * g.astype(acc), -b * h.astype(acc)],
-                             axis=1))
+      grads.append(jnp.stack([h1 + h2, h1 - h2], axis=1))
   return LayerValues(tuple(others), tuple(grads))
 
 

@@ -43,3 +43,59 @@ def test_cancelling_positions_are_still_clipped(seed):
   out = stat(batch, params)
   norm = float(jnp.linalg.norm(out.sum['w']))
   assert norm <= clip * (1 + 1e-5), norm
+
+
+def _two_layer_loss(params, example):
+  hidden = jnp.tanh(example['x'] @ params['w1'])
+  return jnp.sum((hidden @ params['w2']) * example['r'])
+
+
+@pytest.mark.parametrize('seed', range(6))
+def test_cancelling_differences_are_still_clipped(seed):
+  # a grad f(x, d) - b grad f(x', d) with x' a hair from x and a, b large
+  # and nearly equal: the two gradients are about 1e5 times the difference.
+  # Each example's clipped contribution must stay within the clip. (Before
+  # the weighted sum used the sum/difference basis of the norms, it left the
+  # clip by up to 0.9%: its rounding, about u a |grad|, was not the one the
+  # norm measured.)
+  rng = np.random.default_rng(seed)
+  a = float(10.0 ** rng.uniform(4, 6))
+  b = a * (1.0 - 10.0 ** rng.uniform(-6, -4))
+  w1 = rng.normal(size=(FEATURES, OUT)) / np.sqrt(FEATURES)
+  params = {'w1': jnp.asarray(w1, jnp.float32),
+            'w2': jnp.asarray(rng.normal(size=(OUT, OUT)), jnp.float32)}
+  prev = jax.tree.map(
+      lambda p: p + jnp.asarray(1e-6 * rng.normal(size=p.shape), p.dtype),
+      params)
+  batch = {'x': jnp.asarray(rng.normal(size=(4, POSITIONS, FEATURES)),
+                            jnp.float32),
+           'r': jnp.asarray(rng.normal(size=(4, OUT)), jnp.float32)}
+  clip = 1.0
+  stat = clipping.clipped_grad_difference_sum(_two_layer_loss, clip,
+                                              method='ghost')
+  for example in range(4):
+    one = jax.tree.map(lambda v, e=example: v[e:e + 1], batch)
+    total = stat(one, params, prev, a, b).sum
+    norm = float(jnp.sqrt(sum(jnp.sum(v ** 2)
+                              for v in jax.tree.leaves(total))))
+    assert norm <= clip * (1 + 1e-5), (example, norm)
+
+
+@pytest.mark.parametrize('seed', range(6))
+def test_cancelling_items_of_a_user_are_still_clipped(seed):
+  # A user's items nearly cancel in pairs: the Gram form over the items adds
+  # huge products of both signs, and the user's mean is about a clip norm.
+  rng = np.random.default_rng(seed)
+  scale = 10.0 ** rng.uniform(6, 9)
+  base = rng.normal(size=(POSITIONS // 2, 1, FEATURES))
+  remainder = rng.normal(size=base.shape) * 10.0 ** rng.uniform(0, 2) / scale
+  x = np.concatenate([base, -base + remainder]) * scale   # [items, 1, F]
+  r = np.repeat(rng.normal(size=(1, OUT)) / np.sqrt(OUT), POSITIONS, 0)
+  items = {'x': jnp.asarray(x[None], jnp.float32),
+           'r': jnp.asarray(r[None], jnp.float32)}
+  params = {'w': jnp.zeros((FEATURES, OUT), jnp.float32)}
+  clip = 1.0
+  stat = clipping.clipped_user_grad_sum(_loss, clip, method='ghost')
+  out = stat(clipping.UserBatch(items), params)
+  norm = float(jnp.linalg.norm(out.sum['w']))
+  assert norm <= clip * (1 + 1e-5), norm
