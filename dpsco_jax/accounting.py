@@ -43,8 +43,10 @@ finite and >= 0 under every method (`dpsco_jax.checks.noise_multiplier`);
 0 is a Gaussian mechanism without noise, whose epsilon is `inf`.
 """
 
+import contextlib
 import dataclasses
 import functools
+import logging
 import math
 from typing import Optional, Union
 
@@ -318,6 +320,42 @@ def _accountant(method: str, relation: neighboring.NeighboringRelation,
   return dp_accounting.rdp.RdpAccountant(neighboring_relation=dp_relation)
 
 
+class _ExcludedOrderFilter(logging.Filter):
+  """Drops dp_accounting's notes that it excluded an RDP order."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    message = record.getMessage()
+    return not ('failed to converge' in message and
+                'Excluding this order' in message)
+
+
+@contextlib.contextmanager
+def quiet_excluded_orders():
+  """Silences dp_accounting's "failed to converge ... Excluding this order".
+
+  The RDP accountant evaluates many orders and drops those whose series
+  does not converge (small orders at large noise and sampling rates); the
+  epsilon is then the minimum over the orders that remain, which is still
+  a valid bound. It says so with an absl warning per order and
+  composition, dozens per calibration: by design, not a user-facing
+  problem. Only those records are dropped, only inside the context.
+
+  Example:
+    >>> with quiet_excluded_orders():
+    ...   accountant.compose(event).get_epsilon(delta)
+
+  Yields:
+    Nothing.
+  """
+  logger = logging.getLogger('absl')
+  quiet = _ExcludedOrderFilter()
+  logger.addFilter(quiet)
+  try:
+    yield
+  finally:
+    logger.removeFilter(quiet)
+
+
 def _check_method(method: str, participation: Participation) -> None:
   if method not in METHODS:
     raise ValueError(f'method must be one of {METHODS}, got {method!r}')
@@ -447,7 +485,8 @@ def epsilon_spent(
     return _closed_form_epsilon(method, sensitivity, noise_multiplier, delta)
   event = dp_event(mechanism, noise_multiplier, participation)
   accountant = _accountant(method, neighboring_relation, event)
-  return float(accountant.compose(event).get_epsilon(delta))
+  with quiet_excluded_orders():
+    return float(accountant.compose(event).get_epsilon(delta))
 
 
 def calibrate_noise_multiplier(

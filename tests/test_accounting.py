@@ -1,8 +1,10 @@
 """Accounting: published values, dp_accounting cross-checks, sensitivity, errors."""
 
 import itertools
+import logging
 import math
 
+from absl import logging as absl_logging
 import dp_accounting
 import numpy as np
 import pytest
@@ -332,3 +334,23 @@ def test_calibrated_multipliers_are_valid_and_meet_the_target(method):
   assert 0 < z < math.inf
   assert accounting.epsilon_spent(mechanism, z, participation, 1e-5,
                                   method=method) <= 2.0
+
+
+def test_excluded_rdp_orders_are_not_a_user_facing_warning(caplog):
+  # At q = 0.1, sigma = 1 dp_accounting's RDP series does not converge for
+  # the small orders and it logs one absl warning per order: by design.
+  caplog.set_level(logging.WARNING)
+  mechanism = noise.gaussian(20)
+  accounting.calibrate_noise_multiplier(
+      mechanism, accounting.PoissonSampling(0.1, 20), 2.0, 1e-5)
+  accounting.epsilon_spent(mechanism, 1.0, accounting.PoissonSampling(0.1, 20),
+                           1e-5, method='rdp')
+  assert not [r for r in caplog.records
+              if 'failed to converge' in r.getMessage()]
+  # Only those records, only inside the context: other warnings pass.
+  with accounting.quiet_excluded_orders():
+    absl_logging.warning('something else')
+  absl_logging.warning('_compute_log_a_frac failed to converge (outside)')
+  messages = [r.getMessage() for r in caplog.records]
+  assert 'something else' in messages
+  assert '_compute_log_a_frac failed to converge (outside)' in messages

@@ -342,7 +342,8 @@ def epsilon_spent(
   else:
     accountant = dp_accounting.rdp.RdpAccountant(
         neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
-  return float(accountant.compose(event).get_epsilon(delta))
+  with accounting.quiet_excluded_orders():
+    return float(accountant.compose(event).get_epsilon(delta))
 
 
 def _split(budget_split: BudgetSplit, local) -> tuple[float, float, float]:
@@ -422,7 +423,8 @@ def _local_rdp(method: str, order: int,
     accountant = dp_accounting.rdp.RdpAccountant(
         orders=[order],
         neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
-    return float(accountant.compose(event).rdp[0])
+    with accounting.quiet_excluded_orders():
+      return float(accountant.compose(event).rdp[0])
 
   return accountant_rdp
 
