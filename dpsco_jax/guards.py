@@ -5,7 +5,9 @@ A private step must refuse to run when its guarantee would silently weaken
 across devices). Inside a compiled program a Python `raise` is impossible, so
 `refuse` does two things: it poisons the output with NaN, so that nothing
 computed from it can pass for a private result, and it raises a clear
-`ValueError` from a host callback. The callback takes the poisoned output as
+`PrivacyGuardError` (a `ValueError`) from a host callback, which JAX
+reports inside its runtime error; `library_errors(step)` turns that back
+into the library's short exception. The callback takes the poisoned output as
 an argument, so it runs only after everything that output depends on,
 including the cross-device sums: a device that stops there never leaves
 another waiting inside a collective. Under `jax.vmap` (sweeps of many runs)
@@ -13,13 +15,91 @@ the callback is made once per step for all runs, not once per run.
 """
 
 import functools
-from typing import Any, Sequence
+import logging
+import types
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 PyTree = Any
+
+
+class PrivacyGuardError(ValueError):
+  """A private step refused to run: what it would do is not what was accounted.
+
+  Raised at once by an eager step; under `jit` / `pmap` raised from a host
+  callback, which JAX reports inside a longer runtime error: wrap the
+  compiled step with `library_errors` to get this exception, with the
+  library's message alone.
+  """
+
+
+# The last refusal raised from a callback, for `library_errors` (the
+# runtime error JAX raises does not chain it; callbacks run on XLA's
+# threads, so this is process-wide, not thread-local).
+_refusals = types.SimpleNamespace(message=None)
+
+
+class _OwnRefusals(logging.Filter):
+  """Drops JAX's log of a callback failure when the failure is a refusal:
+  the refusal is raised to the caller with its own message."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    info = record.exc_info
+    return not (info and isinstance(info[1], PrivacyGuardError))
+
+
+logging.getLogger('jax._src.callback').addFilter(_OwnRefusals())
+
+
+def _refuse_now(message: str) -> None:
+  _refusals.message = message
+  raise PrivacyGuardError(message)
+
+
+def library_errors(step: Callable[..., Any], *, block: bool = True
+                   ) -> Callable[..., Any]:
+  """`step`, raising a refusal as a short `PrivacyGuardError`.
+
+  Under `jit`, a refusal reaches the caller as JAX's runtime error, whose
+  first lines are XLA's ("INTERNAL: CpuCallback error calling callback:
+  Traceback ...") with the library's message at the end. The wrapped step
+  raises `PrivacyGuardError(message)` instead, the library's message first
+  and alone.
+
+  Example:
+    >>> step = guards.library_errors(jax.jit(train_step))
+    >>> params, opt_state = step(params, opt_state, batch)
+
+  Args:
+    step: a (compiled) training step.
+    block: wait for the step's outputs before returning (default), so that a
+      refusal is raised here and not at a later use of the outputs; False
+      keeps JAX's asynchronous dispatch.
+
+  Returns:
+    The wrapped step.
+  """
+
+  @functools.wraps(step)
+  def wrapped(*args, **kwargs):
+    _refusals.message = None
+    try:
+      outputs = step(*args, **kwargs)
+      if block:
+        outputs = jax.block_until_ready(outputs)
+      return outputs
+    except PrivacyGuardError:
+      raise
+    except Exception as error:  # pylint: disable=broad-except
+      message = _refusals.message
+      if message is None or message not in str(error):
+        raise
+      raise PrivacyGuardError(message) from None
+
+  return wrapped
 
 
 def _raise_if(flag, anchor, message):
@@ -31,11 +111,11 @@ def _raise_if(flag, anchor, message):
     flags = np.reshape(flag, (-1, len(message)))
     for index, text in enumerate(message):
       if np.any(flags[:, index]):
-        raise ValueError(text)
+        _refuse_now(text)
     batch_shape = np.shape(flag)[:-1]
   else:
     if np.any(flag):
-      raise ValueError(message)
+      _refuse_now(message)
     batch_shape = np.shape(flag)
   return np.zeros(np.broadcast_shapes(batch_shape, np.shape(anchor)[:-1]),
                   dtype=bool)
@@ -56,7 +136,8 @@ def refuse(flag: Any, tree: PyTree, message: str) -> PyTree:
     `tree`, with every leaf NaN when `flag` holds under tracing.
 
   Raises:
-    ValueError: immediately when `flag` is a concrete True.
+    PrivacyGuardError: (a ValueError) immediately when `flag` is a concrete
+      True.
   """
   return refuse_any([(flag, message)], tree)
 
@@ -80,14 +161,15 @@ def refuse_any(conditions: Sequence[tuple[Any, str]], tree: PyTree) -> PyTree:
     `tree`, with every leaf NaN when a traced flag holds.
 
   Raises:
-    ValueError: immediately, with the first concrete flag that holds.
+    PrivacyGuardError: (a ValueError) immediately, with the first concrete
+      flag that holds.
   """
   traced = []
   for flag, message in conditions:
     if isinstance(flag, jax.core.Tracer):
       traced.append((flag, message))
     elif bool(flag):
-      raise ValueError(message)
+      raise PrivacyGuardError(message)
   if not traced:
     return tree
   flag = functools.reduce(jnp.logical_or, [f for f, _ in traced])

@@ -27,6 +27,7 @@ import jax
 import optax
 
 from dpsco_jax import checkpoint
+from dpsco_jax import guards
 from dpsco_jax import plans
 from experiments import outputs
 
@@ -122,12 +123,14 @@ def run_plan(name: str, plan: plans.Plan, params: PyTree, data: PyTree, *,
                '%g (%s)', name, plan.noise_multiplier, plan.num_steps,
                plan.epsilon, plan.delta, plan.mechanism.name)
 
-  @jax.jit
   def step(params, opt_state, batch_inputs):
     updates, opt_state = plan.transformation.update(None, opt_state, params,
                                                     **batch_inputs)
     return optax.apply_updates(params, updates), opt_state
 
+  # A refusal inside the compiled step is raised as the library's short
+  # PrivacyGuardError, not as XLA's runtime error.
+  step = guards.library_errors(jax.jit(step))
   steps_per_epoch = plan.num_examples / plan.hyperparameters.get(
       'batch_size', plan.num_examples)
   opt_state, first, after_step = plan.init(params), 0, None

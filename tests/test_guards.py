@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import dpsco_jax
 from dpsco_jax import guards
 
 
@@ -86,3 +87,32 @@ def test_refuse_any_names_the_traced_condition_that_holds_in_one_call(
     jax.block_until_ready(jax.jit(jax.vmap(run))(jnp.arange(8.0) - 1))
   with pytest.raises(Exception, match='too large'):
     jax.block_until_ready(jax.jit(run)(jnp.asarray(101.0)))
+
+
+def test_a_refusal_under_jit_surfaces_as_one_short_exception(caplog):
+  tx = dpsco_jax.dpsgd(lambda w, x: jnp.sum(w * x), l2_clip=1.0,
+                       noise_multiplier=1.0, num_steps=1, key=0)
+  state = tx.init(jnp.zeros(3))
+  step = guards.library_errors(jax.jit(
+      lambda s: tx.update(None, s, jnp.zeros(3), batch=jnp.ones((2, 3)))))
+  _, state = step(state)
+  with pytest.raises(guards.PrivacyGuardError) as caught:
+    step(state)
+  first_line = str(caught.value).splitlines()[0]
+  assert first_line.startswith('gaussian: a step past the capacity of 1')
+  assert 'Traceback' not in str(caught.value)
+  assert caught.value.__cause__ is None and caught.value.__suppress_context__
+  # JAX's own log of the callback failure is not printed for a refusal.
+  assert not [r for r in caplog.records if 'pure_callback failed' in
+              r.getMessage()]
+  # Eagerly, the same refusal is the same exception (a ValueError).
+  with pytest.raises(guards.PrivacyGuardError, match='past the capacity'):
+    tx.update(None, state, jnp.zeros(3), batch=jnp.ones((2, 3)))
+  assert issubclass(guards.PrivacyGuardError, ValueError)
+
+
+def test_library_errors_passes_other_errors_through():
+  def broken(x):
+    raise TypeError('not ours')
+  with pytest.raises(TypeError, match='not ours'):
+    guards.library_errors(broken)(1)
