@@ -520,8 +520,55 @@ class ClippedStatistic:
       raise ghost.GhostClippingUnsupported(
           f'the ghost passes failed to trace ({type(e).__name__}: {e})') from e
 
+  def check_loss(self, batch: PyTree, *args: Any) -> None:
+    """Raises a clear error unless `loss_fn` maps ONE example to a scalar.
+
+    Traced once (`jax.eval_shape`, no computation) on the batch's first
+    example: a loss written for a batch fails deep inside the per-example
+    machinery otherwise, or returns a vector.
+
+    Example:
+      >>> clipped_grad_sum(loss_fn, 1.0).check_loss(batch, params)
+
+    Args:
+      batch: the batch (leading example axis).
+      *args: the call's arguments.
+
+    Raises:
+      ValueError: if `loss_fn(params, example)` fails on one example or
+        does not return a scalar; the library's explanation comes first.
+    """
+    if self.loss_fn is None:
+      return
+    batch_size_of(batch, self.min_ndim)  # Its shape errors come first.
+    try:
+      params, examples = self.ghost_form.signature(batch, *args)
+    except ghost.GhostClippingUnsupported:
+      return  # Unusual arguments: the path that runs reports them.
+    example = jax.tree_util.tree_map(lambda x: x[0], examples)
+    shapes = jax.tree_util.tree_map(jnp.shape, example)
+    contract = (
+        'loss_fn(params, example) computes the loss of ONE example, without '
+        'a batch axis: the private transformations clip each example\'s '
+        'gradient and vmap the loss over the batch themselves. ')
+    try:
+      out = jax.eval_shape(self.loss_fn, params, example)
+    except Exception as error:  # pylint: disable=broad-exception-caught
+      raise ValueError(
+          f'{contract}Called on one example (shapes {shapes}) it failed with '
+          f'{type(error).__name__}: {str(error).rstrip(".")}. A loss written '
+          'for a batch fails this way: write it for one example (for a model '
+          'that expects a batch axis, `model(x[None])[0]`).') from error
+    if jnp.shape(out) != ():
+      raise ValueError(
+          f'{contract}Called on one example (shapes {shapes}) it returned '
+          f'shape {jnp.shape(out)}, not a scalar: return the example\'s loss '
+          '(e.g. sum or index the per-class values), not a vector or a batch '
+          'of losses.')
+
   def __call__(self, batch: PyTree, *args: Any,
                mask: Optional[jax.Array] = None) -> ClippedSum:
+    self.check_loss(batch, *args)
     if self.method == 'vmap':
       return clipped_sum(
           self.contribution_fn, batch, *args, l2_clip=self.l2_clip, mask=mask,

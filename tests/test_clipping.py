@@ -432,3 +432,36 @@ def test_traced_clip_norm_vmaps_over_a_grid_of_clips():
     np.testing.assert_allclose(
         _flat(jax.tree_util.tree_map(lambda leaf: leaf[i], swept)), expected,
         rtol=1e-5, atol=1e-6)
+
+
+def _vector_loss(params, example):
+  return example['x'] @ params          # one value per output: not a loss
+
+
+def _batch_loss(params, example):
+  return jnp.mean((example['x'] @ params)[:, 0])   # indexes a batch axis
+
+
+@pytest.mark.parametrize('make, call', [
+    (clipping.clipped_grad_sum, lambda stat, b, p: stat(b, p)),
+    (clipping.clipped_grad_difference_sum,
+     lambda stat, b, p: stat(b, p, p, 2.0, 1.0)),
+    (clipping.clipped_user_grad_sum,
+     lambda stat, b, p: stat(jax.tree.map(lambda x: x[:, None], b), p)),
+])
+@pytest.mark.parametrize('method', ['auto', 'vmap', 'ghost'])
+def test_a_loss_for_a_batch_gets_the_one_example_contract(make, call, method):
+  params = jnp.zeros((4, 3))
+  batch = {'x': jnp.ones((5, 4))}
+  for loss, says in ((_vector_loss, 'returned shape (3,), not a scalar'),
+                     (_batch_loss, 'failed with')):
+    stat = make(loss, 1.0, method=method)
+    for run in (lambda: call(stat, batch, params),
+                lambda: jax.jit(lambda b, p: call(stat, b, p).sum)(batch,
+                                                                    params)):
+      with pytest.raises(ValueError) as caught:
+        run()
+      text = str(caught.value)
+      assert text.startswith('loss_fn(params, example) computes the loss of '
+                             'ONE example'), text
+      assert says in text and "shapes {'x': (4,)}" in text, text
