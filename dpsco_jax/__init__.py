@@ -97,6 +97,7 @@ from dpsco_jax.clipping import ClippedSum
 from dpsco_jax.clipping import GhostClippingFallbackWarning
 from dpsco_jax.clipping import UserBatch
 from dpsco_jax.estimators import noisy_gradient
+from dpsco_jax.checks import NoPrivacyWarning
 from dpsco_jax.guards import PrivacyGuardError
 from dpsco_jax.ledger import PrivacyLedger
 from dpsco_jax.neighboring import NeighboringRelation
@@ -165,6 +166,7 @@ __all__ = (
     'GhostClippingFallbackWarning',
     'UserBatch',
     'noisy_gradient',
+    'NoPrivacyWarning',
     'PrivacyGuardError',
     'PrivacyLedger',
     'NeighboringRelation',

@@ -48,6 +48,7 @@ import dataclasses
 import functools
 import logging
 import math
+import warnings
 from typing import Optional, Union
 
 import dp_accounting
@@ -303,8 +304,14 @@ def tree_aggregation_event(noise_multiplier: float, num_steps: int,
                                                          counts)
 
 
+# PLD discretization: the default interval, and its size relative to the
+# epsilon (bounded above by RDP's) beyond which it grows with the epsilon.
+_PLD_INTERVAL = 1e-4
+_PLD_RELATIVE_INTERVAL = 3e-6
+
+
 def _accountant(method: str, relation: neighboring.NeighboringRelation,
-                event: dp_accounting.DpEvent):
+                event: dp_accounting.DpEvent, pld_interval: float = 1e-4):
   if isinstance(event, dp_accounting.SingleEpochTreeAggregationDpEvent):
     return dp_accounting.rdp.RdpAccountant(
         neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_SPECIAL)
@@ -316,7 +323,9 @@ def _accountant(method: str, relation: neighboring.NeighboringRelation,
   dp_relation = (neighboring.to_dp_accounting(relation) if amplified else
                  dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
   if method == 'pld':
-    return dp_accounting.pld.PLDAccountant(neighboring_relation=dp_relation)
+    return dp_accounting.pld.PLDAccountant(
+        neighboring_relation=dp_relation,
+        value_discretization_interval=pld_interval)
   return dp_accounting.rdp.RdpAccountant(neighboring_relation=dp_relation)
 
 
@@ -375,6 +384,7 @@ def zcdp_epsilon(rho: float, delta: float) -> float:
   Returns:
     epsilon.
   """
+  rho = checks.noise_multiplier(rho, 'rho')  # finite and >= 0
   validate_epsilon_delta(None, delta)
   return rho + 2.0 * math.sqrt(rho * math.log(1.0 / delta))
 
@@ -423,7 +433,13 @@ def gdp_delta(mu: float, epsilon: float) -> float:
 
   Returns:
     `Phi(-eps/mu + mu/2) - e^eps Phi(-eps/mu - mu/2)`.
+
+  Raises:
+    ValueError: if mu is negative, NaN or infinite.
   """
+  mu = checks.noise_multiplier(mu, 'mu')  # finite and >= 0
+  if mu == 0.0:
+    return 0.0  # 0-GDP is perfect privacy: delta 0 at every epsilon >= 0.
   return float(stats.norm.cdf(-epsilon / mu + mu / 2) -
                math.exp(epsilon) * stats.norm.cdf(-epsilon / mu - mu / 2))
 
@@ -484,7 +500,18 @@ def epsilon_spent(
     sensitivity = mechanism_sensitivity(mechanism, participation)
     return _closed_form_epsilon(method, sensitivity, noise_multiplier, delta)
   event = dp_event(mechanism, noise_multiplier, participation)
-  accountant = _accountant(method, neighboring_relation, event)
+  interval = _PLD_INTERVAL
+  if method == 'pld' and noise_multiplier > 0:
+    # The PLD's cost grows with the privacy loss it discretizes (12 s at
+    # epsilon 460, minutes beyond 1,000 with the default interval): widen
+    # the interval with the epsilon, bounded by RDP's (cheap). The PLD
+    # stays pessimistic (an upper bound) at any interval, and below epsilon
+    # 33 nothing changes.
+    rdp = epsilon_spent(mechanism, noise_multiplier, participation, delta,
+                        method='rdp',
+                        neighboring_relation=neighboring_relation)
+    interval = max(_PLD_INTERVAL, _PLD_RELATIVE_INTERVAL * rdp)
+  accountant = _accountant(method, neighboring_relation, event, interval)
   with quiet_excluded_orders():
     return float(accountant.compose(event).get_epsilon(delta))
 
@@ -521,6 +548,12 @@ def calibrate_noise_multiplier(
   """
   validate_epsilon_delta(epsilon, delta)
   _check_method(method, participation)
+  if epsilon > checks.NOMINAL_EPSILON:
+    warnings.warn(
+        f'calibrating to epsilon = {epsilon:g}: a guarantee of e^{epsilon:g} '
+        'bounds nothing in practice (the run is private in name only). The '
+        'noise is calibrated as asked.', checks.NoPrivacyWarning,
+        stacklevel=2)
   if method in ('zcdp', 'gdp_paper'):
     sensitivity = mechanism_sensitivity(mechanism, participation)
     if method == 'zcdp':
@@ -545,17 +578,21 @@ def calibrate_noise_multiplier(
   if method == 'rdp':
     upper = 1.0
     if not isinstance(participation, PoissonSampling):
-      upper = calibrate_noise_multiplier(mechanism, participation, epsilon,
-                                         delta, method='gdp_paper')
+      with warnings.catch_warnings():  # Announced once, by the outer call.
+        warnings.simplefilter('ignore', checks.NoPrivacyWarning)
+        upper = calibrate_noise_multiplier(mechanism, participation, epsilon,
+                                           delta, method='gdp_paper')
     while gap(upper) > 0:
       upper *= 2.0
     lower = upper / 2.0
     while lower > 1e-6 and gap(lower) <= 0:
       lower /= 2.0
   else:
-    upper = calibrate_noise_multiplier(
-        mechanism, participation, epsilon, delta, method='rdp',
-        neighboring_relation=neighboring_relation)
+    with warnings.catch_warnings():  # Announced once, by the outer call.
+      warnings.simplefilter('ignore', checks.NoPrivacyWarning)
+      upper = calibrate_noise_multiplier(
+          mechanism, participation, epsilon, delta, method='rdp',
+          neighboring_relation=neighboring_relation)
     lower = upper / 2.0
     while gap(lower) <= 0:
       lower /= 2.0
@@ -576,7 +613,11 @@ def epsilon_for_gdp(mu: float, delta: float) -> float:
 
   Returns:
     epsilon.
+
+  Raises:
+    ValueError: if mu is negative, NaN or infinite, or delta is bad.
   """
+  checks.noise_multiplier(mu, 'mu')
   validate_epsilon_delta(None, delta)
   if gdp_delta(mu, 0.0) <= delta:
     return 0.0

@@ -1,6 +1,7 @@
 """Argument checks shared by the modules, so every bad input reads the same."""
 
 import math
+import warnings
 from typing import Any
 
 
@@ -59,6 +60,32 @@ def state_type(state: Any, expected: Any, transformation: str) -> Any:
         f'{names} its init makes: the optimizer state belongs to another '
         'transformation (or to another position of an optax chain)')
   return state
+
+
+class NoPrivacyWarning(UserWarning):
+  """A run built to add no noise, or calibrated to a nominal epsilon."""
+
+
+# Above this target epsilon, e^epsilon bounds nothing a user would call
+# private: calibration goes on, with a NoPrivacyWarning.
+NOMINAL_EPSILON = 100.0
+
+
+def warn_no_noise(what: str) -> None:
+  """Warns that `what` adds no noise (`NoPrivacyWarning`).
+
+  Example:
+    >>> warn_no_noise('dpsgd')
+
+  Args:
+    what: the transformation, for the message.
+  """
+  warnings.warn(
+      f'{what} is built with noise_multiplier=0: it adds no noise, so its '
+      'epsilon is infinite (a non-private run). Use it only as a '
+      'non-private reference; calibrate the noise with '
+      'dpsco_jax.calibrate_noise_multiplier or a plan.', NoPrivacyWarning,
+      stacklevel=4)
 
 
 def noise_multiplier(value: Any, name: str = 'noise_multiplier') -> float:

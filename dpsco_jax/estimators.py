@@ -49,11 +49,14 @@ class NoisyGradientState(NamedTuple):
 as_key = keys.as_key
 
 
-def validate_noise_multiplier(noise_multiplier: float) -> float:
+def validate_noise_multiplier(noise_multiplier: float,
+                              what: Optional[str] = None) -> float:
   """Returns the noise multiplier as a float, or raises if it is invalid.
 
   The same check as the accountants' (`dpsco_jax.checks.noise_multiplier`),
-  so a multiplier the noise accepts is one the accounting accepts.
+  so a multiplier the noise accepts is one the accounting accepts. Zero is
+  allowed (a non-private reference run) and, with `what`, announced by a
+  `checks.NoPrivacyWarning`.
 
   Example:
     >>> validate_noise_multiplier(0.0)   # no noise: allowed, epsilon = inf
@@ -61,6 +64,7 @@ def validate_noise_multiplier(noise_multiplier: float) -> float:
 
   Args:
     noise_multiplier: noise standard deviation over sensitivity.
+    what: the transformation's name, to warn when the multiplier is 0.
 
   Returns:
     `float(noise_multiplier)`.
@@ -68,7 +72,10 @@ def validate_noise_multiplier(noise_multiplier: float) -> float:
   Raises:
     ValueError: if negative, NaN or infinite.
   """
-  return checks.noise_multiplier(noise_multiplier)
+  value = checks.noise_multiplier(noise_multiplier)
+  if value == 0.0 and what is not None:
+    checks.warn_no_noise(what)
+  return value
 
 
 def add_noise(
@@ -315,7 +322,8 @@ def noisy_gradient(
   statistic = clipping.clipped_grad_sum(
       loss_fn, l2_clip, microbatch_size=microbatch_size,
                         method=clipping_method)
-  noise_multiplier = validate_noise_multiplier(noise_multiplier)
+  noise_multiplier = validate_noise_multiplier(
+      noise_multiplier, f'noisy_gradient({mechanism.name})')
   stddev = noise_multiplier * statistic.sensitivity(neighboring_relation)
   if mechanism.num_steps is None:
     raise ValueError(

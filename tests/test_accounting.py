@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from dpsco_jax import accounting
+from dpsco_jax import checks
 from dpsco_jax import noise
 from dpsco_jax.accounting import FixedOrder, PoissonSampling, Shuffled
 
@@ -354,3 +355,35 @@ def test_excluded_rdp_orders_are_not_a_user_facing_warning(caplog):
   messages = [r.getMessage() for r in caplog.records]
   assert 'something else' in messages
   assert '_compute_log_a_frac failed to converge (outside)' in messages
+
+
+@pytest.mark.parametrize('participation', [
+    accounting.PoissonSampling(0.01, 100), accounting.single_epoch(100)])
+def test_a_nominal_epsilon_is_calibrated_fast_and_announced(participation):
+  # epsilon = 1e6 took minutes and gigabytes under PLD (its discretization
+  # grows with the privacy loss); now the interval grows with it instead.
+  mechanism = noise.gaussian(100)
+  with pytest.warns(checks.NoPrivacyWarning, match='private in name only'):
+    z = accounting.calibrate_noise_multiplier(mechanism, participation, 1e6,
+                                              1e-5)
+  spent = accounting.epsilon_spent(mechanism, z, participation, 1e-5)
+  assert 0.99e6 < spent <= 1e6
+  # Below epsilon 33 the PLD is the default one: values unchanged.
+  assert accounting.epsilon_spent(mechanism, 2.0, participation, 1e-5) == (
+      pytest.approx(float(dp_accounting.pld.PLDAccountant(
+          neighboring_relation=dp_accounting.NeighboringRelation
+          .ADD_OR_REMOVE_ONE).compose(accounting.dp_event(
+              mechanism, 2.0, participation)).get_epsilon(1e-5)), rel=1e-12))
+
+
+@pytest.mark.parametrize('call', [
+    lambda: accounting.gdp_delta(-1.0, 1.0),
+    lambda: accounting.gdp_delta(float('nan'), 1.0),
+    lambda: accounting.epsilon_for_gdp(-0.5, 1e-5),
+    lambda: accounting.epsilon_for_gdp(float('inf'), 1e-5),
+    lambda: accounting.zcdp_epsilon(-0.1, 1e-5),
+    lambda: accounting.zcdp_epsilon(float('nan'), 1e-5),
+])
+def test_gdp_and_zcdp_parameters_are_validated(call):
+  with pytest.raises(ValueError, match='must be a non-negative finite'):
+    call()

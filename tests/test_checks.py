@@ -1,7 +1,11 @@
 """Shared argument checks."""
 
+import warnings
+
+import jax.numpy as jnp
 import pytest
 
+import dpsco_jax
 from dpsco_jax import checks
 
 
@@ -26,3 +30,19 @@ def test_noise_multiplier_accepts(value):
 def test_noise_multiplier_refuses(value):
   with pytest.raises(ValueError, match='z must be a non-negative finite'):
     checks.noise_multiplier(value, 'z')
+
+
+def test_no_noise_is_announced_not_silent():
+  loss = lambda w, x: jnp.sum(w * x)
+  with pytest.warns(checks.NoPrivacyWarning, match='epsilon is infinite'):
+    dpsco_jax.dpsgd(loss, l2_clip=1.0, noise_multiplier=0.0, num_steps=3)
+  with pytest.warns(checks.NoPrivacyWarning, match='z_1 = 0'):
+    dpsco_jax.diff2_gd(loss, learning_rate=0.1, grad_clip=1.0,
+                       diff_clip_factor=1.0, restart_interval=2,
+                       num_rounds=4, noise_multipliers=(0.0, 1.0))
+  with warnings.catch_warnings():
+    warnings.simplefilter('error', checks.NoPrivacyWarning)
+    # DP-GD's unused difference multiplier is 0 by construction: no warning.
+    dpsco_jax.dp_gd(loss, learning_rate=0.1, grad_clip=1.0,
+                    noise_multiplier=1.0, num_rounds=4)
+    dpsco_jax.dpftrl(loss, l2_clip=1.0, noise_multiplier=0.5, num_steps=3)

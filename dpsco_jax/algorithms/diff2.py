@@ -181,8 +181,12 @@ def _validate_multipliers(noise_multipliers: Any) -> Diff2NoiseMultipliers:
                        '(restart=z1, difference=z2)); calibrate them with '
                        'dpsco_jax.algorithms.diff2_accounting')
     noise_multipliers = Diff2NoiseMultipliers(*noise_multipliers)
-  return Diff2NoiseMultipliers(
+  validated = Diff2NoiseMultipliers(
       *(estimators.validate_noise_multiplier(z) for z in noise_multipliers))
+  if validated.restart == 0.0:
+    # z_2 = 0 (T = 1) and z_3 = 0 (no local steps) are unused, not missing.
+    checks.warn_no_noise('DIFF2 (restart multiplier z_1 = 0)')
+  return validated
 
 
 def _float32_norm(tree: PyTree) -> jax.Array:

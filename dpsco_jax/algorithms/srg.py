@@ -224,7 +224,8 @@ def _recursive_gradient(
   statistic = clipping.clipped_grad_difference_sum(
       loss_fn, l2_clip, microbatch_size=microbatch_size,
                         method=clipping_method)
-  noise_multiplier = estimators.validate_noise_multiplier(noise_multiplier)
+  noise_multiplier = estimators.validate_noise_multiplier(
+      noise_multiplier, f'recursive gradient ({mechanism.name})')
   stddev = noise_multiplier * statistic.sensitivity(neighboring_relation)
   key = keys.noise_key(key, f'recursive gradient ({mechanism.name})')
   estimators.validate_normalize_by(normalize_by)
