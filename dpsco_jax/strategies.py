@@ -21,7 +21,7 @@ import math
 import os
 import tempfile
 import time
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 from absl import logging
 import numpy as np
@@ -242,7 +242,8 @@ class _GramObjective:
 
 
 def _lbfgs(objective: _GramObjective, start: np.ndarray, *,
-           max_iterations: int, tolerance: float, history: int = 10
+           max_iterations: int, tolerance: float, history: int = 10,
+           progress: Optional[Callable[[int, float], None]] = None
            ) -> tuple[np.ndarray, int]:
   """Projected L-BFGS with a backtracking line search that stays PD.
 
@@ -257,6 +258,7 @@ def _lbfgs(objective: _GramObjective, start: np.ndarray, *,
     tolerance: stop when `_WINDOW` iterations improve the loss by less than
       this relative amount.
     history: number of L-BFGS correction pairs.
+    progress: called with (iteration, loss) after every iteration.
 
   Returns:
     The optimized vector and the number of iterations.
@@ -299,6 +301,8 @@ def _lbfgs(objective: _GramObjective, start: np.ndarray, *,
       size *= 0.5
       if size < 1e-20:
         return x, iteration
+    if progress is not None:
+      progress(iteration, float(new_value))
     s, y = candidate - x, new_grad - grad
     curvature = np.dot(s, y)
     if curvature > 1e-12 * np.dot(y, y):
@@ -378,6 +382,7 @@ def optimize_strategy(
     max_iterations: int = 5000,
     tolerance: float = 1e-4,
     cache_dir: Union[str, None, bool] = True,
+    progress: Optional[Callable[[int, float], None]] = None,
 ) -> np.ndarray:
   """A strategy `C` minimizing `||W C^-1||_F` under (k, b)-participation.
 
@@ -421,6 +426,10 @@ def optimize_strategy(
       relative amount.
     cache_dir: a directory, True for `default_cache_dir()`, or None/False to
       disable the cache.
+    progress: called with (iteration, loss) after every L-BFGS iteration.
+      None (default): a progress line through absl logging (INFO) every 10
+      seconds, so long optimizations (minutes for 600 x 600) are not silent
+      and short ones stay quiet.
 
   Returns:
     Lower-triangular float64 `C` `[T, T]` with sensitivity 1 under
@@ -469,10 +478,13 @@ def optimize_strategy(
   # One BLAS thread: the Cholesky solves of a few hundred rows run about 2x
   # faster than with two threads on a 2-core CPU (benchmarks/mf_noise.py),
   # and far faster when other jobs share the cores.
+  if progress is None:
+    progress = _progress_log(f'{num_steps}x{num_steps} strategy (k='
+                             f'{num_epochs}, bands={bands})', max_iterations)
   with threadpoolctl.threadpool_limits(limits=1, user_api='blas'):
     optimum, iterations = _lbfgs(objective, objective.to_vector(start),
                                  max_iterations=max_iterations,
-                                 tolerance=tolerance)
+                                 tolerance=tolerance, progress=progress)
   gram = objective.to_matrix(optimum)
   # Remove the round-off drift of the linear constraints before factoring.
   gram = np.where(mask, (gram + gram.T) / 2, 0.0)
@@ -489,6 +501,24 @@ def optimize_strategy(
   if path is not None:
     _store(path, strategy)
   return strategy
+
+
+def _progress_log(what: str, max_iterations: int,
+                  every_seconds: float = 10.0
+                  ) -> Callable[[int, float], None]:
+  """A progress callback logging at most every `every_seconds`."""
+  start = time.perf_counter()
+  last = [start]
+
+  def report(iteration: int, loss: float) -> None:
+    now = time.perf_counter()
+    if now - last[0] >= every_seconds:
+      last[0] = now
+      logging.info('optimizing a %s: L-BFGS iteration %d (at most %d), loss '
+                   '%.6g, %.0f s', what, iteration, max_iterations, loss,
+                   now - start)
+
+  return report
 
 
 def _store(path: str, strategy: np.ndarray) -> None:

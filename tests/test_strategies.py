@@ -210,3 +210,24 @@ def test_workload_errors_of_identity_and_tree():
 def test_bad_inputs_raise(call, match):
   with pytest.raises(ValueError, match=match):
     call()
+
+
+def test_long_optimizations_report_progress(monkeypatch):
+  calls = []
+  strategies.optimize_strategy(strategies.workload(12, 'true', momentum=0.9),
+                               2, cache_dir=False,
+                               progress=lambda i, loss: calls.append((i, loss)))
+  iterations = [i for i, _ in calls]
+  assert iterations == list(range(1, len(calls) + 1)) and len(calls) > 3
+  losses = [loss for _, loss in calls]
+  assert all(b <= a * (1 + 1e-12) for a, b in zip(losses, losses[1:]))
+  # The default logs a line every 10 s of optimization: with a clock that
+  # jumps 11 s per call, every iteration is reported.
+  logged = []
+  clock = iter(range(0, 10**6, 11))
+  monkeypatch.setattr(strategies.time, 'perf_counter', lambda: next(clock))
+  monkeypatch.setattr(strategies.logging, 'info',
+                      lambda message, *args: logged.append(message % args))
+  strategies.optimize_strategy(strategies.workload(12, 'true', momentum=0.9),
+                               2, cache_dir=False)
+  assert any('L-BFGS iteration 1 ' in line for line in logged), logged
