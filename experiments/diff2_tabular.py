@@ -46,6 +46,7 @@ from scipy import stats
 import dpsco_jax
 from dpsco_jax.algorithms import diff2_accounting
 from experiments import cli
+from experiments import outputs
 from experiments import tabular_data
 
 AXIS = 'clients'
@@ -353,7 +354,40 @@ def main(argv: Sequence[str]) -> None:
       plt.close(figure)
       write_outputs(output_dir, curve_rows, summary_rows)
   write_outputs(output_dir, curve_rows, summary_rows)
+  outputs.write_json(
+      os.path.join(output_dir, 'run_record.json'),
+      outputs.run_record(config, privacy=privacy_entries(config),
+                         wall_seconds=time.perf_counter() - total_start,
+                         extra={'experiment': 'experiments.diff2_tabular'}))
   logging.info('total wall time %.1f s', time.perf_counter() - total_start)
+
+
+def privacy_entries(config) -> List[Dict[str, Any]]:
+  """What every private grid point spends: its noise multipliers, its
+  `dp_accounting` event and the epsilon, per target epsilon."""
+  entries = []
+  for epsilon in config.epsilons:
+    for algorithm in config.algorithms:
+      if algorithm == 'gd':
+        continue
+      seen = set()
+      for point in grid(algorithm, epsilon, config):
+        interval, z = point['restart_interval'], point['noise_multipliers']
+        if interval in seen:
+          continue
+        seen.add(interval)
+        event = diff2_accounting.diff2_dp_event(config.num_rounds, interval,
+                                                z)
+        entries.append({
+            'name': f'{algorithm}, epsilon {epsilon:g}, T = {interval}',
+            'noise_multipliers': z._asdict(), 'delta': config.delta,
+            'target_epsilon': epsilon, 'accounting_method': config.accounting,
+            'epsilon_spent': diff2_accounting.epsilon_spent(
+                config.num_rounds, interval, z, config.delta,
+                method=config.accounting),
+            'dp_event': outputs.event_to_dict(event),
+            'dp_event_repr': repr(event)})
+  return entries
 
 
 def save_raw(path: str, raw: Dict[Any, list]) -> None:

@@ -56,13 +56,12 @@ Writes `results.csv` (every method, n, B, case: noise multiplier, epsilon
 spent, chosen hyperparameters, mean excess risk, interval), `results.md`
 (the headline table and the full table), `tuning.csv` (every grid point's
 mean excess risk on the tuning seeds), `excess_vs_batch.png`,
-`excess_vs_n.png` and `run_info.json`.
+`excess_vs_n.png` and `run_record.json`.
 """
 
 import csv
 import dataclasses
 import functools
-import json
 import math
 import os
 import time
@@ -88,6 +87,7 @@ from dpsco_jax.algorithms import baselines
 from dpsco_jax.algorithms import srg
 from experiments import cli
 from experiments import datasets
+from experiments import outputs
 
 LABELS = {
     'srgd': 'Accelerated-DP-SRGD',
@@ -640,7 +640,7 @@ def run(config: ml_collections.ConfigDict, output_dir: str,
   Args:
     config: see `configs/single_epoch_synthetic.py`.
     output_dir: where to write.
-    command: the command line, recorded in `run_info.json`.
+    command: the command line, recorded in `run_record.json`.
 
   Returns:
     One dict per (method, n, B, case).
@@ -663,12 +663,23 @@ def run(config: ml_collections.ConfigDict, output_dir: str,
     with open(os.path.join(output_dir, 'results.md'), 'w') as f:
       f.write(markdown(rows, config))
     plot(rows, config, output_dir)
-  info = {'command': command, 'wall_seconds': time.perf_counter() - total,
-          'jax': jax.__version__, 'devices': str(jax.devices()),
-          'config': config.to_dict()}
-  with open(os.path.join(output_dir, 'run_info.json'), 'w') as f:
-    json.dump(info, f, indent=1, default=str)
-  logging.info('total wall time %.1f s', info['wall_seconds'])
+  wall_seconds = time.perf_counter() - total
+  privacy = [{'name': f"{r['method']}, n {r['n']}, B {r['batch_size']}",
+              'mechanism': mechanism(r['method'], r['num_steps']).name,
+              'participation': {'class_name': 'FixedOrder', 'num_epochs': 1,
+                                'steps_per_epoch': r['num_steps']},
+              'noise_multiplier': r['noise_multiplier'], 'delta': r['delta'],
+              'target_epsilon': r['epsilon_target'],
+              'epsilon_spent': r['epsilon_spent']}
+             for r in {(r['method'], r['n'], r['batch_size']): r
+                       for r in rows}.values()]
+  outputs.write_json(
+      os.path.join(output_dir, 'run_record.json'),
+      outputs.run_record(config, privacy=privacy, wall_seconds=wall_seconds,
+                         extra={'experiment':
+                                'experiments.single_epoch_synthetic',
+                                'command': command}))
+  logging.info('total wall time %.1f s', wall_seconds)
   return rows
 
 

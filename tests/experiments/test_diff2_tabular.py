@@ -140,3 +140,16 @@ def test_load_csv_reads_a_users_file(tmp_path):
   path.write_text('a,price\n1,2\nred,3\n')
   with pytest.raises(ValueError, match="row 3, column 'a': 'red'"):
     tabular_data.load_csv(str(path), target='price')
+
+
+def test_the_run_record_lists_what_every_grid_point_spends():
+  config = diff2_config.get_config()
+  config.num_rounds, config.epsilons = 40, (3.0,)
+  config.restart_fractions = (0.1, 0.25)
+  entries = diff2_tabular.privacy_entries(config)
+  names = [e['name'] for e in entries]
+  assert names == ['dp_gd, epsilon 3, T = 1', 'diff2_gd, epsilon 3, T = 4',
+                   'diff2_gd, epsilon 3, T = 10']
+  for entry in entries:
+    assert 0 < entry['epsilon_spent'] <= 3.0 * (1 + 1e-6)
+    assert entry['dp_event']['class_name']

@@ -105,7 +105,7 @@ def test_tiny_end_to_end_run_writes_the_table(tmp_path):
   rows = experiment.run(config, str(tmp_path))
   assert len(rows) == 2 * 2  # methods x cases
   for name in ('results.csv', 'results.md', 'tuning.csv',
-               'excess_vs_batch.png', 'excess_vs_n.png', 'run_info.json'):
+               'excess_vs_batch.png', 'excess_vs_n.png', 'run_record.json'):
     assert os.path.exists(tmp_path / name), name
   with open(tmp_path / 'results.csv') as f:
     table = list(csv.DictReader(f))
