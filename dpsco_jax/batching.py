@@ -606,6 +606,24 @@ def _require_updates_and_ids(updates, example_ids, guard: str,
         f'the run is accounted as {accounted}')
 
 
+def _gathered_ids(example_ids, batch_mask, axis_name):
+  """The batch's ids and mask over every device (repeats across devices
+  count)."""
+  ids, keep = _ids_and_mask(example_ids, batch_mask)
+  return parallel.gather(ids, axis_name), parallel.gather(keep, axis_name)
+
+
+def _id_refusals(found: '_IdChecks', where: str, num_examples: int,
+                 repeated_because: str) -> list[tuple[jax.Array, str]]:
+  """The refusals every batch guard makes: ids out of range, ids repeated."""
+  return [
+      (found.out_of_range, f'the batch at {where} holds an example id '
+       f'outside [0, {num_examples}).'),
+      (found.repeated, f'the batch at {where} holds the same example id '
+       f'twice{repeated_because}.'),
+  ]
+
+
 def _where(step: jax.Array) -> str:
   return ('a step' if isinstance(step, jax.core.Tracer) else
           f'step {int(step)}')
@@ -660,20 +678,15 @@ def shuffled_order_guard(
     checks.state_type(state, EpochGuardState, 'shuffled_order_guard')
     _require_updates_and_ids(updates, example_ids, 'shuffled_order_guard',
                              'Shuffled (each example once per epoch)')
-    ids, keep = _ids_and_mask(example_ids, batch_mask)
-    ids, keep = parallel.gather(ids, axis_name), parallel.gather(keep,
-                                                                 axis_name)
+    ids, keep = _gathered_ids(example_ids, batch_mask, axis_name)
     epoch_start = state.step % steps_per_epoch == 0
     found = _check_ids(ids, keep, jnp.where(epoch_start, 0, state.seen),
                        num_examples)
     size = jnp.sum(keep)
     where = _where(state.step)
-    updates = guards.refuse_any([
-        (found.out_of_range,
-         f'the batch at {where} holds an example id outside [0, '
-         f'{num_examples}).'),
-        (found.repeated, f'the batch at {where} holds the same example id '
-         'twice (mask padding out with batch_mask).'),
+    updates = guards.refuse_any(_id_refusals(
+        found, where, num_examples,
+        ' (mask padding out with batch_mask)') + [
         (found.seen_before,
          f'the batch at {where} holds an example that an earlier batch of '
          'the same epoch held: Shuffled accounting assumes each example at '
@@ -775,9 +788,7 @@ def poisson_batch_guard(
           'a multiple of a fixed size and masked (batching.PoissonBatches '
           'yields (indices, mask)); a batch without a mask is not a Poisson '
           'batch')
-    ids, keep = _ids_and_mask(example_ids, batch_mask)
-    ids, keep = parallel.gather(ids, axis_name), parallel.gather(keep,
-                                                                 axis_name)
+    ids, keep = _gathered_ids(example_ids, batch_mask, axis_name)
     if ids.shape[0] % pad_to_multiple:
       raise ValueError(
           f'the batch is padded to {ids.shape[0]} entries, not a multiple of '
@@ -786,12 +797,9 @@ def poisson_batch_guard(
     found = _check_ids(ids, keep, jnp.zeros((-(-num_examples // 32),),
                                             jnp.uint32), num_examples)
     where = _where(state.step)
-    updates = guards.refuse_any([
-        (found.out_of_range,
-         f'the batch at {where} holds an example id outside [0, '
-         f'{num_examples}).'),
-        (found.repeated, f'the batch at {where} holds the same example id '
-         'twice: Poisson sampling includes an example at most once.'),
+    updates = guards.refuse_any(_id_refusals(
+        found, where, num_examples,
+        ': Poisson sampling includes an example at most once') + [
         (jnp.sum(keep) > largest,
          f'the batch at {where} holds more than {largest} examples, which a '
          f'Poisson batch at q = {sampling_probability} of {num_examples} '

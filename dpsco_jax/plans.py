@@ -517,14 +517,28 @@ def dpftrl(
                        'restart_every': restart_every, 'honaker': honaker})
 
 
-def _strategy(strategy: Optional[np.ndarray], steps: int, epochs: int,
-              momentum: float, decay: float, bands: Optional[int]
-              ) -> np.ndarray:
-  if strategy is not None:
-    return np.asarray(strategy)
-  return strategies.optimize_strategy(
-      strategies.workload(steps, 'true', momentum=momentum, decay=decay),
-      epochs, bands=bands)
+def _matrix_factorization(num_examples: int, batch_size: int, epochs: int,
+                          seed: Optional[int],
+                          strategy: Optional[np.ndarray], momentum: float,
+                          decay: float, bands: Optional[int]):
+  """The fixed-order sampler, strategy and mechanism of an MF plan.
+
+  Returns:
+    `(sampler, strategy, mechanism)`; the strategy is optimized for
+    `workload(k b, 'true', momentum, decay)` when not given.
+  """
+  sampler = _sampler('fixed', num_examples, batch_size, epochs, seed)
+  steps, b = sampler.num_steps, sampler.steps_per_epoch
+  if strategy is None:
+    strategy = strategies.optimize_strategy(
+        strategies.workload(steps, 'true', momentum=momentum, decay=decay),
+        epochs, bands=bands)
+  strategy = np.asarray(strategy)
+  mechanism = mf.epoch_mechanism(strategy, 'buffer', b)
+  if mechanism.num_steps != steps:
+    raise ValueError(f'the strategy covers {mechanism.num_steps} steps; the '
+                     f'run has {steps} ({epochs} epochs of {b})')
+  return sampler, strategy, mechanism
 
 
 def dpmemf(
@@ -588,13 +602,9 @@ def dpmemf(
   Returns:
     A `Plan`.
   """
-  sampler = _sampler('fixed', num_examples, batch_size, epochs, seed)
+  sampler, c, mechanism = _matrix_factorization(
+      num_examples, batch_size, epochs, seed, strategy, momentum, 0.0, bands)
   b = sampler.steps_per_epoch
-  c = _strategy(strategy, sampler.num_steps, epochs, momentum, 0.0, bands)
-  mechanism = mf.epoch_mechanism(c, 'buffer', b)
-  if mechanism.num_steps != sampler.num_steps:
-    raise ValueError(f'the strategy covers {mechanism.num_steps} steps; the '
-                     f'run has {sampler.num_steps} ({epochs} epochs of {b})')
   return _batched_plan(
       'dpmemf',
       lambda z, divisor: mf.dpmemf(
@@ -837,14 +847,10 @@ def dp_srg_memf(
   Returns:
     A `Plan`.
   """
-  sampler = _sampler('fixed', num_examples, batch_size, epochs, seed)
-  b = sampler.steps_per_epoch
   decay = srg.validate_decay(decay)
-  c = _strategy(strategy, sampler.num_steps, epochs, momentum, decay, bands)
-  mechanism = mf.epoch_mechanism(c, 'buffer', b)
-  if mechanism.num_steps != sampler.num_steps:
-    raise ValueError(f'the strategy covers {mechanism.num_steps} steps; the '
-                     f'run has {sampler.num_steps} ({epochs} epochs of {b})')
+  sampler, c, mechanism = _matrix_factorization(
+      num_examples, batch_size, epochs, seed, strategy, momentum, decay, bands)
+  b = sampler.steps_per_epoch
   return _batched_plan(
       'dp_srg_memf',
       lambda z, divisor: srg.dp_srg_memf(
