@@ -17,7 +17,7 @@ The curated public API. Modules, one concern each:
 * `dpsco_jax.estimators`: private gradient estimators as optax
   transformations;
 * `dpsco_jax.algorithms`: the algorithms (DP-SGD, DP-FTRL, DP-MEMF,
-  Accelerated-DP-SRGD and DP-SRG-MEMF, DIFF2 across clients, ...) and their accounting (`algorithms.diff2_accounting`);
+  Accelerated-DP-SRGD and DP-SRG-MEMF, DIFF2 across clients, user-level DP-SGD, ...) and their accounting (`algorithms.diff2_accounting`);
 * `dpsco_jax.parallel`: cross-device sums and the replicated-key check;
 * `dpsco_jax.guards`: refusals that hold inside compiled steps;
 * `dpsco_jax.keys`: noise keys (fresh from OS entropy by default), run
@@ -80,6 +80,8 @@ from dpsco_jax.algorithms.srg import SrgMemfState
 from dpsco_jax.algorithms.srg import unaccelerated_dp_srg
 from dpsco_jax.batching import fixed_order_guard
 from dpsco_jax.algorithms import diff2_accounting
+from dpsco_jax.algorithms.user_level import user_level_dpsgd
+from dpsco_jax.algorithms.user_level import user_level_dpsgd_mechanism
 from dpsco_jax.algorithms.diff2 import bvr_keys
 from dpsco_jax.algorithms.diff2 import Diff2BvrState
 from dpsco_jax.algorithms.diff2 import diff2_bvr_local_sgd
@@ -149,6 +151,8 @@ __all__ = (
     'unaccelerated_dp_srg',
     'fixed_order_guard',
     'diff2_accounting',
+    'user_level_dpsgd',
+    'user_level_dpsgd_mechanism',
     'bvr_keys',
     'Diff2BvrState',
     'diff2_bvr_local_sgd',

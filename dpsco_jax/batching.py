@@ -28,7 +28,7 @@ import abc
 import dataclasses
 import math
 import warnings
-from typing import Iterator, NamedTuple, Optional
+from typing import Any, Iterator, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +38,7 @@ from scipy import stats
 
 from dpsco_jax import accounting
 from dpsco_jax import checks
+from dpsco_jax import clipping
 from dpsco_jax import guards
 from dpsco_jax import parallel
 
@@ -859,3 +860,64 @@ def participation_guard(
         sampling_probability=participation.sampling_probability,
         pad_to_multiple=pad_to_multiple, axis_name=axis_name)
   raise ValueError(f'unknown participation pattern {participation!r}')
+
+
+def group_by_user(examples: Any, user_ids: Any, *, max_items: int,
+                  num_users: Optional[int] = None) -> clipping.UserBatch:
+  """Examples grouped by user, `[users, max_items, ...]`, for user-level DP.
+
+  Users with more than `max_items` examples keep their FIRST `max_items` in
+  data order (the rest are dropped: a public rule, fixed before training);
+  users with fewer are padded with copies of their first example, masked
+  out. The privacy unit is then the user: one user's whole data (up to
+  `max_items` examples) may change.
+
+  Example:
+    >>> users = group_by_user({'x': x, 'y': y}, user_ids, max_items=16)
+    >>> users.items['x'].shape        # (num_users, 16, ...)
+    >>> users.item_mask.sum(axis=1)   # examples kept per user
+
+  Args:
+    examples: a pytree of arrays with a leading example axis.
+    user_ids: `[num_examples]` integer user of each example, in
+      `[0, num_users)`.
+    max_items: m, the examples kept per user (> 0).
+    num_users: the number of users (default: `max(user_ids) + 1`); every
+      user must own at least one example.
+
+  Returns:
+    A `clipping.UserBatch` over all users (leading axis: user id).
+
+  Raises:
+    ValueError: for m < 1, ids out of range, a user without examples, or
+      leaves whose leading axis is not the number of examples.
+  """
+  max_items = checks.positive_int(max_items, 'max_items')
+  user_ids = np.asarray(user_ids)
+  if user_ids.ndim != 1 or not np.issubdtype(user_ids.dtype, np.integer):
+    raise ValueError('user_ids must be a 1-D integer array, one id per '
+                     'example')
+  leaves = jax.tree_util.tree_leaves(examples)
+  if any(np.shape(leaf)[:1] != user_ids.shape for leaf in leaves):
+    raise ValueError(f'every leaf needs a leading axis of {len(user_ids)} '
+                     'examples, one per user id')
+  if num_users is None:
+    num_users = int(user_ids.max()) + 1 if len(user_ids) else 0
+  num_users = checks.positive_int(num_users, 'num_users')
+  if user_ids.min() < 0 or user_ids.max() >= num_users:
+    raise ValueError(f'user ids must be in [0, {num_users})')
+  # Stable sort: each user's examples stay in data order.
+  order = np.argsort(user_ids, kind='stable')
+  counts = np.bincount(user_ids, minlength=num_users)
+  if np.any(counts == 0):
+    raise ValueError(
+        f'{int(np.sum(counts == 0))} user(s) own no example (e.g. user '
+        f'{int(np.argmax(counts == 0))}): pass num_users for the users that '
+        'exist, or drop the empty ones')
+  starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+  slot = np.arange(max_items)
+  kept = slot[None, :] < counts[:, None]
+  # Padding repeats a user's first example (finite, same shapes), masked.
+  index = order[starts[:, None] + np.where(kept, slot[None, :], 0)]
+  items = jax.tree_util.tree_map(lambda x: np.asarray(x)[index], examples)
+  return clipping.UserBatch(items=items, item_mask=kept)

@@ -321,16 +321,63 @@ def noisy_gradient(
   """
   statistic = clipping.clipped_grad_sum(
       loss_fn, l2_clip, microbatch_size=microbatch_size,
-                        method=clipping_method)
+      method=clipping_method)
+  return noisy_statistic(
+      statistic, noise_multiplier=noise_multiplier, mechanism=mechanism,
+      key=key, neighboring_relation=neighboring_relation,
+      normalize_by=normalize_by, axis_name=axis_name)
+
+
+def noisy_statistic(
+    statistic: clipping.ClippedStatistic,
+    *,
+    noise_multiplier: float,
+    mechanism: noise_lib.NoiseMechanism,
+    key: KeyLike = None,
+    neighboring_relation: neighboring.NeighboringRelation = (
+        neighboring.NeighboringRelation.ADD_OR_REMOVE),
+    normalize_by: Optional[float] = None,
+    axis_name: Optional[str] = None,
+    name: str = 'noisy_gradient',
+) -> optax.GradientTransformationExtraArgs:
+  """Any clipped statistic of the params, summed, noised once, normalized.
+
+  The estimator behind `noisy_gradient` (per-example gradients) and the
+  user-level estimators (`clipping.clipped_user_grad_sum`): each step calls
+  `statistic(batch, params, mask=batch_mask)`, sums over devices, adds
+  `noise_multiplier * statistic.sensitivity(relation)` times the
+  mechanism's next noise, and divides by the public batch size (examples,
+  or users).
+
+  Example:
+    >>> tx = noisy_statistic(clipping.clipped_user_grad_sum(loss_fn, 1.0),
+    ...                      noise_multiplier=1.1,
+    ...                      mechanism=noise.gaussian(1000))
+
+  Args:
+    statistic: a `ClippedStatistic` called as `statistic(batch, params)`.
+    noise_multiplier: noise std over the statistic's sensitivity.
+    mechanism: the noise mechanism (its `num_steps` caps the run).
+    key: the noise key (None: fresh from OS entropy; see `noisy_gradient`).
+    neighboring_relation: the relation the noise is calibrated for.
+    normalize_by: the public number of units (examples, users) to divide
+      by; required with a padding mask.
+    axis_name: the device axis name.
+    name: the transformation's name in messages and key bookkeeping.
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs`; call
+    `update(None, state, params, batch=batch, batch_mask=None)`.
+  """
   noise_multiplier = validate_noise_multiplier(
-      noise_multiplier, f'noisy_gradient({mechanism.name})')
+      noise_multiplier, f'{name}({mechanism.name})')
   stddev = noise_multiplier * statistic.sensitivity(neighboring_relation)
   if mechanism.num_steps is None:
     raise ValueError(
         f'{mechanism.name} has no capacity (num_steps=None): a private '
         'estimator must refuse the steps past the ones its noise was '
         'calibrated for; build the mechanism with num_steps')
-  key = keys.noise_key(key, f'noisy_gradient({mechanism.name})')
+  key = keys.noise_key(key, f'{name}({mechanism.name})')
   validate_normalize_by(normalize_by)
 
   def init_fn(params):
@@ -340,8 +387,8 @@ def noisy_gradient(
   def update_fn(updates, state, params=None, *, batch=None, batch_mask=None,
                 **extra_args):
     del extra_args
-    check_first_in_chain(updates, 'noisy_gradient')
-    checks.state_type(state, NoisyGradientState, 'noisy_gradient')
+    check_first_in_chain(updates, name)
+    checks.state_type(state, NoisyGradientState, name)
     check_params(params)
     divisor = public_batch_size(batch, batch_mask, normalize_by, axis_name)
     clipped = statistic(batch, parallel.per_device(params, axis_name),

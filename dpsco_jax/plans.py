@@ -28,7 +28,8 @@ Every family has a plan: `dpsgd` (Poisson, shuffled or fixed-order
 batches), `dpftrl` (tree noise, restarts), `dpmemf` (matrix factorization,
 paper 001 Algorithm 2), `accelerated_dp_srgd` and `unaccelerated_dp_srg`
 (papers 000/001 Algorithm 1 and its ablation), `dp_srg_memf` (paper 001
-Algorithm 3), `diff2_gd` and `dp_gd` (paper 003 across clients). The
+Algorithm 3), `diff2_gd` and `dp_gd` (paper 003 across clients),
+`user_level_dpsgd` (users as the privacy unit, paper 002's baseline). The
 lower-level pieces they compose stay public; a transformation built by
 hand is checked against its accounting with `ledger.check_state`.
 
@@ -59,6 +60,7 @@ from dpsco_jax.algorithms import diff2
 from dpsco_jax.algorithms import diff2_accounting
 from dpsco_jax.algorithms import mf
 from dpsco_jax.algorithms import srg
+from dpsco_jax.algorithms import user_level
 
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree], jax.Array]
@@ -1015,5 +1017,85 @@ def dp_gd(
       axis_name=axis_name)
 
 
+def user_level_dpsgd(
+    loss_fn: LossFn,
+    *,
+    optimizer: optax.GradientTransformation,
+    num_users: int,
+    users_per_batch: int,
+    epochs: int,
+    l2_clip: float,
+    delta: float,
+    epsilon: Optional[float] = None,
+    noise_multiplier: Optional[float] = None,
+    seed: Optional[int] = None,
+    key: estimators.KeyLike = None,
+    method: str = 'pld',
+    neighboring_relation: Relation = Relation.ADD_OR_REMOVE,
+    microbatch_size: Optional[int] = None,
+    clipping_method: str = 'auto',
+    axis_name: Optional[str] = None,
+) -> Plan:
+  """A user-level DP-SGD run (`algorithms.user_level`), calibrated per USER.
+
+  Every user joins each of `round(epochs * num_users / users_per_batch)`
+  batches with probability `users_per_batch / num_users` (Poisson over
+  users, checked in every step); each sampled user contributes its clipped
+  mean gradient over its items. The guarantee protects one user's whole
+  data. `batches_of(users)` takes the `clipping.UserBatch` of all users
+  (`batching.group_by_user`); the plan's `num_examples` counts users.
+
+  Example:
+    >>> users = batching.group_by_user(data, user_ids, max_items=16)
+    >>> plan = plans.user_level_dpsgd(
+    ...     loss_fn, optimizer=optax.sgd(0.1), num_users=3000,
+    ...     users_per_batch=100, epochs=5, l2_clip=1.0, epsilon=2.0,
+    ...     delta=1e-6)
+    >>> for inputs in plan.batches_of(users): ...
+
+  Args:
+    loss_fn: `loss_fn(params, item) -> scalar` for ONE item.
+    optimizer: the optax optimizer.
+    num_users: the number of users.
+    users_per_batch: the expected number of users per batch.
+    epochs: expected passes over the users.
+    l2_clip: clip norm of each user's mean gradient.
+    delta: target delta (per user).
+    epsilon: target epsilon (or give `noise_multiplier`).
+    noise_multiplier: the noise to use (or give `epsilon`).
+    seed: the user sampler's seed (None: fresh from OS entropy; keep it
+      private).
+    key: the noise key (None: fresh from OS entropy).
+    method: 'pld' or 'rdp'.
+    neighboring_relation: add/remove one user (replace-one is not accounted
+      under Poisson sampling).
+    microbatch_size: optional cap on users processed at once.
+    clipping_method: 'auto', 'ghost' or 'vmap'.
+    axis_name: the device axis on several devices.
+
+  Returns:
+    A `Plan`.
+
+  References:
+    Paper 002, §5 (the user-level DP-SGD baseline).
+  """
+  sampler = _sampler('poisson', num_users, users_per_batch, epochs, seed)
+  steps = sampler.num_steps
+  return _batched_plan(
+      'user_level_dpsgd',
+      lambda z, divisor: user_level.user_level_dpsgd(
+          loss_fn, l2_clip=l2_clip, noise_multiplier=z, num_steps=steps,
+          key=key, neighboring_relation=neighboring_relation,
+          normalize_by=divisor, microbatch_size=microbatch_size,
+          clipping_method=clipping_method, axis_name=axis_name),
+      mechanism=user_level.user_level_dpsgd_mechanism(steps),
+      sampler=sampler, optimizer=optimizer, epsilon=epsilon,
+      noise_multiplier=noise_multiplier, delta=delta, method=method,
+      relation=neighboring_relation, axis_name=axis_name,
+      hyperparameters={'l2_clip': l2_clip, 'epochs': epochs,
+                       'privacy_unit': 'user'})
+
+
 __all__ = ('Plan', 'accelerated_dp_srgd', 'diff2_gd', 'dp_gd', 'dp_srg_memf',
-           'dpftrl', 'dpmemf', 'dpsgd', 'unaccelerated_dp_srg')
+           'dpftrl', 'dpmemf', 'dpsgd', 'unaccelerated_dp_srg',
+           'user_level_dpsgd')
