@@ -56,6 +56,17 @@ def make_tx(algorithm, axis_name):
         steps_per_epoch=NUM_STEPS, decay=0.3, check_order=False, **common)
   elif algorithm == 'dpsgd':
     private = dpsco_jax.dpsgd(loss_fn, **common)
+  elif algorithm == 'user_level':
+    # Consecutive pairs of examples are users of two items each (the same
+    # users on one device and on eight: 8 examples per device).
+    inner = dpsco_jax.user_level_dpsgd(loss_fn, **common)
+
+    def update(updates, state, params=None, *, batch=None, **extra):
+      users = jax.tree_util.tree_map(
+          lambda x: x.reshape((-1, 2) + x.shape[1:]), batch)
+      return inner.update(updates, state, params, batch=users, **extra)
+
+    private = optax.GradientTransformationExtraArgs(inner.init, update)
   elif algorithm == 'dpftrl':
     private = dpsco_jax.dpftrl(loss_fn, restart_every=3, **common)
   else:
@@ -129,7 +140,8 @@ def test_eight_devices_available():
 @pytest.mark.parametrize('runner', [run_pmap, run_shard_map],
                          ids=['pmap', 'shard_map'])
 @pytest.mark.parametrize('algorithm', ['dpsgd', 'dpftrl', 'honaker',
-                                       'accelerated_srgd', 'dp_srg_memf'])
+                                       'accelerated_srgd', 'dp_srg_memf',
+                                       'user_level'])
 def test_eight_devices_equal_one_device(runner, algorithm):
   params, batches = make_data()
   single = run_single(algorithm, params, batches)
