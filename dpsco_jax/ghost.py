@@ -281,7 +281,31 @@ def _materialized_squared_norms(tap: Tap, program: _Program, leaf: jax.Array,
         lambda o, _: _apply_tap(program, tap, p, o))(others_u, g_u), leaf)
     return vjp(g_u.astype(dtype))[0]
 
-  return _sum_squares(jax.vmap(one)(tuple(others), g))
+  others = tuple(others)
+  squared = _sum_squares(jax.vmap(one)(others, g))
+  # The gradient is a sum of products of the operands and the output
+  # gradients (a bias: of the output gradients over positions and terms).
+  # When they cancel (an example built so), its rounding, and that of the
+  # weighted sum formed later in another order, can be far above the
+  # gradient itself: the same products with absolute values bound every
+  # entry's terms, and the margin of `_with_rounding_margin` covers both.
+  magnitude = jnp.abs(jax.vmap(one)(
+      tuple(jnp.abs(o) if jnp.issubdtype(o.dtype, jnp.inexact) else o
+            for o in others), jnp.abs(g)))
+  per_unit, entries = _size(g.shape[1:]), max(1, _size(jnp.shape(leaf)))
+  if tap.rule in ('add', 'sub', 'mul'):
+    # Each parameter entry sums the output-gradient entries broadcast onto it.
+    terms = max(1, per_unit // entries)
+  else:
+    terms = per_unit + sum(_size(o.shape[1:]) for o in others)
+  # Each entry of the computed gradient (and of its share of the weighted
+  # sum) is within gamma_terms of the truth, relative to its absolute-value
+  # counterpart S; the squared norm adds gamma_entries. As for dense layers
+  # (`_with_rounding_margin`), adding 2 (terms + entries + 8) u |S|^2 bounds
+  # (|M| + gamma_terms |S|)^2 from above.
+  roundoff = float(jnp.finfo(jnp.promote_types(dtype, jnp.float32)).eps) / 2
+  return squared + 2.0 * (terms + entries + 8) * roundoff * _sum_squares(
+      magnitude)
 
 
 def _no_check(tap: Tap, program: _Program) -> Optional[str]:
