@@ -16,8 +16,13 @@ The curated public API. Modules, one concern each:
   (`dp_accounting` PLD/RDP, the papers' zCDP and GDP closed forms);
 * `dpsco_jax.estimators`: private gradient estimators as optax
   transformations;
+* `dpsco_jax.smoothing`: randomized smoothing for nonsmooth losses: zero-
+  and first-order estimators of the smoothed gradient, their clipped
+  statistics and clip radii (paper 004);
 * `dpsco_jax.algorithms`: the algorithms (DP-SGD, DP-FTRL, DP-MEMF,
-  Accelerated-DP-SRGD and DP-SRG-MEMF, DIFF2 across clients, user-level DP-SGD, ...) and their accounting (`algorithms.diff2_accounting`);
+  Accelerated-DP-SRGD and DP-SRG-MEMF, DIFF2 across clients, user-level
+  DP-SGD, private O2NC for nonsmooth losses as `dpsco_jax.nonsmooth`) and
+  their accounting (`algorithms.diff2_accounting`);
 * `dpsco_jax.parallel`: cross-device sums and the replicated-key check;
 * `dpsco_jax.guards`: refusals that hold inside compiled steps;
 * `dpsco_jax.keys`: noise keys (fresh from OS entropy by default), run
@@ -52,7 +57,9 @@ from dpsco_jax import neighboring
 from dpsco_jax import noise
 from dpsco_jax import parallel
 from dpsco_jax import plans
+from dpsco_jax import smoothing
 from dpsco_jax import strategies
+from dpsco_jax.algorithms import nonsmooth
 from dpsco_jax.accounting import calibrate_noise_multiplier
 from dpsco_jax.accounting import epsilon_spent
 from dpsco_jax.accounting import FixedOrder
@@ -123,7 +130,9 @@ __all__ = (
     'noise',
     'parallel',
     'plans',
+    'smoothing',
     'strategies',
+    'nonsmooth',
     'calibrate_noise_multiplier',
     'epsilon_spent',
     'FixedOrder',

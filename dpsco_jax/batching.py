@@ -10,7 +10,9 @@ is computed for the batches it actually used:
   no amplification claimed;
 * `PoissonBatches` -> `accounting.PoissonSampling`: every example joins every
   batch independently with probability q; batches are padded to a multiple
-  of a fixed size with a mask, so only a few shapes are ever compiled.
+  of a fixed size with a mask, so only a few shapes are ever compiled;
+* `AnchoredSinglePass` -> `accounting.single_epoch`: one pass with anchor
+  batches every `period` steps and smaller batches between (paper 004).
 
 `fixed_order_guard` checks, inside the training step, that batches really
 come in the fixed order a `FixedOrder` accounting claims: every example in
@@ -344,6 +346,117 @@ class PoissonBatches:
       indices[:len(chosen)] = chosen
       mask = np.arange(size) < len(chosen)
       yield indices, mask
+
+
+@dataclasses.dataclass(frozen=True)
+class AnchoredSinglePass:
+  """One pass in batches of two sizes: B_1 every `period` steps, B_2 between.
+
+  The batches of paper 004's single-pass oracles (Algorithms 3 and 5): step
+  c (0-based) takes `anchor_batch_size` fresh examples when `c % period ==
+  0` and `batch_size` fresh examples otherwise, consecutive slices of one
+  permutation drawn from `seed`, so no example is used twice. Accounted as
+  `accounting.single_epoch(num_steps)` (each example in at most one step;
+  checked in every step by `fixed_order_guard`). The examples after the
+  last step are not used.
+
+  Example:
+    >>> batches = AnchoredSinglePass(10_000, anchor_batch_size=100,
+    ...                              batch_size=10, period=10, seed=0)
+    >>> batches.num_steps          # as many steps as 10,000 examples allow
+    >>> for indices in batches: ...
+
+  Attributes:
+    num_examples: n.
+    anchor_batch_size: B_1.
+    batch_size: B_2.
+    period: Sigma.
+    seed: the permutation's seed.
+    num_steps: T; None (default): the most steps n examples allow.
+  """
+
+  num_examples: int
+  anchor_batch_size: int
+  batch_size: int
+  period: int
+  seed: int
+  num_steps: Optional[int] = None
+
+  def __post_init__(self):
+    for name in ('num_examples', 'anchor_batch_size', 'batch_size', 'period'):
+      checks.positive_int(getattr(self, name), name)
+    if self.num_steps is None:
+      object.__setattr__(self, 'num_steps', self._most_steps())
+      if self.num_steps == 0:
+        raise ValueError(
+            f'{self.num_examples} examples cannot fill one anchor batch of '
+            f'{self.anchor_batch_size}')
+    checks.positive_int(self.num_steps, 'num_steps')
+    if self.examples_used(self.num_steps) > self.num_examples:
+      raise ValueError(
+          f'{self.num_steps} steps need {self.examples_used(self.num_steps)} '
+          f'fresh examples (anchors of {self.anchor_batch_size} every '
+          f'{self.period} steps, {self.batch_size} otherwise), more than the '
+          f'{self.num_examples} there are: a single pass never reuses one')
+
+  def examples_used(self, num_steps: int) -> int:
+    """Examples the first `num_steps` steps take."""
+    anchors = -(-num_steps // self.period)
+    return (anchors * self.anchor_batch_size +
+            (num_steps - anchors) * self.batch_size)
+
+  def _most_steps(self) -> int:
+    low, high = 0, self.num_examples + 1
+    while high - low > 1:
+      middle = (low + high) // 2
+      if self.examples_used(middle) <= self.num_examples:
+        low = middle
+      else:
+        high = middle
+    return low
+
+  def is_anchor(self, step: int) -> bool:
+    """Whether step `step` (0-based) is an anchor step."""
+    return step % self.period == 0
+
+  @property
+  def participation(self) -> accounting.FixedOrder:
+    return accounting.single_epoch(self.num_steps)
+
+  def batch_at(self, step: int) -> np.ndarray:
+    """The indices of step `step` (0-based).
+
+    Args:
+      step: in `[0, num_steps)`.
+
+    Returns:
+      `[B_1]` or `[B_2]` int indices.
+    """
+    step = _check_start_step(step, self.num_steps - 1)
+    order = np.random.default_rng(self.seed).permutation(self.num_examples)
+    start = self.examples_used(step)
+    size = self.anchor_batch_size if self.is_anchor(step) else self.batch_size
+    return order[start:start + size]
+
+  def iterate(self, start_step: int = 0) -> Iterator[np.ndarray]:
+    """The batches from `start_step` on, as iterating from 0 gives them.
+
+    Args:
+      start_step: in `[0, num_steps]`.
+
+    Returns:
+      An iterator of int index arrays.
+    """
+    start_step = _check_start_step(start_step, self.num_steps)
+    order = np.random.default_rng(self.seed).permutation(self.num_examples)
+    for step in range(start_step, self.num_steps):
+      start = self.examples_used(step)
+      size = (self.anchor_batch_size if self.is_anchor(step) else
+              self.batch_size)
+      yield order[start:start + size]
+
+  def __iter__(self) -> Iterator[np.ndarray]:
+    return self.iterate()
 
 
 class FixedOrderGuardState(NamedTuple):

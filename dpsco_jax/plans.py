@@ -29,7 +29,9 @@ batches), `dpftrl` (tree noise, restarts), `dpmemf` (matrix factorization,
 paper 001 Algorithm 2), `accelerated_dp_srgd` and `unaccelerated_dp_srg`
 (papers 000/001 Algorithm 1 and its ablation), `dp_srg_memf` (paper 001
 Algorithm 3), `diff2_gd` and `dp_gd` (paper 003 across clients),
-`user_level_dpsgd` (users as the privacy unit, paper 002's baseline). The
+`user_level_dpsgd` (users as the privacy unit, paper 002's baseline),
+`nonsmooth_single_pass` and `nonsmooth_multi_pass` (private O2NC, paper
+004). The
 lower-level pieces they compose stay public; a transformation built by
 hand is checked against its accounting with `ledger.check_state`.
 
@@ -39,6 +41,7 @@ spends is computed); exactly one of the two.
 """
 
 import dataclasses
+import math
 import secrets
 from typing import Any, Callable, Iterator, Mapping, Optional, Union
 
@@ -54,11 +57,13 @@ from dpsco_jax import estimators
 from dpsco_jax import ledger as ledger_lib
 from dpsco_jax import neighboring
 from dpsco_jax import noise
+from dpsco_jax import smoothing
 from dpsco_jax import strategies
 from dpsco_jax.algorithms import baselines
 from dpsco_jax.algorithms import diff2
 from dpsco_jax.algorithms import diff2_accounting
 from dpsco_jax.algorithms import mf
+from dpsco_jax.algorithms import nonsmooth
 from dpsco_jax.algorithms import srg
 from dpsco_jax.algorithms import user_level
 
@@ -1096,6 +1101,320 @@ def user_level_dpsgd(
                        'privacy_unit': 'user'})
 
 
+# ----------------------------------------------- nonsmooth (paper 004)
+
+SENSITIVITIES = ('effective', 'worst_case')
+
+
+def _nonsmooth_clips(sensitivity, *, order, lipschitz, dimension,
+                     smoothing_radius, movement_radius, num_directions,
+                     anchor_directions, failure_probability, num_estimates):
+  if sensitivity == 'worst_case':
+    return smoothing.worst_case_clips(order=order, lipschitz=lipschitz,
+                                      dimension=dimension)
+  if sensitivity != 'effective':
+    raise ValueError(f'sensitivity must be one of {SENSITIVITIES}, got '
+                     f'{sensitivity!r}')
+  return smoothing.effective_clips(
+      order=order, lipschitz=lipschitz, dimension=dimension,
+      smoothing_radius=smoothing_radius, movement_radius=movement_radius,
+      num_directions=num_directions, anchor_directions=anchor_directions,
+      failure_probability=failure_probability, num_estimates=num_estimates)
+
+
+def _clip_event_budget(sensitivity: str, epsilon: float, delta: float
+                       ) -> tuple[float, float]:
+  """`(mechanism delta, failure probability)` of a nonsmooth run.
+
+  Effective clips: half of delta goes to the mechanism, and the failure
+  probability g is the largest with `(1 + e^epsilon) g <= delta / 2`: a
+  mechanism that equals this (epsilon, delta/2)-DP run except with
+  probability g on every data set is (epsilon, delta/2 + (1 + e^eps) g)-DP,
+  so the paper's unclipped algorithm is covered too (docs/nonsmooth.md).
+  Worst-case clips never bind for an L-Lipschitz loss: all of delta.
+  """
+  if sensitivity == 'worst_case':
+    return delta, 0.0
+  return delta / 2, (delta / 2) / (1.0 + math.exp(min(epsilon, 700.0)))
+
+
+def nonsmooth_single_pass(
+    loss_fn: LossFn,
+    *,
+    order: str,
+    num_examples: int,
+    dimension: int,
+    lipschitz: float,
+    smoothing_radius: float,
+    movement_radius: float,
+    learning_rate: float,
+    block_length: int,
+    period: int,
+    anchor_batch_size: int,
+    batch_size: int,
+    num_directions: int,
+    delta: float,
+    epsilon: Optional[float] = None,
+    noise_multiplier: Optional[float] = None,
+    num_steps: Optional[int] = None,
+    anchor_directions: Optional[int] = None,
+    sensitivity: str = 'effective',
+    seed: Optional[int] = None,
+    key: estimators.KeyLike = None,
+    method: str = 'pld',
+    neighboring_relation: Relation = Relation.REPLACE_ONE,
+    reset_delta_each_block: bool = False,
+    microbatch_size: Optional[int] = None,
+    axis_name: Optional[str] = None,
+) -> Plan:
+  """A single-pass private O2NC run (paper 004 Algorithm 2 with 3 or 5).
+
+  The transformation is `nonsmooth_vr_gradient` (clips from
+  `smoothing.effective_clips` or `worst_case_clips`, tree noise calibrated
+  by the accountant for `single_epoch(T)`), then the single-pass check
+  (`batching.fixed_order_guard`: no example twice), then `o2nc`; the
+  params are O2NC's query points and the output is
+  `nonsmooth.o2nc_output(opt_state)`. Batches come from
+  `batching.AnchoredSinglePass`: B_1 fresh examples every `period` steps,
+  B_2 between.
+
+  With `sensitivity='effective'` the run spends half of delta on the
+  event that some clip binds for an L-Lipschitz loss (so that the
+  guarantee also covers the paper's unclipped algorithm); privacy itself
+  never rests on L (every estimate is clipped). `hyperparameters` records
+  the clips, the mechanism's delta and the failure probability.
+
+  Example:
+    >>> plan = plans.nonsmooth_single_pass(
+    ...     loss_fn, order='first', num_examples=20_000, dimension=d,
+    ...     lipschitz=1.0, smoothing_radius=0.1, movement_radius=2e-3,
+    ...     learning_rate=0.02, block_length=10, period=10,
+    ...     anchor_batch_size=100, batch_size=10, num_directions=8,
+    ...     epsilon=2.0, delta=1e-6)
+    >>> opt_state = plan.init(params)
+    >>> for inputs in plan.batches_of(data): ...
+    >>> x_out = nonsmooth.o2nc_output(opt_state)
+
+  Args:
+    loss_fn: `loss_fn(params, example) -> scalar` for ONE example.
+    order: 'zero' (Algorithm 3) or 'first' (Algorithm 5).
+    num_examples: n.
+    dimension: d, the parameter count (checked at `init`).
+    lipschitz: L of every per-example loss (sets the clips).
+    smoothing_radius: alpha.
+    movement_radius: D.
+    learning_rate: eta.
+    block_length: M.
+    period: Sigma.
+    anchor_batch_size: B_1.
+    batch_size: B_2.
+    num_directions: m.
+    delta: the run's delta.
+    epsilon: target epsilon (or give `noise_multiplier`).
+    noise_multiplier: the tree noise to use (or give `epsilon`).
+    num_steps: T (default: the most that n examples allow).
+    anchor_directions: directions per anchor estimate (default: 1 first
+      order, m zero order).
+    sensitivity: 'effective' (concentration radii) or 'worst_case'.
+    seed: the permutation's seed (None: fresh from OS entropy).
+    key: the noise key (None: fresh from OS entropy).
+    method: accounting method.
+    neighboring_relation: replace-one (the paper's) or add/remove.
+    reset_delta_each_block: see `nonsmooth.o2nc`.
+    microbatch_size: optional cap on examples estimated at once.
+    axis_name: the device axis on several devices.
+
+  Returns:
+    A `Plan`.
+  """
+  _target(epsilon, noise_multiplier, delta)
+  relation = Relation(neighboring_relation)
+  sampler = batching.AnchoredSinglePass(
+      num_examples, anchor_batch_size, batch_size, period,
+      seed=_fresh_seed(seed), num_steps=num_steps)
+  steps = sampler.num_steps
+  mechanism = nonsmooth.nonsmooth_mechanism(steps, period)
+  participation = sampler.participation
+  anchors = -(-steps // period)
+  if anchor_directions is None:
+    anchor_directions = 1 if order == 'first' else num_directions
+  if epsilon is not None:
+    mechanism_delta, failure = _clip_event_budget(sensitivity, epsilon, delta)
+    multiplier = _noise_multiplier(mechanism, participation, epsilon,
+                                   mechanism_delta, None, method, relation)
+  else:
+    mechanism_delta = _clip_event_budget(sensitivity, 0.0, delta)[0]
+    multiplier = checks.noise_multiplier(noise_multiplier)
+  ledger = ledger_lib.PrivacyLedger.create(
+      mechanism, multiplier, participation, mechanism_delta, key=None,
+      target_epsilon=epsilon, method=method, neighboring_relation=relation)
+  spent = ledger.planned_epsilon
+  failure = _clip_event_budget(sensitivity, spent, delta)[1]
+  clips = _nonsmooth_clips(
+      sensitivity, order=order, lipschitz=lipschitz, dimension=dimension,
+      smoothing_radius=smoothing_radius, movement_radius=movement_radius,
+      num_directions=num_directions, anchor_directions=anchor_directions,
+      failure_probability=failure,
+      num_estimates=anchors * anchor_batch_size +
+      2 * (steps - anchors) * batch_size)
+  private = nonsmooth.nonsmooth_vr_gradient(
+      loss_fn, order=order, smoothing_radius=smoothing_radius,
+      num_directions=num_directions, clips=clips, period=period,
+      anchor_batch_size=anchor_batch_size, batch_size=batch_size,
+      noise_multiplier=multiplier, num_steps=steps,
+      anchor_directions=anchor_directions, key=key,
+      neighboring_relation=relation, microbatch_size=microbatch_size,
+      axis_name=axis_name, dimension=dimension)
+  guard = batching.participation_guard(participation,
+                                       num_examples=num_examples,
+                                       axis_name=axis_name)
+  outer = nonsmooth.o2nc(learning_rate=learning_rate,
+                         movement_radius=movement_radius,
+                         block_length=block_length,
+                         reset_delta_each_block=reset_delta_each_block)
+  return Plan(
+      algorithm=f'nonsmooth_single_pass_{order}_order',
+      transformation=optax.chain(private, guard, outer),
+      private_transformation=private, batches=sampler, mechanism=mechanism,
+      noise_multiplier=multiplier, participation=participation,
+      event=accounting.dp_event(mechanism, multiplier, participation),
+      ledger=ledger, epsilon=spent,
+      target_epsilon=None if epsilon is None else float(epsilon),
+      delta=float(delta), method=method, num_steps=steps,
+      num_examples=sampler.num_examples,
+      hyperparameters={
+          'order': order, 'sensitivity': sensitivity,
+          'clips': dict(clips._asdict()), 'mechanism_delta': mechanism_delta,
+          'failure_probability': failure, 'lipschitz': lipschitz,
+          'dimension': dimension, 'smoothing_radius': smoothing_radius,
+          'movement_radius': movement_radius, 'learning_rate': learning_rate,
+          'block_length': block_length, 'period': period,
+          'anchor_batch_size': anchor_batch_size, 'batch_size': batch_size,
+          'num_directions': num_directions,
+          'anchor_directions': anchor_directions})
+
+
+def nonsmooth_multi_pass(
+    loss_fn: LossFn,
+    *,
+    order: str,
+    num_examples: int,
+    num_steps: int,
+    dimension: int,
+    lipschitz: float,
+    smoothing_radius: float,
+    movement_radius: float,
+    learning_rate: float,
+    block_length: int,
+    period: int,
+    num_directions: int,
+    delta: float,
+    epsilon: Optional[float] = None,
+    noise_multipliers: Optional[diff2.Diff2NoiseMultipliers] = None,
+    anchor_directions: Optional[int] = None,
+    sensitivity: str = 'effective',
+    budget_split: float = 2.0,
+    key: estimators.KeyLike = None,
+    method: str = 'pld',
+    reset_delta_each_block: bool = False,
+    microbatch_size: Optional[int] = None,
+    axis_name: Optional[str] = None,
+) -> Plan:
+  """A multi-pass private O2NC run on the empirical loss (paper 004 Alg. 2 + 4).
+
+  Every step uses the whole data set (`update(None, state, params,
+  batch=data)`); `nonsmooth_multipass_gradient` releases a Gaussian per step
+  (z_1 on anchors, z_2 on differences), calibrated by the accountant for
+  the composition of `ceil(T / Sigma)` Gaussian(z_1) and the rest
+  Gaussian(z_2) (replace-one; `budget_split` u gives the anchors 1/u of the
+  budget, as `diff2_accounting.calibrate`; the paper's Lemma 4.3 splits in
+  halves, u = 2). Clips and the delta split as in `nonsmooth_single_pass`,
+  with the union bound over the `n (2T - ceil(T / Sigma))` estimates.
+
+  Example:
+    >>> plan = plans.nonsmooth_multi_pass(
+    ...     loss_fn, order='zero', num_examples=n, num_steps=400,
+    ...     dimension=d, lipschitz=1.0, smoothing_radius=0.1,
+    ...     movement_radius=2e-3, learning_rate=0.02, block_length=10,
+    ...     period=10, num_directions=64, epsilon=2.0, delta=1e-6)
+
+  Args:
+    loss_fn: `loss_fn(params, example) -> scalar` for ONE example.
+    order: 'zero' (Algorithm 4) or 'first' (its first-order variant).
+    num_examples: n (the batch of every step).
+    num_steps: T.
+    dimension, lipschitz, smoothing_radius, movement_radius, learning_rate,
+      block_length, period, num_directions, anchor_directions, sensitivity,
+      key, method, reset_delta_each_block, microbatch_size, axis_name: as in
+      `nonsmooth_single_pass`.
+    delta: the run's delta.
+    epsilon: target epsilon (or give `noise_multipliers`).
+    noise_multipliers: `Diff2NoiseMultipliers(z_1, z_2)` (or `epsilon`).
+    budget_split: u > 1.
+
+  Returns:
+    A `Plan` (no sampler: pass the whole data set every step).
+  """
+  _target(epsilon, noise_multipliers, delta)
+  steps = checks.positive_int(num_steps, 'num_steps')
+  period = checks.positive_int(period, 'period')
+  n = checks.positive_int(num_examples, 'num_examples')
+  if epsilon is not None:
+    mechanism_delta = _clip_event_budget(sensitivity, epsilon, delta)[0]
+    z = diff2_accounting.calibrate(steps, period, epsilon, mechanism_delta,
+                                   method=method, budget_split=budget_split)
+  else:
+    mechanism_delta = _clip_event_budget(sensitivity, 0.0, delta)[0]
+    z = diff2.Diff2NoiseMultipliers(*noise_multipliers)
+  spent = lambda k: diff2_accounting.epsilon_spent(k, period, z,
+                                                   mechanism_delta,
+                                                   method=method)
+  epsilon_spent = spent(steps)
+  failure = _clip_event_budget(sensitivity, epsilon_spent, delta)[1]
+  anchors = diff2_accounting.num_restarts(steps, period)
+  if anchor_directions is None:
+    anchor_directions = num_directions
+  clips = _nonsmooth_clips(
+      sensitivity, order=order, lipschitz=lipschitz, dimension=dimension,
+      smoothing_radius=smoothing_radius, movement_radius=movement_radius,
+      num_directions=num_directions, anchor_directions=anchor_directions,
+      failure_probability=failure,
+      num_estimates=n * (anchors + 2 * (steps - anchors)))
+  private = nonsmooth.nonsmooth_multipass_gradient(
+      loss_fn, order=order, smoothing_radius=smoothing_radius,
+      num_directions=num_directions, clips=clips, period=period,
+      num_examples=n, noise_multipliers=z, num_steps=steps,
+      anchor_directions=anchor_directions, key=key,
+      microbatch_size=microbatch_size, axis_name=axis_name,
+      dimension=dimension)
+  outer = nonsmooth.o2nc(learning_rate=learning_rate,
+                         movement_radius=movement_radius,
+                         block_length=block_length,
+                         reset_delta_each_block=reset_delta_each_block)
+  return Plan(
+      algorithm=f'nonsmooth_multi_pass_{order}_order',
+      transformation=optax.chain(private, outer),
+      private_transformation=private, batches=None,
+      mechanism=noise.gaussian(steps), noise_multiplier=z,
+      participation=None,
+      event=diff2_accounting.diff2_dp_event(steps, period, z), ledger=None,
+      epsilon=epsilon_spent,
+      target_epsilon=None if epsilon is None else float(epsilon),
+      delta=float(delta), method=method, num_steps=steps, num_examples=n,
+      hyperparameters={
+          'order': order, 'sensitivity': sensitivity,
+          'clips': dict(clips._asdict()), 'mechanism_delta': mechanism_delta,
+          'failure_probability': failure, 'lipschitz': lipschitz,
+          'dimension': dimension, 'smoothing_radius': smoothing_radius,
+          'movement_radius': movement_radius, 'learning_rate': learning_rate,
+          'block_length': block_length, 'period': period,
+          'num_directions': num_directions,
+          'anchor_directions': anchor_directions,
+          'budget_split': budget_split},
+      _epsilon_of_prefix=spent)
+
+
 __all__ = ('Plan', 'accelerated_dp_srgd', 'diff2_gd', 'dp_gd', 'dp_srg_memf',
-           'dpftrl', 'dpmemf', 'dpsgd', 'unaccelerated_dp_srg',
+           'dpftrl', 'dpmemf', 'dpsgd', 'nonsmooth_multi_pass',
+           'nonsmooth_single_pass', 'unaccelerated_dp_srg',
            'user_level_dpsgd')

@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import dpsco_jax
 from dpsco_jax import parallel
+from dpsco_jax.algorithms import nonsmooth
 
 NUM_DEVICES = 8
 GLOBAL_BATCH = 64
@@ -67,6 +68,17 @@ def make_tx(algorithm, axis_name):
       return inner.update(updates, state, params, batch=users, **extra)
 
     private = optax.GradientTransformationExtraArgs(inner.init, update)
+  elif algorithm.startswith('nonsmooth'):
+    # Paper 004: anchors at steps 0, 2, 4, differences between; the
+    # per-example directions follow the example, not the device.
+    private = nonsmooth.nonsmooth_vr_gradient(
+        loss_fn, order=algorithm.split('_')[1], smoothing_radius=0.05,
+        num_directions=3, clips=(0.3, 0.2), period=2,
+        anchor_batch_size=GLOBAL_BATCH, batch_size=GLOBAL_BATCH,
+        noise_multiplier=0.8, num_steps=NUM_STEPS, key=7,
+        axis_name=axis_name)
+    return optax.chain(private, nonsmooth.o2nc(
+        learning_rate=0.5, movement_radius=0.1, block_length=2, key=3))
   elif algorithm == 'dpftrl':
     private = dpsco_jax.dpftrl(loss_fn, restart_every=3, **common)
   else:
@@ -141,7 +153,8 @@ def test_eight_devices_available():
                          ids=['pmap', 'shard_map'])
 @pytest.mark.parametrize('algorithm', ['dpsgd', 'dpftrl', 'honaker',
                                        'accelerated_srgd', 'dp_srg_memf',
-                                       'user_level'])
+                                       'user_level', 'nonsmooth_zero',
+                                       'nonsmooth_first'])
 def test_eight_devices_equal_one_device(runner, algorithm):
   params, batches = make_data()
   single = run_single(algorithm, params, batches)
