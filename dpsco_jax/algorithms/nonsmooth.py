@@ -351,10 +351,18 @@ def increment_sensitivities(shape: _OracleShape, relation: Relation
           shape.difference.sensitivity(relation) / shape.batch_size)
 
 
-def _oracle(shape: _OracleShape, recursion, *, mechanism, key, name,
-            axis_name, dimension) -> optax.GradientTransformationExtraArgs:
+def _oracle(shape: _OracleShape, stddev_at, *, keep_noisy: bool, mechanism,
+            key, name, axis_name,
+            dimension) -> optax.GradientTransformationExtraArgs:
   """The oracle body: per-example keys, the anchor/difference increment
-  (one `lax.cond`), the size check, then `recursion` places the noise."""
+  (one `lax.cond`), the recursion restarted at anchors, the noise, the
+  size check.
+
+  `stddev_at(anchor_step)` is the noise std of the step. `keep_noisy`
+  says which estimate the recursion continues from: the released one
+  (Algorithm 4: the noise of each step is its own Gaussian) or the clean
+  one (Algorithms 3 and 5: the tree's noise is on the prefix sum and is
+  never fed back, notes erratum 5)."""
   key = keys.noise_key(key, name)
   noise_key = jax.random.fold_in(key, 0)
   directions_key = jax.random.fold_in(key, 1)
@@ -404,7 +412,14 @@ def _oracle(shape: _OracleShape, recursion, *, mechanism, key, name,
 
     increment = parallel.psum(
         jax.lax.cond(anchor_step, anchor, difference, None), axis_name)
-    output, estimate, noise_state = recursion(anchor_step, state, increment)
+    estimate = jax.tree_util.tree_map(
+        lambda g, i: jnp.where(anchor_step, i, g + i), state.estimate,
+        increment)
+    output, noise_state = estimators.add_noise(
+        estimate, state.noise, mechanism, stddev_at(anchor_step),
+        axis_name=axis_name)
+    if keep_noisy:
+      estimate = output
     size = local * parallel.axis_size(axis_name)
     expected = jnp.where(anchor_step, shape.anchor_batch_size,
                          shape.batch_size)
@@ -524,20 +539,9 @@ def nonsmooth_vr_gradient(
       noise_multiplier, 'nonsmooth_vr_gradient')
   stddev = multiplier * max(increment_sensitivities(shape,
                                                     neighboring_relation))
-
-  def recursion(anchor_step, state, increment):
-    # The CLEAN prefix sum of the period's increments; the tree's noise is
-    # on that prefix sum and never fed back (notes, erratum 5).
-    estimate = jax.tree_util.tree_map(
-        lambda g, i: jnp.where(anchor_step, i, g + i), state.estimate,
-        increment)
-    output, noise_state = estimators.add_noise(
-        estimate, state.noise, mechanism, stddev, axis_name=axis_name)
-    return output, estimate, noise_state
-
-  return _oracle(shape, recursion, mechanism=mechanism, key=key,
-                 name='nonsmooth_vr_gradient', axis_name=axis_name,
-                 dimension=dimension)
+  return _oracle(shape, lambda anchor_step: stddev, keep_noisy=False,
+                 mechanism=mechanism, key=key, name='nonsmooth_vr_gradient',
+                 axis_name=axis_name, dimension=dimension)
 
 
 def nonsmooth_multipass_gradient(
@@ -612,19 +616,12 @@ def nonsmooth_multipass_gradient(
       shape, Relation.REPLACE_ONE)
   mechanism = noise.gaussian(checks.positive_int(num_steps, 'num_steps'))
 
-  def recursion(anchor_step, state, increment):
-    stddev = jnp.where(anchor_step, z.restart * anchor_sensitivity,
-                       z.difference * difference_sensitivity)
-    base = jax.tree_util.tree_map(
-        lambda g, i: jnp.where(anchor_step, i, g + i), state.estimate,
-        increment)
-    output, noise_state = estimators.add_noise(
-        base, state.noise, mechanism, stddev, axis_name=axis_name)
-    return output, output, noise_state
-
-  return _oracle(shape, recursion, mechanism=mechanism, key=key,
-                 name='nonsmooth_multipass_gradient', axis_name=axis_name,
-                 dimension=dimension)
+  stddev_at = lambda anchor_step: jnp.where(
+      anchor_step, z.restart * anchor_sensitivity,
+      z.difference * difference_sensitivity)
+  return _oracle(shape, stddev_at, keep_noisy=True, mechanism=mechanism,
+                 key=key, name='nonsmooth_multipass_gradient',
+                 axis_name=axis_name, dimension=dimension)
 
 
 # --------------------------------------------------------------- presets
