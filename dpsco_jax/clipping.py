@@ -615,10 +615,11 @@ def clipped_grad_sum(
 
   By default (`method='auto'`) the sum is computed with ghost norms when
   every parameter of `loss_fn` is used once by a dense layer
-  (`dot_general`, with or without positions), a bias add or an elementwise
-  scale: about the cost of one non-private step instead of one gradient per
-  example (`dpsco_jax.ghost`). Other losses (tied weights, convolutions,
-  embeddings, scans, ...) use per-example gradients (`jax.vmap`), announced
+  (`dot_general`, with or without positions), a bias add, an elementwise
+  scale or an embedding lookup: about the cost of one non-private step
+  instead of one gradient per example (`dpsco_jax.ghost`). Other losses
+  (tied weights, convolutions, scans, ...) use per-example gradients
+  (`jax.vmap`), announced
   once by a `GhostClippingFallbackWarning`. Both give the same sum up to
   float rounding; DP-SGD, DP-FTRL and DP-MF use this default.
 

@@ -11,15 +11,17 @@ layer's output `g_i` (notes/fast-clipping.md):
   Gram form) when that is cheaper than materializing the `d_in x d_out`
   per-example gradient, else the per-example gradient of that layer alone;
 * bias add and elementwise scale: the per-example gradient of that
-  parameter (small) is materialized.
+  parameter (small) is materialized;
+* embedding lookup (a `gather` of whole rows of a 2-D table): the
+  token-equality Gram form `sum_{p,q} [i_p = i_q] (g_p . g_q)`.
 
 The layers are found by tracing `loss_fn(params, example)` to a jaxpr, so a
 plain JAX function and a flax model (whose `apply` traces to operations on the
 params pytree) are handled alike. Each params leaf, after structural
 operations (reshape, transpose, dtype conversion, broadcast), must be consumed
 by exactly ONE operation that has a layer rule below; anything else (a leaf
-used twice, as tied weights are; a convolution; an embedding gather; a
-custom_vjp or scan that takes a parameter) makes `analyze` raise
+used twice, as tied weights are; a convolution; a gather that is not a row
+lookup; a custom_vjp or scan that takes a parameter) makes `analyze` raise
 `GhostClippingUnsupported` with the reason, and the caller falls back to
 per-example gradients.
 
@@ -51,8 +53,8 @@ sum/difference basis), and the clipped sum the same vector-Jacobian products
 over every term.
 
 Adding a layer type is one rule: a `LayerRule` registered in `LAYER_RULES`
-under the primitive's name (convolution: unfold the input into patches, then
-the dense-over-positions identity; embedding: the token-equality Gram form).
+under the primitive's name (as `gather` for embeddings; a convolution would unfold
+the input into patches, then use the dense-over-positions identity).
 A rule only computes per-example squared norms; the clipped sum is the
 generic vector-Jacobian product and needs nothing new.
 
@@ -496,10 +498,72 @@ def dense_uses_gram(tap: Tap, plan: GhostPlan,
   return positions * (contract + features) <= contract * features
 
 
+def _embedding_check(tap: Tap, program: _Program) -> Optional[str]:
+  """An embedding lookup: rows of a 2-D table gathered by integer ids."""
+  eqn = program.nodes[tap.node].eqn
+  if tap.position != 0:
+    return 'the parameter is not the gathered table'
+  table, ids = eqn.invars[0].aval, eqn.invars[1].aval
+  numbers = eqn.params['dimension_numbers']
+  row_lookup = (
+      table.ndim == 2 and ids.ndim >= 1 and ids.shape[-1] == 1 and
+      tuple(numbers.collapsed_slice_dims) == (0,) and
+      tuple(numbers.start_index_map) == (0,) and
+      tuple(numbers.offset_dims) == (ids.ndim - 1,) and
+      not tuple(numbers.operand_batching_dims) and
+      tuple(eqn.params['slice_sizes']) == (1, table.shape[1]))
+  if not row_lookup:
+    return 'not a lookup of whole rows of a 2-D table (an embedding)'
+  if not _norm_preserving(tap.chain):
+    return 'the table is resized before the lookup'
+  return None
+
+
+def _embedding_squared_norms(tap: Tap, program: _Program, leaf: jax.Array,
+                             others: Sequence[jax.Array],
+                             g: jax.Array) -> jax.Array:
+  """Per-unit squared norms of an embedding table's gradient.
+
+  The table's per-unit gradient is `M = sum_p e_{i_p} g_p^T` over the unit's
+  positions p (its terms' positions together), i_p the row looked up: rows
+  looked up twice add. Its squared norm is the token-equality Gram form
+  `sum_{p,q} [i_p = i_q] (g_p . g_q)`, O(P^2 F) per unit instead of the
+  `V x F` table per unit.
+
+  An id outside the table (`0 <= i < V` fails) is clamped, filled or
+  dropped depending on the lookup's mode and the backend; whatever happens
+  to it, its row of `M` changes by at most `||g_p||` in norm, so the norm
+  used is the in-table part plus `sum ||g_p||` over such positions (the
+  triangle inequality): never below the truth.
+  """
+  del leaf
+  (ids,) = others
+  vocabulary = program.nodes[tap.node].eqn.invars[0].aval.shape[0]
+  acc = jnp.promote_types(g.dtype, jnp.float32)
+  units, features = g.shape[0], g.shape[-1]
+  ids = ids.reshape(units, -1)
+  g = g.astype(acc).reshape(units, ids.shape[1], features)
+  inside = (ids >= 0) & (ids < vocabulary)
+  g_inside = jnp.where(inside[..., None], g, 0.0)
+  gram = jnp.einsum('upf,uqf->upq', g_inside, g_inside,
+                    precision=jax.lax.Precision.HIGHEST)
+  same = ids[:, :, None] == ids[:, None, :]
+  squared = jnp.sum(jnp.where(same, gram, 0.0), axis=(1, 2))
+  norms = _norm(g)
+  # Each position is a column `e_{i_p} g_p^T` with |e_{i_p}| = 1: the dense
+  # layer's rounding bound with C = 1 and K = P columns.
+  squared = _with_rounding_margin(
+      squared, jnp.sum(jnp.where(inside, norms, 0.0), axis=1, keepdims=True),
+      contract=1, features=features, columns=ids.shape[1], dtype=acc)
+  outside = jnp.sum(jnp.where(inside, 0.0, norms), axis=1)
+  return jnp.square(jnp.sqrt(squared) + outside)
+
+
 # One rule per primitive name. `dot_general` covers dense layers (with or
 # without positions, any dimension numbers); `add`/`sub` cover biases and
 # `mul` elementwise scales (e.g. a norm layer's scale), whose per-example
-# gradients are small enough to materialize.
+# gradients are small enough to materialize; `gather` covers embedding
+# lookups (the token-equality Gram form).
 # Rules whose parameter gradient is linear in the output gradient alone (a
 # bias: the other operand does not enter it).
 _LINEAR_IN_COTANGENT = ('add', 'sub')
@@ -509,6 +573,7 @@ LAYER_RULES: dict[str, LayerRule] = {
     'add': LayerRule(_no_check, _materialized_squared_norms),
     'sub': LayerRule(_no_check, _materialized_squared_norms),
     'mul': LayerRule(_no_check, _materialized_squared_norms),
+    'gather': LayerRule(_embedding_check, _embedding_squared_norms),
 }
 
 

@@ -160,6 +160,38 @@ def _flax_nnx_mlp(seed=5):
   return loss_fn, params, _classification_batch(np.random.default_rng(seed), 6)
 
 
+def _embedding_model(seed=8):
+  """An nnx.Embed lookup (repeated tokens), mean pooling, a dense head."""
+  nnx = pytest.importorskip('flax.nnx')
+
+  class Bag(nnx.Module):
+
+    def __init__(self, rngs):
+      self.embed = nnx.Embed(VOCABULARY, 8, rngs=rngs)
+      self.out = nnx.Linear(8, 3, rngs=rngs)
+
+    def __call__(self, tokens):
+      return self.out(jnp.tanh(jnp.mean(self.embed(tokens), axis=0)))
+
+  graphdef, params = nnx.split(Bag(nnx.Rngs(seed)), nnx.Param)
+  params = jax.tree_util.tree_map(lambda w: w * 3.0, params)
+
+  def loss_fn(params, example):
+    return _cross_entropy(nnx.merge(graphdef, params)(example['x']),
+                          example['y'])
+
+  rng = np.random.default_rng(seed)
+  # 6 tokens from a vocabulary of 5: most examples repeat a token, so the
+  # rows of the table's gradient add up and the equality term matters.
+  batch = {'x': jnp.asarray(rng.integers(0, VOCABULARY, (NUM_EXAMPLES, 6)),
+                            jnp.int32),
+           'y': jnp.asarray(rng.integers(0, 3, NUM_EXAMPLES), jnp.int32)}
+  return loss_fn, params, batch
+
+
+VOCABULARY = 5
+
+
 MODELS = {
     'logistic_regression': _logistic_regression,
     'mlp': _mlp,
@@ -167,6 +199,7 @@ MODELS = {
     'gram_and_materialized': _gram_and_materialized_model,
     'flax_linen_mlp_layernorm': _flax_linen_mlp,
     'flax_nnx_mlp': _flax_nnx_mlp,
+    'embedding': _embedding_model,
 }
 # Clip norms inside each model's spread of per-example gradient norms (and
 # not within 1% of any of them), so both clipped and unclipped examples occur.
@@ -177,6 +210,7 @@ CLIPS = {
     'gram_and_materialized': 10.0,
     'flax_linen_mlp_layernorm': 4.0,
     'flax_nnx_mlp': 2.0,
+    'embedding': 1.0,
 }
 
 
@@ -425,9 +459,26 @@ def _conv(seed=7):
   return loss_fn, params, _classification_batch(rng, 36)
 
 
+def _column_gather(seed=9):
+  """A gather of table COLUMNS: not an embedding lookup."""
+  rng = np.random.default_rng(seed)
+  params = {'table': _normal(rng, 6, VOCABULARY)}
+
+  def loss_fn(params, example):
+    picked = jnp.take(params['table'], example['tokens'], axis=1)
+    return jnp.sum(jnp.tanh(example['x'] @ picked))
+
+  batch = dict(_classification_batch(rng, 6),
+               tokens=jnp.asarray(rng.integers(0, VOCABULARY,
+                                               (NUM_EXAMPLES, 2)), jnp.int32))
+  return loss_fn, params, batch
+
+
 FALLBACKS = {
     'tied_weights': (_tied_weights, r"\['w'\] is used 2 times"),
     'conv': (_conv, r"\['kernel'\] is used by `conv_general_dilated`"),
+    'column_gather': (_column_gather, r"\['table'\] used by `gather`: not a "
+                      'lookup of whole rows'),
 }
 
 
@@ -481,3 +532,30 @@ def test_a_loss_the_ghost_passes_cannot_trace_falls_back(monkeypatch):
   _assert_same(out, _run(loss_fn, params, batch, 'vmap'))
   with pytest.raises(ghost.GhostClippingUnsupported, match='failed to trace'):
     clipping.clipped_grad_sum(loss_fn, CLIP, method='ghost')(batch, params)
+
+
+def test_embedding_ids_outside_the_table_never_shrink_the_norm():
+  # With mode='clip' the ids V + 2 and V - 1 read and update the SAME row:
+  # the true gradient of that row is the SUM of both positions' gradients.
+  # Norms that took the raw ids as distinct rows would give sqrt(P) times
+  # too little here, and the clipped contribution would exceed the clip.
+  direction = jnp.asarray([1.0, -2.0, 0.5], jnp.float32)
+  params = {'table': jnp.zeros((VOCABULARY, 3), jnp.float32)}
+
+  def loss_fn(params, example):
+    rows = jnp.take(params['table'], example['tokens'], axis=0, mode='clip')
+    return jnp.sum(rows @ direction)
+
+  tokens = np.full((NUM_EXAMPLES, 6), VOCABULARY - 1)
+  tokens[:, ::2] = VOCABULARY + 2          # outside: clamped to V - 1
+  batch = {'tokens': jnp.asarray(tokens, jnp.int32)}
+  true_norm = 6 * float(jnp.linalg.norm(direction))
+  clip = 0.5 * true_norm
+  single = jax.tree_util.tree_map(lambda x: x[:1], batch)
+  out = _run(loss_fn, params, single, 'ghost', clip=clip)
+  assert float(jnp.linalg.norm(out.sum['table'])) <= clip * (1 + 1e-6)
+  # With every id inside the table the norms are exact again.
+  inside = {'tokens': jnp.asarray(np.full((NUM_EXAMPLES, 6), 1), jnp.int32)}
+  ghost_out, vmap_out = _ghost_and_vmap(loss_fn, params, inside, clip=clip)
+  _assert_same(ghost_out, vmap_out)
+  assert int(vmap_out.num_clipped) == NUM_EXAMPLES
