@@ -19,7 +19,11 @@ classes, softmax cross-entropy), for:
   gradients.
 
 Models: logistic regression 784->10 (B=500), MLP 784-256-10 (B=500) and
-MLP 784-1024-1024-10 (B=256), ReLU. Before timing, the script checks that the
+MLP 784-1024-1024-10 (B=256), ReLU, and a one-block transformer encoder
+(token embedding 1000x64, learned positions, 4-head self-attention, two
+layer norms, a ReLU MLP 64-256-64, mean pooling; 116,426 parameters; 32
+tokens, B=64) whose every parameter takes the ghost path (the embedding by
+the token-equality Gram form). Before timing, the script checks that the
 ghost and vmap clipped sums agree on the batch.
 
 Variants are interleaved in rounds with a rotating order (machine-load drift
@@ -28,7 +32,8 @@ per-step time, and the ratios come from the same run.
 
 Usage (from the repository root)::
 
-    python benchmarks/ghost_step.py [--iters 3] [--warmup 1] [--rounds 5]
+    python benchmarks/ghost_step.py [--iters 3] [--warmup 1] [--rounds 5] \
+        [--only transformer]
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ import argparse
 import os
 import sys
 import warnings
-from typing import NamedTuple
+from typing import Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -70,6 +75,63 @@ class Problem(NamedTuple):
   # Multiplies --iters: cheap steps are timed over more steps per round, so
   # that timer and dispatch jitter stay small against them.
   iters_scale: int
+  # `make_batch(rng, batch_size)`; None: 784 float inputs (`make_batch`).
+  batch_fn: Optional[Callable[..., dpsgd_step.Batch]] = None
+
+
+# The transformer encoder: vocabulary, sequence length, width, heads.
+VOCABULARY, SEQUENCE, WIDTH, HEADS = 1000, 32, 64, 4
+
+
+def transformer_init(rng: np.random.Generator) -> dict:
+  """A one-block pre-norm transformer encoder (116,426 parameters)."""
+  normal = lambda *shape, scale: jnp.asarray(
+      rng.normal(size=shape) * scale, jnp.float32)
+  dense = lambda a, b: normal(a, b, scale=1 / np.sqrt(a))
+  return {
+      'embed': normal(VOCABULARY, WIDTH, scale=1.0),
+      'position': normal(SEQUENCE, WIDTH, scale=0.1),
+      'norm1': {'scale': jnp.ones(WIDTH), 'bias': jnp.zeros(WIDTH)},
+      'query': dense(WIDTH, WIDTH), 'key': dense(WIDTH, WIDTH),
+      'value': dense(WIDTH, WIDTH), 'attention_out': dense(WIDTH, WIDTH),
+      'norm2': {'scale': jnp.ones(WIDTH), 'bias': jnp.zeros(WIDTH)},
+      'mlp_in': dense(WIDTH, 4 * WIDTH), 'mlp_in_bias': jnp.zeros(4 * WIDTH),
+      'mlp_out': dense(4 * WIDTH, WIDTH), 'mlp_out_bias': jnp.zeros(WIDTH),
+      'head': dense(WIDTH, NUM_CLASSES), 'head_bias': jnp.zeros(NUM_CLASSES),
+  }
+
+
+def _layer_norm(x: jax.Array, norm: dict) -> jax.Array:
+  mean = jnp.mean(x, axis=-1, keepdims=True)
+  centred = x - mean
+  scale = jax.lax.rsqrt(jnp.mean(centred**2, axis=-1, keepdims=True) + 1e-5)
+  return centred * scale * norm['scale'] + norm['bias']
+
+
+def transformer_apply(params: dict, tokens: jax.Array) -> jax.Array:
+  """Logits for token ids `[..., SEQUENCE]` (any leading axes)."""
+  h = jnp.take(params['embed'], tokens, axis=0) + params['position']
+  x = _layer_norm(h, params['norm1'])
+  split = lambda y: y.reshape(y.shape[:-1] + (HEADS, WIDTH // HEADS))
+  q, k, v = (split(x @ params[name]) for name in ('query', 'key', 'value'))
+  scores = jnp.einsum('...qhd,...khd->...hqk', q, k) / np.sqrt(WIDTH // HEADS)
+  mixed = jnp.einsum('...hqk,...khd->...qhd', jax.nn.softmax(scores), v)
+  h = h + mixed.reshape(h.shape) @ params['attention_out']
+  x = _layer_norm(h, params['norm2'])
+  h = h + (jax.nn.relu(x @ params['mlp_in'] + params['mlp_in_bias'])
+           @ params['mlp_out'] + params['mlp_out_bias'])
+  return jnp.mean(h, axis=-2) @ params['head'] + params['head_bias']
+
+
+def make_token_batch(rng: np.random.Generator,
+                     batch_size: int) -> dpsgd_step.Batch:
+  """A synthetic batch {"x": [B, SEQUENCE] int32 ids, "y": [B] int32}."""
+  return {
+      'x': jnp.asarray(rng.integers(0, VOCABULARY, (batch_size, SEQUENCE)),
+                       jnp.int32),
+      'y': jnp.asarray(rng.integers(0, NUM_CLASSES, size=batch_size),
+                       jnp.int32),
+  }
 
 
 def mlp_init(rng: np.random.Generator, widths: list[int]):
@@ -100,6 +162,10 @@ def make_problems(rng: np.random.Generator) -> list[Problem]:
     problems.append(Problem(dpsgd_step.Model(
         f'MLP {name} (relu), B={batch_size}', mlp_init(rng, widths),
         mlp_apply), batch_size, iters_scale))
+  problems.append(Problem(dpsgd_step.Model(
+      f'transformer encoder (embedding {VOCABULARY}x{WIDTH}, {SEQUENCE} '
+      f'tokens, {HEADS} heads, layer norms), B=64', transformer_init(rng),
+      transformer_apply), 64, 1, make_token_batch))
   return problems
 
 
@@ -192,6 +258,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                       help='untimed steps per variant after compilation')
   parser.add_argument('--rounds', type=int, default=5,
                       help='interleaved timing rounds')
+  parser.add_argument('--only', default='',
+                      help='time only the models whose name contains this')
   args = parser.parse_args(argv)
   if min(args.iters, args.rounds) < 1 or args.warmup < 0:
     parser.error('--iters and --rounds must be >= 1, --warmup >= 0')
@@ -218,7 +286,9 @@ def main(argv: list[str]) -> None:
   print_header(args)
   rng = np.random.default_rng(dpsgd_step.DATA_SEED)
   for problem in make_problems(rng):
-    batch = make_batch(rng, problem.batch_size)
+    if args.only not in problem.model.name:
+      continue
+    batch = (problem.batch_fn or make_batch)(rng, problem.batch_size)
     variants = make_variants(problem)
     times = dpsgd_step.benchmark(problem.model, variants, batch,
                                  args.iters * problem.iters_scale,

@@ -18,6 +18,7 @@ Every row holds `algorithm`, `step`, `epoch`, `epsilon` (spent so far;
 diagnostics outside the privacy guarantee unless they use public data.
 """
 
+import itertools
 import math
 import time
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional
@@ -108,7 +109,9 @@ def run_plan(name: str, plan: plans.Plan, params: PyTree, data: PyTree, *,
 
   Args:
     name: the run's name in rows and logs.
-    plan: the plan (its batches index `data`).
+    plan: the plan (its batches index `data`; a plan without a sampler,
+      such as DIFF2's or the multi-pass nonsmooth one, gets all of `data`
+      every step).
     params: the initial params.
     data: the training set, a pytree with leading axis `num_examples`.
     evaluate: `evaluate(params) -> {metric: value}`, at every evaluation.
@@ -119,8 +122,10 @@ def run_plan(name: str, plan: plans.Plan, params: PyTree, data: PyTree, *,
   Returns:
     The `RunResult` (its rows start at the step the run resumed from).
   """
-  logging.info('%s: noise multiplier %.4g, %d steps, epsilon %.4g at delta '
-               '%g (%s)', name, plan.noise_multiplier, plan.num_steps,
+  multiplier = plan.noise_multiplier  # a float, or a named tuple (DIFF2)
+  logging.info('%s: noise multiplier %s, %d steps, epsilon %.4g at delta '
+               '%g (%s)', name, f'{multiplier:.4g}' if isinstance(
+                   multiplier, (int, float)) else multiplier, plan.num_steps,
                plan.epsilon, plan.delta, plan.mechanism.name)
 
   def step(params, opt_state, batch_inputs):
@@ -153,9 +158,15 @@ def run_plan(name: str, plan: plans.Plan, params: PyTree, data: PyTree, *,
 
     after_step = save_when_due
 
-  return _loop(name, plan.num_steps, steps_per_epoch,
-               plan.batches_of(data, first), step, params, opt_state,
-               evaluate, eval_every, plan.epsilon_at, first, after_step)
+  if plan.batches is None:
+    # Full-batch plans (DIFF2, the multi-pass nonsmooth oracle) read the
+    # whole data set every step.
+    inputs = itertools.repeat({'batch': data}, plan.num_steps - first)
+  else:
+    inputs = plan.batches_of(data, first)
+  return _loop(name, plan.num_steps, steps_per_epoch, inputs, step, params,
+               opt_state, evaluate, eval_every, plan.epsilon_at, first,
+               after_step)
 
 
 def run_optimizer(name: str, optimizer: optax.GradientTransformation,

@@ -427,6 +427,40 @@ def best(rows: Sequence[Row], *, by: str = 'mean',
   return (max if maximize else min)(finite, key=lambda r: float(r[by]))
 
 
+def grid_edge(grid: Sequence[float], picked: float) -> str:
+  """Which edge of a one-dimensional grid a picked value sits on, if any.
+
+  An optimum on the edge of the grid searched may lie outside it: a table
+  that reports it must say so (and a wider grid should be tried).
+
+  Example:
+    >>> grid_edge([0.01, 0.1, 1.0], 1.0)
+    'upper'
+
+  Args:
+    grid: the values searched (any order; at least one).
+    picked: the value chosen (one of `grid`).
+
+  Returns:
+    'lower' or 'upper' when `picked` is the grid's smallest or largest value
+    (of a grid of two or more values), '' when it is interior or the grid has
+    one value.
+
+  Raises:
+    ValueError: if `picked` is not in `grid`.
+  """
+  values = sorted(float(v) for v in grid)
+  if not any(math.isclose(float(picked), v, rel_tol=1e-12) for v in values):
+    raise ValueError(f'{picked!r} is not a value of the grid {values}')
+  if len(values) < 2:
+    return ''
+  if math.isclose(float(picked), values[0], rel_tol=1e-12):
+    return 'lower'
+  if math.isclose(float(picked), values[-1], rel_tol=1e-12):
+    return 'upper'
+  return ''
+
+
 def format_table(rows: Sequence[Row], columns: Optional[Sequence[str]] = None,
                  *, digits: int = 4) -> str:
   """Rows as a markdown table; 'mean' is shown with its interval.

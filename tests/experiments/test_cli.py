@@ -17,6 +17,7 @@ EXPERIMENTS = {
     'sweep_digits': 'configs/sweep_digits.py',
     'srg_memf': 'configs/srg_memf_digits.py',
     'flax_digits': 'configs/flax_digits.py',
+    'nonsmooth_synthetic': 'configs/nonsmooth_synthetic.py',
 }
 CONFIGS = sorted(str(p.relative_to(REPO))
                  for p in (REPO / 'configs').glob('*.py')

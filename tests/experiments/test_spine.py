@@ -76,3 +76,26 @@ def test_a_killed_run_resumes_bit_identical(tmp_path):
                   jax.tree_util.tree_leaves(resumed.params)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert jnp.isfinite(resumed.rows[-1]['loss'])
+
+
+def test_a_full_batch_plan_reads_all_the_data_every_step():
+  rng = np.random.default_rng(1)
+  data = rng.normal(size=(16, 3)).astype(np.float32)
+  loss = lambda x, xi: jnp.sum(jnp.abs(x - xi))
+  plan = plans.nonsmooth_multi_pass(
+      loss, order='first', num_examples=16, num_steps=4, dimension=3,
+      lipschitz=2.0, smoothing_radius=0.1, movement_radius=0.01,
+      learning_rate=0.05, block_length=2, period=2, num_directions=2,
+      epsilon=2.0, delta=1e-6, key=jax.random.key(0))
+  assert plan.batches is None
+  with warnings.catch_warnings():
+    warnings.simplefilter('ignore')
+    result = spine.run_plan('multi_pass', plan, jnp.ones(3), data,
+                            evaluate=lambda p: {'norm': jnp.linalg.norm(p)},
+                            eval_every=2)
+  assert [r['step'] for r in result.rows] == [0, 2, 4]
+  assert result.rows[-1]['epsilon'] == pytest.approx(plan.epsilon)
+  # A fifth step would pass the accounted T: the plan's noise refuses it.
+  with pytest.raises(ValueError, match='past|capacity|steps'):
+    plan.transformation.update(None, result.opt_state, result.params,
+                               batch=data)

@@ -219,3 +219,13 @@ def test_runs_spread_over_the_devices_give_the_same_results(toy_result):
   assert spread.chunk_size == 8
   np.testing.assert_allclose(spread.metrics['loss'][:, :3],
                              toy_result.metrics['loss'], rtol=1e-5, atol=1e-6)
+
+
+def test_grid_edge_flags_picks_on_either_edge():
+  grid = [0.3, 0.01, 0.1]  # any order
+  assert sweeps.grid_edge(grid, 0.01) == 'lower'
+  assert sweeps.grid_edge(grid, 0.3) == 'upper'
+  assert sweeps.grid_edge(grid, 0.1) == ''
+  assert sweeps.grid_edge([1.0], 1.0) == ''
+  with pytest.raises(ValueError, match='not a value of the grid'):
+    sweeps.grid_edge(grid, 0.2)
