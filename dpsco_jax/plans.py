@@ -1138,6 +1138,24 @@ def _clip_event_budget(sensitivity: str, epsilon: float, delta: float
   return delta / 2, (delta / 2) / (1.0 + math.exp(min(epsilon, 700.0)))
 
 
+def _o2nc_learning_rate(learning_rate: Union[float, str], scale: float, *,
+                        movement_radius: float, block_length: int,
+                        lipschitz: float, noise_norm: float) -> float:
+  """A given eta, or `scale D / ((L + G_0) sqrt(M))` (Proposition 2.6)."""
+  if isinstance(learning_rate, str):
+    if learning_rate != nonsmooth.PROPOSITION_2_6:
+      raise ValueError("learning_rate must be a number or "
+                       f"'{nonsmooth.PROPOSITION_2_6}', got {learning_rate!r}")
+    return nonsmooth.proposition_2_6_learning_rate(
+        movement_radius=movement_radius, block_length=block_length,
+        lipschitz=lipschitz, noise_norm=noise_norm, scale=scale)
+  if scale != 1.0:
+    raise ValueError("learning_rate_scale scales learning_rate="
+                     f"'{nonsmooth.PROPOSITION_2_6}' only; got a learning "
+                     f'rate {learning_rate!r} and a scale {scale!r}')
+  return float(learning_rate)
+
+
 def nonsmooth_single_pass(
     loss_fn: LossFn,
     *,
@@ -1147,7 +1165,7 @@ def nonsmooth_single_pass(
     lipschitz: float,
     smoothing_radius: float,
     movement_radius: float,
-    learning_rate: float,
+    learning_rate: Union[float, str],
     block_length: int,
     period: int,
     anchor_batch_size: int,
@@ -1159,6 +1177,7 @@ def nonsmooth_single_pass(
     num_steps: Optional[int] = None,
     anchor_directions: Optional[int] = None,
     sensitivity: str = 'effective',
+    learning_rate_scale: float = 1.0,
     seed: Optional[int] = None,
     key: estimators.KeyLike = None,
     method: str = 'pld',
@@ -1203,7 +1222,13 @@ def nonsmooth_single_pass(
     lipschitz: L of every per-example loss (sets the clips).
     smoothing_radius: alpha.
     movement_radius: D.
-    learning_rate: eta.
+    learning_rate: eta, or 'proposition_2_6': eta = `learning_rate_scale`
+      D / ((L + G_0) sqrt(M)) with G_0 the norm of the noise on a released
+      estimate (`nonsmooth.released_noise_norm`, from the calibrated noise
+      and the clips; recorded as `released_noise_norm`). The practical
+      mode: keep M D = alpha, Sigma = M = 10, m = 8 d (zero order) or 4
+      (first order), B_2 about B_1 / 2, and tune only the scale
+      (docs/nonsmooth_synthetic).
     block_length: M.
     period: Sigma.
     anchor_batch_size: B_1.
@@ -1216,6 +1241,7 @@ def nonsmooth_single_pass(
     anchor_directions: directions per anchor estimate (default: 1 first
       order, m zero order).
     sensitivity: 'effective' (concentration radii) or 'worst_case'.
+    learning_rate_scale: the multiplier of `learning_rate='proposition_2_6'`.
     seed: the permutation's seed (None: fresh from OS entropy).
     key: the noise key (None: fresh from OS entropy).
     method: accounting method.
@@ -1268,6 +1294,13 @@ def nonsmooth_single_pass(
   guard = batching.participation_guard(participation,
                                        num_examples=num_examples,
                                        axis_name=axis_name)
+  noise_norm = nonsmooth.released_noise_norm(
+      noise_multiplier=multiplier, dimension=dimension, period=period,
+      sensitivity=neighboring.sensitivity_factor(relation) * max(
+          clips.anchor / anchor_batch_size, clips.difference / batch_size))
+  learning_rate = _o2nc_learning_rate(
+      learning_rate, learning_rate_scale, movement_radius=movement_radius,
+      block_length=block_length, lipschitz=lipschitz, noise_norm=noise_norm)
   outer = nonsmooth.o2nc(learning_rate=learning_rate,
                          movement_radius=movement_radius,
                          block_length=block_length,
@@ -1291,7 +1324,9 @@ def nonsmooth_single_pass(
           'block_length': block_length, 'period': period,
           'anchor_batch_size': anchor_batch_size, 'batch_size': batch_size,
           'num_directions': num_directions,
-          'anchor_directions': anchor_directions})
+          'anchor_directions': anchor_directions,
+          'released_noise_norm': noise_norm,
+          'learning_rate_scale': learning_rate_scale})
 
 
 def nonsmooth_multi_pass(
@@ -1304,7 +1339,7 @@ def nonsmooth_multi_pass(
     lipschitz: float,
     smoothing_radius: float,
     movement_radius: float,
-    learning_rate: float,
+    learning_rate: Union[float, str],
     block_length: int,
     period: int,
     num_directions: int,
@@ -1313,6 +1348,7 @@ def nonsmooth_multi_pass(
     noise_multipliers: Optional[diff2.Diff2NoiseMultipliers] = None,
     anchor_directions: Optional[int] = None,
     sensitivity: str = 'effective',
+    learning_rate_scale: float = 1.0,
     budget_split: float = 2.0,
     key: estimators.KeyLike = None,
     method: str = 'pld',
@@ -1345,8 +1381,9 @@ def nonsmooth_multi_pass(
     num_steps: T.
     dimension, lipschitz, smoothing_radius, movement_radius, learning_rate,
       block_length, period, num_directions, anchor_directions, sensitivity,
-      key, method, reset_delta_each_block, microbatch_size, axis_name: as in
-      `nonsmooth_single_pass`.
+      learning_rate_scale, key, method, reset_delta_each_block,
+      microbatch_size, axis_name: as in `nonsmooth_single_pass` (G_0 here is
+      the larger of the two Gaussians' norms, `2 z C sqrt(d) / n`).
     delta: the run's delta.
     epsilon: target epsilon (or give `noise_multipliers`).
     noise_multipliers: `Diff2NoiseMultipliers(z_1, z_2)` (or `epsilon`).
@@ -1387,6 +1424,14 @@ def nonsmooth_multi_pass(
       anchor_directions=anchor_directions, key=key,
       microbatch_size=microbatch_size, axis_name=axis_name,
       dimension=dimension)
+  # Replace-one: an increment moves by 2 C / n.
+  noise_norm = nonsmooth.released_noise_norm(
+      noise_multiplier=1.0, dimension=dimension,
+      sensitivity=2.0 * max(z.restart * clips.anchor,
+                            z.difference * clips.difference) / n)
+  learning_rate = _o2nc_learning_rate(
+      learning_rate, learning_rate_scale, movement_radius=movement_radius,
+      block_length=block_length, lipschitz=lipschitz, noise_norm=noise_norm)
   outer = nonsmooth.o2nc(learning_rate=learning_rate,
                          movement_radius=movement_radius,
                          block_length=block_length,
@@ -1410,7 +1455,8 @@ def nonsmooth_multi_pass(
           'block_length': block_length, 'period': period,
           'num_directions': num_directions,
           'anchor_directions': anchor_directions,
-          'budget_split': budget_split},
+          'budget_split': budget_split, 'released_noise_norm': noise_norm,
+          'learning_rate_scale': learning_rate_scale},
       _epsilon_of_prefix=spent)
 
 

@@ -88,9 +88,9 @@ O2NC_METHODS = {'zero_effective': ('zero', 'effective'),
 METHODS = (*O2NC_METHODS, 'dpsgd')
 STUDIES = ('dimension', 'passes', 'sensitivity')
 Row = dict[str, Any]
-# (method, d, n, m, multi_pass) -> (noise multiplier, noise norm G_0): the
-# calibration depends on neither the seed nor the step size.
-_CALIBRATED: dict[tuple[Any, ...], tuple[Any, float]] = {}
+# (method, d, n, m, multi_pass) -> the noise multiplier: the calibration
+# depends on neither the seed nor the step size.
+_CALIBRATED: dict[tuple[Any, ...], Any] = {}
 
 
 class Problem(NamedTuple):
@@ -164,14 +164,16 @@ def num_directions(config: ml_collections.ConfigDict, order: str,
 
 
 def o2nc_plan(config: ml_collections.ConfigDict, method: str, dimension: int,
-              learning_rate: float, seed: int, *, multi_pass: bool = False,
+              scale: float, seed: int, *, multi_pass: bool = False,
               num_examples: int, directions: int,
               noise_multiplier: Any = None) -> plans.Plan:
   """The single-pass (or multi-pass) private O2NC plan of `method`.
 
-  Calibrated to the config's epsilon, or with the given `noise_multiplier`
-  (the epsilon is then computed: the same value for runs that differ only
-  in their seed or step size).
+  The step is Proposition 2.6's times `scale` (`learning_rate=
+  'proposition_2_6'`: eta = scale D / ((L + G_0) sqrt(M)), G_0 the norm of
+  the oracle's released noise). Calibrated to the config's epsilon, or with
+  the given `noise_multiplier` (the epsilon is then computed: the same
+  value for runs that differ only in their seed or step).
   """
   order, sensitivity = O2NC_METHODS[method]
   if noise_multiplier is None:
@@ -183,7 +185,8 @@ def o2nc_plan(config: ml_collections.ConfigDict, method: str, dimension: int,
   common = dict(
       order=order, num_examples=num_examples, dimension=dimension,
       lipschitz=1.0, smoothing_radius=config.smoothing_radius,
-      movement_radius=config.movement_radius, learning_rate=learning_rate,
+      movement_radius=config.movement_radius,
+      learning_rate=nonsmooth.PROPOSITION_2_6, learning_rate_scale=scale,
       block_length=config.block_length, period=config.period,
       num_directions=directions, delta=config.delta, sensitivity=sensitivity,
       **privacy,
@@ -198,33 +201,6 @@ def o2nc_plan(config: ml_collections.ConfigDict, method: str, dimension: int,
                                config.anchor_batch_size),
       batch_size=config.passes_batch_size if passes else config.batch_size,
       seed=quickstart.seed_for(seed, 'batches'), **common)
-
-
-def noise_norm(plan: plans.Plan, dimension: int, num_examples: int) -> float:
-  """G_0: the norm of the noise on one released estimate (its scale).
-
-  Single pass: the tree's prefix noise, about stddev sqrt(d (1 + log2
-  Sigma)); multi pass: the difference steps' Gaussian, stddev sqrt(d). The
-  stddev is z times the replace-one sensitivity 2 C / B of the step.
-  """
-  hyper = plan.hyperparameters
-  clips = hyper['clips']
-  z = plan.noise_multiplier
-  if plan.batches is None:  # multi pass: B = n, z = (z_1, z_2)
-    return float(max(z.restart * 2 * clips['anchor'],
-                     z.difference * 2 * clips['difference'])
-                 / num_examples * math.sqrt(dimension))
-  stddev = z * max(2 * clips['anchor'] / hyper['anchor_batch_size'],
-                   2 * clips['difference'] / hyper['batch_size'])
-  levels = 1 + math.ceil(math.log2(hyper['period']))
-  return float(stddev * math.sqrt(dimension * levels))
-
-
-def o2nc_learning_rate(config: ml_collections.ConfigDict, multiplier: float,
-                       noise: float) -> float:
-  """eta = multiplier D / (G_1 sqrt(M)), G_1 = L + G_0 (Proposition 2.6)."""
-  return multiplier * config.movement_radius / (
-      (1.0 + noise) * math.sqrt(config.block_length))
 
 
 def evaluate_output(config, problem: Problem, x: jax.Array, seed: int,
@@ -273,16 +249,15 @@ def run_one(config: ml_collections.ConfigDict, method: str, dimension: int,
     directions = num_directions(config, order, dimension)
     calibration = (method, dimension, n, directions, multi_pass)
     if calibration not in _CALIBRATED:  # the same for every seed and step
-      probe = o2nc_plan(config, method, dimension, 1.0, seed,
-                        multi_pass=multi_pass, num_examples=n,
-                        directions=directions)
-      _CALIBRATED[calibration] = (probe.noise_multiplier,
-                                  noise_norm(probe, dimension, n))
-    multiplier, noise = _CALIBRATED[calibration]
-    learning_rate = o2nc_learning_rate(config, value, noise)
-    plan = o2nc_plan(config, method, dimension, learning_rate, seed,
+      _CALIBRATED[calibration] = o2nc_plan(
+          config, method, dimension, value, seed, multi_pass=multi_pass,
+          num_examples=n, directions=directions).noise_multiplier
+    plan = o2nc_plan(config, method, dimension, value, seed,
                      multi_pass=multi_pass, num_examples=n,
-                     directions=directions, noise_multiplier=multiplier)
+                     directions=directions,
+                     noise_multiplier=_CALIBRATED[calibration])
+    noise = plan.hyperparameters['released_noise_norm']
+    learning_rate = plan.hyperparameters['learning_rate']
     if plan.epsilon > config.epsilon * (1 + 1e-6):
       raise RuntimeError(f'{method}: epsilon {plan.epsilon} above the target')
     result = spine.run_plan(method, plan, problem.start, train,
@@ -505,7 +480,7 @@ def sensitivity_rows(config: ml_collections.ConfigDict) -> list[Row]:
       plan = o2nc_plan(config, method, dimension, 1.0, 0,
                        num_examples=config.num_examples,
                        directions=num_directions(config, order, dimension))
-      noise[method] = noise_norm(plan, dimension, config.num_examples)
+      noise[method] = plan.hyperparameters['released_noise_norm']
       clips = plan.hyperparameters['clips']
       rows.append({'dimension': dimension, 'method': method,
                    'num_directions': plan.hyperparameters['num_directions'],

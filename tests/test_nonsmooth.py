@@ -599,3 +599,42 @@ def test_difference_uses_independent_directions_at_the_two_points():
       data, smoothing.example_keys(jax.random.key(0), 4))
   params = query_points(1)[0]
   assert np.linalg.norm(flat(stat(rows, params, params).sum)) > 1e-3
+
+
+def test_proposition_2_6_step_comes_from_the_calibrated_noise():
+  plan = single_pass_plan(learning_rate='proposition_2_6',
+                          learning_rate_scale=3.0)
+  hyper = plan.hyperparameters
+  # G_0 by hand: the tree's prefix noise, 1 + ceil(log2 4) = 3 nodes of std
+  # z * 2 C / B (replace-one) for the larger of the two increments.
+  clips = hyper['clips']
+  stddev = plan.noise_multiplier * 2 * max(clips['anchor'] / 20,
+                                           clips['difference'] / 5)
+  noise = stddev * math.sqrt(5 * 3)
+  assert hyper['released_noise_norm'] == pytest.approx(noise)
+  assert hyper['learning_rate'] == pytest.approx(
+      3.0 * 0.01 / ((1.0 + noise) * math.sqrt(4)))
+  # A given number is used as given.
+  given = single_pass_plan(learning_rate=0.05)
+  assert given.hyperparameters['learning_rate'] == 0.05
+  multi = plans.nonsmooth_multi_pass(
+      robust_loss, order='first', num_examples=32, num_steps=8, dimension=5,
+      lipschitz=1.0, smoothing_radius=0.1, movement_radius=0.01,
+      learning_rate='proposition_2_6', block_length=2, period=4,
+      num_directions=2, epsilon=3.0, delta=1e-6)
+  z, mclips = multi.noise_multiplier, multi.hyperparameters['clips']
+  multi_noise = 2 * max(z.restart * mclips['anchor'],
+                        z.difference * mclips['difference']) / 32 * math.sqrt(5)
+  assert multi.hyperparameters['released_noise_norm'] == pytest.approx(
+      multi_noise)
+
+
+@pytest.mark.parametrize('overrides, match', [
+    (dict(learning_rate='auto'), 'a number or'),
+    (dict(learning_rate=0.05, learning_rate_scale=2.0), 'scales learning_rate'),
+    (dict(learning_rate='proposition_2_6', learning_rate_scale=0.0),
+     'scale'),
+])
+def test_bad_learning_rates_are_refused(overrides, match):
+  with pytest.raises(ValueError, match=match):
+    single_pass_plan(**overrides)

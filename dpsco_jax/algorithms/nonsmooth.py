@@ -627,6 +627,71 @@ def nonsmooth_multipass_gradient(
 # --------------------------------------------------------------- presets
 
 
+PROPOSITION_2_6 = 'proposition_2_6'
+
+
+def released_noise_norm(*, noise_multiplier: float, sensitivity: float,
+                        dimension: int, period: int = 1) -> float:
+  """G_0's privacy part: the norm of the noise on one released estimate.
+
+  A diagnostic and a step-size input, never a privacy quantity. The
+  single-pass oracles (Algorithms 3 and 5) release the running estimate
+  plus the prefix noise of the period's tree: at most `1 + ceil(log2
+  Sigma)` nodes of std `z s` each (s the increment sensitivity), so its
+  norm is about `z s sqrt(d (1 + ceil(log2 Sigma)))`. The multi-pass
+  oracle (Algorithm 4) adds one Gaussian per release: `period=1` gives
+  `z s sqrt(d)`.
+
+  Example:
+    >>> released_noise_norm(noise_multiplier=2.45, sensitivity=0.04,
+    ...                     dimension=16, period=10)
+
+  Args:
+    noise_multiplier: z (of the step whose noise is largest).
+    sensitivity: s, the l2 sensitivity of that step's increment.
+    dimension: d.
+    period: Sigma (1: no tree).
+
+  Returns:
+    The noise norm.
+  """
+  levels = 1 + math.ceil(math.log2(checks.positive_int(period, 'period')))
+  return float(noise_multiplier * sensitivity * math.sqrt(
+      checks.positive_int(dimension, 'dimension') * levels))
+
+
+def proposition_2_6_learning_rate(*, movement_radius: float,
+                                  block_length: int, lipschitz: float,
+                                  noise_norm: float,
+                                  scale: float = 1.0) -> float:
+  """O2NC's step eta = scale D / (G_1 sqrt(M)), G_1 = L + G_0.
+
+  Proposition 2.6 sets eta = D / (G_1 sqrt(M)) with G_1 a bound on the
+  norm of the gradient estimates; here G_1 = L + the released noise norm
+  (`released_noise_norm`), the practical reading used by the plans'
+  `learning_rate='proposition_2_6'`. `scale` is what one tunes (the
+  experiments tune it over a grid around 1).
+
+  Example:
+    >>> proposition_2_6_learning_rate(movement_radius=0.01, block_length=10,
+    ...                               lipschitz=1.0, noise_norm=0.9)
+
+  Args:
+    movement_radius: D.
+    block_length: M.
+    lipschitz: L.
+    noise_norm: G_0 (its privacy part).
+    scale: a multiplier > 0.
+
+  Returns:
+    eta.
+  """
+  scale = _positive(scale, 'scale')
+  return float(scale * _positive(movement_radius, 'movement_radius') / (
+      (_positive(lipschitz, 'lipschitz') + max(0.0, float(noise_norm))) *
+      math.sqrt(checks.positive_int(block_length, 'block_length'))))
+
+
 class NonsmoothParameters(NamedTuple):
   """Hyperparameters of a nonsmooth run (a preset's starting point).
 

@@ -64,11 +64,15 @@ def test_loss_evaluations_count_every_oracle_call():
   assert nonsmooth_synthetic.loss_evaluations(plan, 2_000) == expected
 
 
-def test_the_learning_rate_follows_proposition_2_6():
+def test_the_step_is_proposition_2_6_times_the_tuned_scale():
   config = tiny_config()
-  eta = nonsmooth_synthetic.o2nc_learning_rate(config, 2.0, noise=3.0)
-  assert eta == pytest.approx(2.0 * config.movement_radius / (
-      4.0 * math.sqrt(config.block_length)))
+  plan = nonsmooth_synthetic.o2nc_plan(
+      config, 'first_order', 4, 2.0, 0, num_examples=1_000, directions=4)
+  hyper = plan.hyperparameters
+  assert hyper['learning_rate'] == pytest.approx(
+      2.0 * config.movement_radius / (
+          (1.0 + hyper['released_noise_norm']) *
+          math.sqrt(config.block_length)))
 
 
 def test_a_tiny_dimension_study_writes_its_outputs(tmp_path):
