@@ -1424,11 +1424,11 @@ def nonsmooth_multi_pass(
       anchor_directions=anchor_directions, key=key,
       microbatch_size=microbatch_size, axis_name=axis_name,
       dimension=dimension)
-  # Replace-one: an increment moves by 2 C / n.
+  # Replace-one (Algorithm 4's relation): an increment moves by f C / n.
   noise_norm = nonsmooth.released_noise_norm(
       noise_multiplier=1.0, dimension=dimension,
-      sensitivity=2.0 * max(z.restart * clips.anchor,
-                            z.difference * clips.difference) / n)
+      sensitivity=neighboring.sensitivity_factor(Relation.REPLACE_ONE) * max(
+          z.restart * clips.anchor, z.difference * clips.difference) / n)
   learning_rate = _o2nc_learning_rate(
       learning_rate, learning_rate_scale, movement_radius=movement_radius,
       block_length=block_length, lipschitz=lipschitz, noise_norm=noise_norm)

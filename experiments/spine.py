@@ -140,6 +140,9 @@ def run_plan(name: str, plan: plans.Plan, params: PyTree, data: PyTree, *,
       'batch_size', plan.num_examples)
   opt_state, first, after_step = plan.init(params), 0, None
   if checkpoint_dir is not None:
+    if plan.ledger is None:
+      raise ValueError(f'{plan.algorithm} has no privacy ledger: its runs '
+                       'cannot be checkpointed (run without checkpoint_dir)')
     restored = checkpoint.restore_or_init(
         checkpoint_dir, params=params, opt_state=opt_state,
         ledger=plan.ledger, sampler=plan.batches)

@@ -95,6 +95,9 @@ def test_a_full_batch_plan_reads_all_the_data_every_step():
                             eval_every=2)
   assert [r['step'] for r in result.rows] == [0, 2, 4]
   assert result.rows[-1]['epsilon'] == pytest.approx(plan.epsilon)
+  with pytest.raises(ValueError, match='no privacy ledger'):
+    spine.run_plan('multi_pass', plan, jnp.ones(3), data,
+                   evaluate=lambda p: {}, eval_every=2, checkpoint_dir='/tmp')
   # A fifth step would pass the accounted T: the plan's noise refuses it.
   with pytest.raises(ValueError, match='past|capacity|steps'):
     plan.transformation.update(None, result.opt_state, result.params,
