@@ -626,3 +626,42 @@ def epsilon_for_gdp(mu: float, delta: float) -> float:
     upper *= 2.0
   return float(optimize.brentq(lambda e: gdp_delta(mu, e) - delta, 0.0, upper,
                                xtol=1e-12))
+
+
+def laplace_and_gaussian_delta(laplace_multiplier: float,
+                               gaussian_multiplier: float,
+                               epsilon: float) -> float:
+  """delta(epsilon) of one Laplace release composed with one Gaussian release.
+
+  Both multipliers are the noise scale over the release's l2 (Gaussian) or
+  l1 (Laplace) sensitivity, the neighbouring relation already in the
+  sensitivity (no subsampling, so the relation matters nowhere else). The
+  PLD composition is an upper bound (pessimistic discretization). Used for
+  the outlier-removal mean: a Laplace-noised score test and a
+  Gaussian-noised mean (`dpsco_jax.outlier_removal`).
+
+  Example:
+    >>> laplace_and_gaussian_delta(4.0, 3.0, epsilon=1.0)
+
+  Args:
+    laplace_multiplier: Laplace scale over its sensitivity (> 0).
+    gaussian_multiplier: Gaussian std over its sensitivity (>= 0).
+    epsilon: the epsilon at which delta is wanted (> 0).
+
+  Returns:
+    delta, in [0, 1].
+  """
+  laplace_multiplier = checks.noise_multiplier(laplace_multiplier,
+                                               'laplace_multiplier')
+  gaussian_multiplier = checks.noise_multiplier(gaussian_multiplier,
+                                                'gaussian_multiplier')
+  validate_epsilon_delta(epsilon, 0.5)
+  if laplace_multiplier == 0 or gaussian_multiplier == 0:
+    return 1.0
+  event = dp_accounting.ComposedDpEvent([
+      dp_accounting.LaplaceDpEvent(laplace_multiplier),
+      dp_accounting.GaussianDpEvent(gaussian_multiplier)])
+  accountant = dp_accounting.pld.PLDAccountant(
+      neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
+      value_discretization_interval=_PLD_INTERVAL)
+  return float(accountant.compose(event).get_delta(epsilon))

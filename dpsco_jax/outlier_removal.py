@@ -1,0 +1,647 @@
+"""The outlier-removal private mean of paper 002 (its Algorithms 1 and 2).
+
+K points `v_1..v_K` (one per user, or one per group of users) are averaged
+privately with noise that scales with a CONCENTRATION radius tau instead of
+a clip norm: when the points sit within tau of each other (i.i.d. users'
+mean gradients sit within about L/sqrt(m) of their mean), the released mean
+needs noise of order tau/K, not L/K. The steps (paper 002, Algorithms 1-2,
+§2.0 of the implementation notes):
+
+1. Distances: `d_jj' = ||v_j - v_j'||` for all pairs, from per-leaf Gram
+   blocks (no concatenation of the leaves), after subtracting a PUBLIC
+   `center` (the phase's anchor point, say) against float cancellation.
+2. Score: `s = (1/K) sum_{j,j'} 1(d_jj' <= score_radius)`, in [0, K].
+   Replacing one point moves it by less than 2.
+3. Test: `s + Lap(b) >= threshold` (paper: 4K/5). A failed test HALTS: the
+   release is a data-independent `halt_value`, nothing else.
+4. Soft inclusion: `h_j = #{j': d_jj' <= 2 tau}` (self included) and
+   `p_j = clip((h_j - K/2) / (K/6), 0, 1)`.
+5. Mean: `'weighted'` (the default) releases `sum_j p_j v_j / sum_j p_j`;
+   `'sampled'` (the paper's) keeps point j when `u_j < p_j` for shared
+   uniforms u and averages the kept points.
+6. Release: the mean plus `N(0, sigma^2 I)`.
+
+Privacy. The paper's sensitivity of step 5 (its Lemmas B.2/C.2, quoting
+AL24 Lemma 3.5) hides its constant; `mean_sensitivity` derives an explicit
+one (docs/user_level.md has the proof) for any score cutoff `s_cut >= 2K/3`
+(a pass with a score below it is a failure event charged to delta):
+
+* every point of positive weight, on either neighbour, lies within 4 tau
+  of a shared point a (two points with h > K/2 share a neighbour; a has
+  h_a >= (s_cut - 1) K/(K - 1));
+* each shared point's weight moves by at most 6/K, so their total moves by
+  P = 6 (K - 1)/K < 6;
+* the total weight is at least W = 2 s_cut - K (the convex minorant of the
+  inclusion ramp is max(0, 2h/K - 1));
+
+so the weighted mean moves by at most `4 tau (2 P + 3) / W`: 180 tau/K at
+the paper's cutoff 2K/3, for EVERY input and every draw. The sampled mean's
+bound replaces P by a Chernoff quantile of the number of inclusions that
+differ under the shared uniforms and W by a lower quantile of the kept
+count; both failure probabilities join delta (`calibrate`).
+
+The whole release is the Laplace score (pure, sensitivity 2) composed with
+the Gaussian mean, accounted together by dp_accounting's PLD
+(`accounting.laplace_and_gaussian_delta`), plus the tails: a pass below the
+cutoff, P(Lap(b) >= threshold - s_cut - 2) and the coupling failure.
+`calibrate` turns (K, tau, epsilon, delta) into every noise level; no
+constant of the paper (its 100 and 1000 multipliers) is used.
+
+Robustness: a point with a NaN or Inf coordinate (or whose squared norm
+overflows) is at distance +inf from every other point, so its weight is 0
+and it can never reach the mean, and the score still moves by less than 2.
+
+References:
+  Paper 002 (Lowy, Liu, Asi: user-level DP-SCO), Algorithm 1 lines 13-22,
+  Algorithm 2 lines 4-14, Lemmas B.2 and C.2; Asi & Liu (AISTATS 2024),
+  Lemma 3.5; Dwork & Roth (2014), the Laplace mechanism.
+"""
+
+import math
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dpsco_jax import accounting
+from dpsco_jax import checks
+from dpsco_jax import guards
+from dpsco_jax import keys as keys_lib
+from dpsco_jax import parallel
+
+PyTree = Any
+
+INCLUSIONS = ('weighted', 'sampled')
+
+# The paper's test threshold (4K/5) and the score the analysis needs on a
+# pass (2K/3): Algorithm 1, line 13, and the proof of Lemma B.2.
+PAPER_THRESHOLD_FRACTION = 0.8
+PAPER_CUTOFF_FRACTION = 2.0 / 3.0
+
+
+class OutlierRemovalCalibration(NamedTuple):
+  """Every constant of one private robust mean, derived by `calibrate`.
+
+  Attributes:
+    num_points: K, the number of points averaged.
+    tau: the concentration radius; inclusion counts neighbours within
+      2 tau.
+    score_radius: the score counts pairs within this radius (Algorithm 1:
+      tau; Algorithm 2: 2 tau).
+    threshold: the test threshold on the score, in [0, K] (paper: 4K/5).
+    cutoff: the score the analysis needs on a pass (>= 2K/3); a pass below
+      it is a failure event, charged to delta.
+    laplace_scale: b, the scale of the Laplace noise on the score.
+    inclusion: 'weighted' or 'sampled'.
+    sensitivity: the l2 sensitivity of the pre-noise mean on the coupled
+      draws (`mean_sensitivity`).
+    noise_std: sigma of the Gaussian noise on the mean.
+    epsilon: the epsilon of one release.
+    delta: the delta of one release, all parts below included.
+    tail_delta: the part of delta spent on passes below the cutoff.
+    coupling_delta: the part spent on the sampled coupling failing (0 for
+      'weighted').
+    gaussian_delta: the PLD delta of the Laplace-and-Gaussian composition.
+  """
+
+  num_points: int
+  tau: float
+  score_radius: float
+  threshold: float
+  cutoff: float
+  laplace_scale: float
+  inclusion: str
+  sensitivity: float
+  noise_std: float
+  epsilon: float
+  delta: float
+  tail_delta: float
+  coupling_delta: float
+  gaussian_delta: float
+
+
+class RobustMeanRelease(NamedTuple):
+  """What one private robust mean releases (all of it is private).
+
+  Attributes:
+    value: the noisy mean, or the `halt_value` when the test failed.
+    passed: whether the noisy score passed the threshold.
+    noisy_score: the score plus its Laplace noise (the test is computed
+      from it, so releasing it costs nothing more).
+  """
+
+  value: PyTree
+  passed: jax.Array
+  noisy_score: jax.Array
+
+
+def _check_inclusion(inclusion: str) -> str:
+  if inclusion not in INCLUSIONS:
+    raise ValueError(f'inclusion must be one of {INCLUSIONS}, got '
+                     f'{inclusion!r}')
+  return inclusion
+
+
+def _check_radius(value: Any, name: str) -> float:
+  try:
+    number = float(value)
+  except (TypeError, ValueError):
+    number = math.nan
+  if not 0.0 < number < math.inf:
+    raise ValueError(f'{name} must be a positive finite number, got '
+                     f'{value!r}')
+  return number
+
+
+def _check_probability(value: float, name: str) -> float:
+  if not 0.0 < value < 1.0:
+    raise ValueError(f'{name} must be in (0, 1), got {value!r}')
+  return float(value)
+
+
+def _anchor_exists(num_points: int, cutoff: float) -> bool:
+  """Whether every positive-weight point of D and D' is within 4 tau of a.
+
+  a is a shared point with the most score neighbours: h_a(D) >=
+  ceil((cutoff - 1) K / (K - 1)), so h_a(D') >= that - 1; a positive point
+  has h >= floor(K/2) + 1. Two neighbour sets whose sizes add to more than
+  K intersect, and a common neighbour puts both within 2 tau + 2 tau.
+  """
+  k = num_points
+  h_anchor = math.ceil((cutoff - 1.0) * k / (k - 1) - 1e-9) - 1
+  return h_anchor + k // 2 + 1 >= k + 1
+
+
+def _poisson_binomial_quantile(mean: float, failure: float) -> int:
+  """Smallest r with Chernoff's P(X >= r) <= failure, for E X <= mean.
+
+  For a sum of independent Bernoullis with mean mu < r,
+  P(X >= r) <= e^-mu (e mu / r)^r, increasing in mu, so the bound at the
+  largest possible mean holds for every smaller one.
+  """
+  r = math.floor(mean) + 1
+  while -mean + r * (1.0 + math.log(mean / r)) > math.log(failure):
+    r += 1
+  return r
+
+
+def mean_sensitivity(num_points: int, tau: float, *,
+                     cutoff_fraction: float = PAPER_CUTOFF_FRACTION,
+                     inclusion: str = 'weighted',
+                     failure_probability: Optional[float] = None
+                     ) -> float:
+  """The l2 sensitivity of the pre-noise robust mean on a passed test.
+
+  Valid whenever the score of the dataset is at least the cutoff (the
+  calibration charges passes below it to delta). For `'weighted'`:
+  `4 tau (2 P + 3) / (2 s_cut - K)` with `P = 6 (K - 1)/K`, for every input
+  (derivation in the module docstring and docs/user_level.md). For
+  `'sampled'`, P becomes the Chernoff quantile r of the inclusions that
+  differ under shared uniforms and the weight the lower Chernoff quantile
+  of the kept count, each failing with probability `failure_probability/2`.
+
+  Example:
+    >>> mean_sensitivity(500, tau=0.1)   # 180 tau / K at the paper's cutoff
+    0.035...
+
+  Args:
+    num_points: K >= 9.
+    tau: the concentration radius (> 0).
+    cutoff_fraction: s_cut / K, at least 2/3 (the proof's requirement).
+    inclusion: 'weighted' or 'sampled'.
+    failure_probability: for 'sampled', the probability that the coupled
+      bound fails (it is charged to delta); unused for 'weighted'.
+
+  Returns:
+    The sensitivity, in the units of the points.
+
+  Raises:
+    ValueError: for K < 9, a cutoff below 2K/3 (or too close to it for
+      this K), a bad tau or a missing failure probability.
+  """
+  k = checks.positive_int(num_points, 'num_points')
+  tau = _check_radius(tau, 'tau')
+  inclusion = _check_inclusion(inclusion)
+  if k < 9:
+    raise ValueError(f'the outlier-removal mean needs at least 9 points (the '
+                     f'sensitivity proof needs K >= 9), got {k}')
+  if not PAPER_CUTOFF_FRACTION - 1e-12 <= cutoff_fraction <= 1.0:
+    raise ValueError('cutoff_fraction must be in [2/3, 1]: the sensitivity '
+                     f'proof needs passes at score >= 2K/3, got '
+                     f'{cutoff_fraction!r}')
+  cutoff = cutoff_fraction * k
+  if not _anchor_exists(k, cutoff):
+    raise ValueError(f'with K = {k} the cutoff {cutoff:.2f} does not leave a '
+                     'shared anchor point; raise cutoff_fraction or K')
+  weight = 2.0 * cutoff - k
+  changed = 6.0 * (k - 1) / k
+  if inclusion == 'sampled':
+    if failure_probability is None:
+      raise ValueError("inclusion='sampled' needs failure_probability")
+    failure = _check_probability(failure_probability, 'failure_probability')
+    changed = float(_poisson_binomial_quantile(changed, failure / 2.0))
+    slack = math.sqrt(2.0 * weight * math.log(2.0 / failure))
+    if slack >= weight:
+      raise ValueError(f'K = {k} is too small for the sampled inclusion at '
+                       f'failure probability {failure}: the kept count is '
+                       'not bounded away from 0; use more points or '
+                       "inclusion='weighted'")
+    weight -= slack
+  return 4.0 * tau * (2.0 * changed + 3.0) / weight
+
+
+def calibrate(num_points: int, tau: float, epsilon: float, delta: float, *,
+              score_radius: Optional[float] = None,
+              threshold_fraction: float = PAPER_THRESHOLD_FRACTION,
+              cutoff_fraction: float = PAPER_CUTOFF_FRACTION,
+              inclusion: str = 'weighted',
+              tail_share: float = 0.25,
+              coupling_share: float = 0.25) -> OutlierRemovalCalibration:
+  """Every noise level of one (epsilon, delta) private robust mean.
+
+  The split of delta: `tail_share` of it bounds the passes below the cutoff
+  (they happen only if the Laplace noise exceeds the gap between threshold
+  and cutoff, less 2 for the neighbour's move, on either neighbour; this
+  sets the Laplace scale b); for `'sampled'`, `coupling_share` of it bounds
+  the coupling failure; the rest is the PLD delta of the Laplace score
+  (epsilon_1 = 2/b) composed with the Gaussian mean, whose sigma is found by
+  bisection (`accounting.laplace_and_gaussian_delta`).
+
+  Example:
+    >>> cal = calibrate(num_points=600, tau=0.05, epsilon=2.0, delta=1e-6)
+    >>> cal.noise_std, cal.laplace_scale
+
+  Args:
+    num_points: K, the points averaged (users, or groups of users).
+    tau: the concentration radius (privacy holds for any tau; utility needs
+      the points within tau of each other).
+    epsilon: the target epsilon of the release.
+    delta: the target delta of the release.
+    score_radius: the score's pair radius; default tau (Algorithm 1);
+      Algorithm 2 uses 2 tau. At most 2 tau.
+    threshold_fraction: the test threshold over K (paper: 4/5).
+    cutoff_fraction: the score the analysis needs on a pass over K (paper:
+      2/3; at least that).
+    inclusion: 'weighted' (default) or 'sampled' (the paper's).
+    tail_share: the fraction of delta for the below-cutoff passes.
+    coupling_share: for 'sampled', the fraction for the coupling failure.
+
+  Returns:
+    An `OutlierRemovalCalibration`.
+
+  Raises:
+    ValueError: for bad arguments, or when K is too small for the score
+      test to cost less than epsilon (the message gives the smallest K).
+  """
+  k = checks.positive_int(num_points, 'num_points')
+  tau = _check_radius(tau, 'tau')
+  score_radius = tau if score_radius is None else _check_radius(
+      score_radius, 'score_radius')
+  if score_radius > 2.0 * tau:
+    raise ValueError('score_radius must be at most 2 tau (the proof bounds '
+                     'inclusion counts by score counts)')
+  accounting.validate_epsilon_delta(epsilon, delta)
+  inclusion = _check_inclusion(inclusion)
+  tail_share = _check_probability(tail_share, 'tail_share')
+  coupling_share = (_check_probability(coupling_share, 'coupling_share')
+                    if inclusion == 'sampled' else 0.0)
+  if tail_share + coupling_share >= 1.0:
+    raise ValueError('tail_share + coupling_share must be below 1')
+  if not cutoff_fraction < threshold_fraction < 1.0:
+    raise ValueError('threshold_fraction must lie between cutoff_fraction '
+                     f'and 1, got {threshold_fraction!r}')
+  tail_delta = tail_share * delta
+  coupling_delta = coupling_share * delta
+  gaussian_delta = delta - tail_delta - coupling_delta
+  sensitivity = mean_sensitivity(
+      k, tau, cutoff_fraction=cutoff_fraction, inclusion=inclusion,
+      failure_probability=coupling_delta or None)
+  threshold = threshold_fraction * k
+  cutoff = cutoff_fraction * k
+  # Below-cutoff passes: P(Lap(b) >= gap - 2) on the neighbour just above
+  # the cutoff, plus P(Lap(b) >= gap) on each side for replacing the
+  # mechanism by one that never passes below the cutoff (docs/user_level.md
+  # §2): at most (2 + e^eps) / 2 * exp(-(gap - 2) / b).
+  gap = threshold - cutoff - 2.0
+  tail_log = math.log((2.0 + math.exp(epsilon)) / (2.0 * tail_delta))
+  score_epsilon = 2.0 * tail_log / gap if gap > 0 else math.inf
+  if score_epsilon >= epsilon:
+    smallest = math.ceil(
+        (2.0 * tail_log / epsilon + 2.0) / (threshold_fraction -
+                                            cutoff_fraction)) + 1
+    raise ValueError(
+        f'K = {k} points are too few: the score test alone costs epsilon '
+        f'{score_epsilon:.3g} >= {epsilon} (threshold {threshold:.1f}, '
+        f'cutoff {cutoff:.1f}). Use at least about {smallest} points, a '
+        'larger epsilon or delta')
+  laplace_scale = gap / tail_log
+  multiplier = _gaussian_multiplier(laplace_scale / 2.0, epsilon,
+                                    gaussian_delta)
+  return OutlierRemovalCalibration(
+      num_points=k, tau=tau, score_radius=score_radius, threshold=threshold,
+      cutoff=cutoff, laplace_scale=laplace_scale, inclusion=inclusion,
+      sensitivity=sensitivity, noise_std=multiplier * sensitivity,
+      epsilon=float(epsilon), delta=float(delta), tail_delta=tail_delta,
+      coupling_delta=coupling_delta, gaussian_delta=gaussian_delta)
+
+
+def _gaussian_multiplier(laplace_multiplier: float, epsilon: float,
+                         delta: float) -> float:
+  """The smallest Gaussian multiplier whose composition meets (eps, delta)."""
+  def fails(z):
+    return accounting.laplace_and_gaussian_delta(laplace_multiplier, z,
+                                                 epsilon) > delta
+  low, high = 0.0, 1.0
+  while fails(high):
+    low, high = high, 2.0 * high
+    if high > 1e6:
+      raise ValueError('no Gaussian noise meets this (epsilon, delta) after '
+                       'the score test')
+  for _ in range(40):
+    middle = 0.5 * (low + high)
+    if fails(middle):
+      low = middle
+    else:
+      high = middle
+    if high - low < 1e-4 * high:
+      break
+  return high
+
+
+def _leaves_as_rows(points: PyTree) -> list[jax.Array]:
+  leaves = jax.tree_util.tree_leaves(points)
+  if not leaves:
+    raise ValueError('points has no leaves')
+  size = jnp.shape(leaves[0])[0] if jnp.ndim(leaves[0]) else None
+  for leaf in leaves:
+    if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] != size:
+      raise ValueError('every leaf of points needs the same leading axis '
+                       '(one row per point)')
+  return [jnp.reshape(leaf, (size, -1)) for leaf in leaves]
+
+
+def pairwise_squared_distances(points: PyTree,
+                               center: Optional[PyTree] = None) -> jax.Array:
+  """`[K, K]` squared l2 distances between the rows of a pytree of points.
+
+  Computed per leaf from its Gram block, `|a_j|^2 + |a_j'|^2 - 2 a_j.a_j'`,
+  summed over leaves (no concatenation), after subtracting the PUBLIC
+  `center` (translation leaves distances unchanged; centering near the
+  points avoids float cancellation). An entry depends on its two points
+  only. Pairs with a non-finite point (NaN, Inf, or a squared norm that
+  overflows) are at +inf; the diagonal is 0.
+
+  Example:
+    >>> d2 = pairwise_squared_distances({'w': grads_w, 'b': grads_b})
+
+  Args:
+    points: pytree whose leaves are `[K, ...]`.
+    center: optional pytree like one point (data-independent, e.g. the
+      phase's anchor), subtracted first.
+
+  Returns:
+    float32 (or wider) `[K, K]`, symmetric, non-negative.
+  """
+  rows = _leaves_as_rows(points)
+  if center is not None:
+    centers = [jnp.reshape(c, (1, -1))
+               for c in jax.tree_util.tree_leaves(center)]
+    if len(centers) != len(rows):
+      raise ValueError('center must have the structure of one point')
+    rows = [r - c.astype(r.dtype) for r, c in zip(rows, centers)]
+  size = rows[0].shape[0]
+  dtype = jnp.promote_types(rows[0].dtype, jnp.float32)
+  total = jnp.zeros((size, size), dtype)
+  finite = jnp.ones((size,), bool)
+  for r in rows:
+    r = r.astype(dtype)
+    ok = jnp.all(jnp.isfinite(r), axis=1)
+    r = jnp.where(ok[:, None], r, 0.0)
+    squared = jnp.sum(r * r, axis=1)
+    ok &= jnp.isfinite(squared)
+    gram = jnp.matmul(r, r.T, precision=jax.lax.Precision.HIGHEST)
+    total = total + squared[:, None] + squared[None, :] - 2.0 * gram
+    finite &= ok
+  total = jnp.maximum(total, 0.0)
+  pair_ok = finite[:, None] & finite[None, :] & jnp.isfinite(total)
+  total = jnp.where(pair_ok, total, jnp.inf)
+  return jnp.where(jnp.eye(size, dtype=bool), 0.0, total)
+
+
+def concentration_score(squared_distances: jax.Array,
+                        radius: float) -> jax.Array:
+  """`(1/K) sum_{j,j'} 1(||v_j - v_j'|| <= radius)`, diagonal included.
+
+  Example:
+    >>> concentration_score(pairwise_squared_distances(points), 0.1)
+
+  Args:
+    squared_distances: `[K, K]` from `pairwise_squared_distances`.
+    radius: the pair radius.
+
+  Returns:
+    A float scalar in [1, K]; replacing one point moves it by < 2.
+  """
+  size = squared_distances.shape[0]
+  close = squared_distances <= jnp.asarray(radius, squared_distances.dtype) ** 2
+  return jnp.sum(close, dtype=jnp.float32) / size
+
+
+def inclusion_probabilities(squared_distances: jax.Array,
+                            tau: float) -> jax.Array:
+  """`p_j = clip((h_j - K/2) / (K/6), 0, 1)`, `h_j` = points within 2 tau.
+
+  Paper 002, Algorithm 1 line 17 and Algorithm 2 line 10.
+
+  Example:
+    >>> p = inclusion_probabilities(pairwise_squared_distances(points), 0.1)
+
+  Args:
+    squared_distances: `[K, K]` from `pairwise_squared_distances`.
+    tau: the concentration radius.
+
+  Returns:
+    float32 `[K]` in [0, 1].
+  """
+  size = squared_distances.shape[0]
+  limit = (2.0 * jnp.asarray(tau, squared_distances.dtype)) ** 2
+  neighbours = jnp.sum(squared_distances <= limit, axis=1, dtype=jnp.float32)
+  return jnp.clip((neighbours - size / 2.0) / (size / 6.0), 0.0, 1.0)
+
+
+def inclusion_weights(squared_distances: jax.Array, tau: float, *,
+                      inclusion: str = 'weighted',
+                      key: Optional[jax.Array] = None) -> jax.Array:
+  """The weight of each point in the robust mean (NOT private: a diagnostic).
+
+  Args:
+    squared_distances: `[K, K]` from `pairwise_squared_distances`.
+    tau: the concentration radius.
+    inclusion: 'weighted' (weights p_j) or 'sampled' (1 if `u_j < p_j`).
+    key: for 'sampled', the key of the uniforms u.
+
+  Returns:
+    float32 `[K]`.
+  """
+  probabilities = inclusion_probabilities(squared_distances, tau)
+  if _check_inclusion(inclusion) == 'weighted':
+    return probabilities
+  if key is None:
+    raise ValueError("inclusion='sampled' needs a key for its uniforms")
+  uniforms = jax.random.uniform(keys_lib.as_key(key),
+                                probabilities.shape)
+  return (uniforms < probabilities).astype(jnp.float32)
+
+
+def weighted_mean(points: PyTree, weights: jax.Array) -> PyTree:
+  """`sum_j w_j v_j / sum_j w_j`; a point of weight 0 never enters (even NaN).
+
+  Args:
+    points: pytree whose leaves are `[K, ...]`.
+    weights: `[K]`, non-negative.
+
+  Returns:
+    A pytree like one point (zeros when every weight is 0).
+  """
+  total = jnp.maximum(jnp.sum(weights), 1e-30)
+
+  def leaf_mean(leaf):
+    w = jnp.reshape(weights, (-1,) + (1,) * (leaf.ndim - 1)).astype(
+        jnp.promote_types(leaf.dtype, jnp.float32))
+    kept = jnp.where(w > 0, leaf, 0.0)
+    return (jnp.sum(w * kept, axis=0) / total).astype(leaf.dtype)
+
+  return jax.tree_util.tree_map(leaf_mean, points)
+
+
+def robust_mean(points: PyTree, tau: float, *, inclusion: str = 'weighted',
+                key: Optional[jax.Array] = None,
+                center: Optional[PyTree] = None) -> PyTree:
+  """The pre-noise outlier-removal mean (NOT private: no test, no noise).
+
+  With every pair within 2 tau it is the plain mean.
+
+  Example:
+    >>> robust_mean(points, tau=0.1)
+
+  Args:
+    points: pytree whose leaves are `[K, ...]`.
+    tau: the concentration radius.
+    inclusion: 'weighted' or 'sampled'.
+    key: the uniforms' key for 'sampled'.
+    center: optional public center for the distances.
+
+  Returns:
+    A pytree like one point.
+  """
+  d2 = pairwise_squared_distances(points, center)
+  return weighted_mean(points,
+                       inclusion_weights(d2, tau, inclusion=inclusion,
+                                         key=key))
+
+
+def _gathered(points: PyTree, axis_name: Optional[str]) -> PyTree:
+  if axis_name is None:
+    return points
+  return jax.tree_util.tree_map(lambda x: parallel.gather(x, axis_name),
+                                points)
+
+
+def private_robust_mean(points: PyTree,
+                        calibration: OutlierRemovalCalibration,
+                        key: keys_lib.KeyLike, *,
+                        halt_value: Optional[PyTree] = None,
+                        center: Optional[PyTree] = None,
+                        axis_name: Optional[str] = None) -> RobustMeanRelease:
+  """One (epsilon, delta) release of the outlier-removal mean.
+
+  The score test, the inclusion and the Gaussian noise use three keys split
+  from `key`; under `axis_name` the points are sharded across devices,
+  gathered, and every device computes the same release from the same
+  replicated key (a key that differs across devices is refused,
+  `guards.refuse`).
+
+  Example:
+    >>> cal = calibrate(600, tau=0.05, epsilon=2.0, delta=1e-6)
+    >>> out = private_robust_mean(user_means, cal, key, halt_value=anchor,
+    ...                           center=anchor)
+    >>> new_point = out.value     # anchor itself when out.passed is False
+
+  Args:
+    points: pytree whose leaves are `[K, ...]` (`[K / devices, ...]` per
+      device under `axis_name`), K = `calibration.num_points`.
+    calibration: from `calibrate`.
+    key: the release's key, used once.
+    halt_value: the data-independent value released when the test fails
+      (default zeros, the paper's 0; the previous released point is also
+      fine: it is public).
+    center: optional public point for the distances (e.g. the anchor).
+    axis_name: the device axis, or None.
+
+  Returns:
+    A `RobustMeanRelease`.
+
+  Raises:
+    ValueError: if the number of points differs from the calibration's.
+  """
+  if not isinstance(calibration, OutlierRemovalCalibration):
+    raise TypeError('calibration must come from outlier_removal.calibrate')
+  key = keys_lib.as_key(key)
+  points = _gathered(points, axis_name)
+  size = _leaves_as_rows(points)[0].shape[0]
+  if size != calibration.num_points:
+    raise ValueError(f'the calibration is for K = {calibration.num_points} '
+                     f'points, got {size}')
+  replicated_flag = parallel.check_replicated(key, axis_name)
+  score_key, inclusion_key, noise_key = jax.random.split(key, 3)
+  d2 = pairwise_squared_distances(points, center)
+  score = concentration_score(d2, calibration.score_radius)
+  noisy_score = score + calibration.laplace_scale * jax.random.laplace(
+      score_key, (), jnp.float32)
+  passed = noisy_score >= calibration.threshold
+  weights = inclusion_weights(d2, calibration.tau,
+                              inclusion=calibration.inclusion,
+                              key=inclusion_key)
+  mean = weighted_mean(points, weights)
+  leaves, treedef = jax.tree_util.tree_flatten(mean)
+  noisy = [leaf + (calibration.noise_std * jax.random.normal(
+      jax.random.fold_in(noise_key, index), leaf.shape,
+      jnp.promote_types(leaf.dtype, jnp.float32))).astype(leaf.dtype)
+           for index, leaf in enumerate(leaves)]
+  if halt_value is None:
+    halt_leaves = [jnp.zeros_like(leaf) for leaf in leaves]
+  else:
+    halt_leaves = jax.tree_util.tree_leaves(halt_value)
+    if len(halt_leaves) != len(leaves):
+      raise ValueError('halt_value must have the structure of one point')
+  released = [jnp.where(passed, n, jnp.asarray(h, n.dtype))
+              for n, h in zip(noisy, halt_leaves)]
+  value = jax.tree_util.tree_unflatten(treedef, released)
+  if replicated_flag is not None:
+    value = guards.refuse(replicated_flag, value,
+                          parallel.NOT_REPLICATED_MESSAGE)
+  return RobustMeanRelease(
+      value=value, passed=passed, noisy_score=noisy_score)
+
+
+def sensitivity_table(num_points: Any, *, inclusion: str = 'weighted',
+                      failure_probability: Optional[float] = None
+                      ) -> np.ndarray:
+  """`mean_sensitivity / tau * K` for each K (the constant c of c tau/K).
+
+  Example:
+    >>> sensitivity_table([100, 1000, 10000])
+
+  Args:
+    num_points: an iterable of K values.
+    inclusion: 'weighted' or 'sampled'.
+    failure_probability: for 'sampled'.
+
+  Returns:
+    float64 array, one constant per K.
+  """
+  return np.array([
+      mean_sensitivity(int(k), 1.0, inclusion=inclusion,
+                       failure_probability=failure_probability) * int(k)
+      for k in num_points])
