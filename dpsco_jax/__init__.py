@@ -19,10 +19,15 @@ The curated public API. Modules, one concern each:
 * `dpsco_jax.smoothing`: randomized smoothing for nonsmooth losses: zero-
   and first-order estimators of the smoothed gradient, their clipped
   statistics and clip radii (paper 004);
+* `dpsco_jax.outlier_removal`: the outlier-removal private mean of
+  user-level DP-SCO (paper 002): concentration score, soft inclusion, an
+  explicit sensitivity and its calibration;
 * `dpsco_jax.algorithms`: the algorithms (DP-SGD, DP-FTRL, DP-MEMF,
   Accelerated-DP-SRGD and DP-SRG-MEMF, DIFF2 across clients, user-level
-  DP-SGD, private O2NC for nonsmooth losses as `dpsco_jax.nonsmooth`) and
-  their accounting (`algorithms.diff2_accounting`);
+  DP-SGD and phased SGD with outlier-iterate removal as
+  `dpsco_jax.user_level`, private O2NC for nonsmooth losses as
+  `dpsco_jax.nonsmooth`) and their accounting
+  (`algorithms.diff2_accounting`);
 * `dpsco_jax.parallel`: cross-device sums and the replicated-key check;
 * `dpsco_jax.guards`: refusals that hold inside compiled steps;
 * `dpsco_jax.keys`: noise keys (fresh from OS entropy by default), run
@@ -55,11 +60,13 @@ from dpsco_jax import keys
 from dpsco_jax import ledger
 from dpsco_jax import neighboring
 from dpsco_jax import noise
+from dpsco_jax import outlier_removal
 from dpsco_jax import parallel
 from dpsco_jax import plans
 from dpsco_jax import smoothing
 from dpsco_jax import strategies
 from dpsco_jax.algorithms import nonsmooth
+from dpsco_jax.algorithms import user_level
 from dpsco_jax.accounting import calibrate_noise_multiplier
 from dpsco_jax.accounting import epsilon_spent
 from dpsco_jax.accounting import FixedOrder
@@ -128,11 +135,13 @@ __all__ = (
     'ledger',
     'neighboring',
     'noise',
+    'outlier_removal',
     'parallel',
     'plans',
     'smoothing',
     'strategies',
     'nonsmooth',
+    'user_level',
     'calibrate_noise_multiplier',
     'epsilon_spent',
     'FixedOrder',

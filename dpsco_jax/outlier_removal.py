@@ -57,6 +57,7 @@ References:
   Lemma 3.5; Dwork & Roth (2014), the Laplace mechanism.
 """
 
+import functools
 import math
 from typing import Any, NamedTuple, Optional
 
@@ -319,22 +320,21 @@ def calibrate(num_points: int, tau: float, epsilon: float, delta: float, *,
       failure_probability=coupling_delta or None)
   threshold = threshold_fraction * k
   cutoff = cutoff_fraction * k
-  # Below-cutoff passes: P(Lap(b) >= gap - 2) on the neighbour just above
-  # the cutoff, plus P(Lap(b) >= gap) on each side for replacing the
-  # mechanism by one that never passes below the cutoff (docs/user_level.md
-  # §2): at most (2 + e^eps) / 2 * exp(-(gap - 2) / b).
-  gap = threshold - cutoff - 2.0
-  tail_log = math.log((2.0 + math.exp(epsilon)) / (2.0 * tail_delta))
-  score_epsilon = 2.0 * tail_log / gap if gap > 0 else math.inf
+  score_epsilon = score_test_epsilon(
+      k, epsilon, delta, threshold_fraction=threshold_fraction,
+      cutoff_fraction=cutoff_fraction, tail_share=tail_share)
   if score_epsilon >= epsilon:
-    smallest = math.ceil(
-        (2.0 * tail_log / epsilon + 2.0) / (threshold_fraction -
-                                            cutoff_fraction)) + 1
+    fewest = fewest_points(epsilon, delta, score_share=1.0,
+                           threshold_fraction=threshold_fraction,
+                           cutoff_fraction=cutoff_fraction,
+                           tail_share=tail_share)
     raise ValueError(
         f'K = {k} points are too few: the score test alone costs epsilon '
         f'{score_epsilon:.3g} >= {epsilon} (threshold {threshold:.1f}, '
-        f'cutoff {cutoff:.1f}). Use at least about {smallest} points, a '
-        'larger epsilon or delta')
+        f'cutoff {cutoff:.1f}). Use at least {fewest} points, a larger '
+        'epsilon or delta')
+  gap = threshold - cutoff - 2.0
+  tail_log = _tail_log(epsilon, tail_delta)
   laplace_scale = gap / tail_log
   multiplier = _gaussian_multiplier(laplace_scale / 2.0, epsilon,
                                     gaussian_delta)
@@ -346,9 +346,95 @@ def calibrate(num_points: int, tau: float, epsilon: float, delta: float, *,
       coupling_delta=coupling_delta, gaussian_delta=gaussian_delta)
 
 
+def _tail_log(epsilon: float, tail_delta: float) -> float:
+  # Below-cutoff passes: P(Lap(b) >= gap) on the neighbour just above the
+  # cutoff (gap = threshold - cutoff - 2), plus P(Lap(b) >= gap + 2) on
+  # each side for replacing the mechanism by one that never passes below
+  # the cutoff (docs/user_level.md §3): at most
+  # (2 + e^eps) / 2 * exp(-gap / b), which this makes tail_delta.
+  return math.log((2.0 + math.exp(epsilon)) / (2.0 * tail_delta))
+
+
+def score_test_epsilon(num_points: int, epsilon: float, delta: float, *,
+                       threshold_fraction: float = PAPER_THRESHOLD_FRACTION,
+                       cutoff_fraction: float = PAPER_CUTOFF_FRACTION,
+                       tail_share: float = 0.25) -> float:
+  """The epsilon the score test of `calibrate` costs (2 / its Laplace scale).
+
+  The Laplace scale is the largest whose below-cutoff passes fit
+  `tail_share * delta`; K points leave a gap of
+  `(threshold_fraction - cutoff_fraction) K - 2` for the noise to cross.
+
+  Example:
+    >>> score_test_epsilon(600, epsilon=2.0, delta=1e-6)
+    0.43...
+
+  Args:
+    num_points: K.
+    epsilon: the release's target epsilon (it enters the tail bound).
+    delta: the release's target delta.
+    threshold_fraction: the test threshold over K.
+    cutoff_fraction: the cutoff over K.
+    tail_share: the fraction of delta for the below-cutoff passes.
+
+  Returns:
+    The score test's epsilon (inf when the gap is not positive).
+  """
+  gap = (threshold_fraction - cutoff_fraction) * num_points - 2.0
+  if gap <= 0:
+    return math.inf
+  return 2.0 * _tail_log(epsilon, tail_share * delta) / gap
+
+
+def fewest_points(epsilon: float, delta: float, *, score_share: float = 0.5,
+                  **kwargs: Any) -> int:
+  """The fewest points K whose score test costs under score_share * eps.
+
+  Example:
+    >>> fewest_points(2.0, 1e-6)        # the score test within epsilon / 2
+
+  Args:
+    epsilon: the release's target epsilon.
+    delta: the release's target delta.
+    score_share: the fraction of epsilon the test may cost, in (0, 1].
+    **kwargs: `threshold_fraction`, `cutoff_fraction`, `tail_share` as for
+      `score_test_epsilon`.
+
+  Returns:
+    K (at least 9, the proof's minimum).
+
+  Raises:
+    ValueError: for a bad score_share.
+  """
+  if not 0 < score_share <= 1:
+    raise ValueError(f'score_share must be in (0, 1], got {score_share!r}')
+
+  def fits(k):
+    return score_test_epsilon(k, epsilon, delta, **kwargs) < (
+        score_share * epsilon)
+
+  low, high = 8, 16
+  while not fits(high):
+    low, high = high, 2 * high
+    if high > 10 ** 9:
+      raise ValueError('no number of points fits this (epsilon, delta)')
+  while high - low > 1:
+    middle = (low + high) // 2
+    if fits(middle):
+      high = middle
+    else:
+      low = middle
+  return high
+
+
+@functools.lru_cache(maxsize=256)
 def _gaussian_multiplier(laplace_multiplier: float, epsilon: float,
                          delta: float) -> float:
-  """The smallest Gaussian multiplier whose composition meets (eps, delta)."""
+  """The smallest Gaussian multiplier whose composition meets (eps, delta).
+
+  Cached: every phase of a run (and every run of a sweep) with the same K,
+  epsilon and delta needs the same multiplier; tau only scales the noise.
+  """
   def fails(z):
     return accounting.laplace_and_gaussian_delta(laplace_multiplier, z,
                                                  epsilon) > delta
