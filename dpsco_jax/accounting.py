@@ -665,3 +665,54 @@ def laplace_and_gaussian_delta(laplace_multiplier: float,
       neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
       value_discretization_interval=_PLD_INTERVAL)
   return float(accountant.compose(event).get_delta(epsilon))
+
+
+def subsampled_gaussian_epsilon(noise_multiplier: float, num_steps: int,
+                                population: int, sample_size: int,
+                                delta: float) -> float:
+  """epsilon of T Gaussian releases on fixed-size samples without replacement.
+
+  Each step releases a function of `sample_size` records drawn without
+  replacement from `population` (fresh each step), plus Gaussian noise
+  `noise_multiplier` times its sensitivity under replace-one. Accounted by
+  dp_accounting's RDP accountant (its sampled-without-replacement bound is
+  for replace-one); with `sample_size == population` there is no sampling
+  and the T releases compose exactly by the PLD.
+
+  Example:
+    >>> subsampled_gaussian_epsilon(2.0, 50, 10000, 3000, delta=1e-6)
+
+  Args:
+    noise_multiplier: noise std over the replace-one sensitivity (>= 0).
+    num_steps: T.
+    population: n, the records sampled from.
+    sample_size: K <= n, the records per step.
+    delta: target delta.
+
+  Returns:
+    epsilon (inf without noise).
+  """
+  noise_multiplier = checks.noise_multiplier(noise_multiplier)
+  validate_epsilon_delta(None, delta)
+  steps = checks.positive_int(num_steps, 'num_steps')
+  population = checks.positive_int(population, 'population')
+  sample_size = checks.positive_int(sample_size, 'sample_size')
+  if sample_size > population:
+    raise ValueError(f'sample_size ({sample_size}) exceeds population '
+                     f'({population})')
+  if noise_multiplier == 0:
+    return math.inf
+  gaussian = dp_accounting.GaussianDpEvent(noise_multiplier)
+  if sample_size == population:
+    accountant = dp_accounting.pld.PLDAccountant(
+        neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
+        value_discretization_interval=_PLD_INTERVAL)
+    event = dp_accounting.SelfComposedDpEvent(gaussian, steps)
+  else:
+    accountant = dp_accounting.rdp.RdpAccountant(
+        neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.SampledWithoutReplacementDpEvent(
+            population, sample_size, gaussian), steps)
+  with quiet_excluded_orders():
+    return float(accountant.compose(event).get_epsilon(delta))

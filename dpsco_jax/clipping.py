@@ -722,6 +722,43 @@ class UserBatch(NamedTuple):
   item_mask: Optional[jax.Array] = None
 
 
+def user_mean_gradient(
+    loss_fn: Callable[[PyTree, PyTree], jax.Array]
+) -> Callable[[PyTree, PyTree], PyTree]:
+  """`user_gradient(unit, params)`: the gradient of ONE user's mean loss.
+
+  `unit` is one user's items (`[items, ...]` leaves), or a `UserBatch`
+  of one user with its item mask; masked items are left out of the mean
+  (a user with no items left has gradient 0).
+
+  Example:
+    >>> grads = jax.vmap(user_mean_gradient(loss_fn), in_axes=(0, None))(
+    ...     UserBatch(items, item_mask), params)      # one row per user
+
+  Args:
+    loss_fn: `loss_fn(params, item) -> scalar` for ONE item.
+
+  Returns:
+    The function `(unit, params) -> gradient pytree like params`.
+  """
+  grad_fn = jax.grad(loss_fn)
+
+  def user_gradient(unit, params):
+    items, item_mask = _user_items(unit)
+    per_item = jax.vmap(grad_fn, in_axes=(None, 0))(params, items)
+    if item_mask is None:
+      return jax.tree_util.tree_map(lambda g: jnp.mean(g, axis=0), per_item)
+    # Select per-item gradients rather than masking the loss: the gradient of
+    # a masked-out NaN loss is NaN even behind `where` (0 * NaN), and it would
+    # spoil the whole user's contribution.
+    count = jnp.maximum(jnp.sum(item_mask), 1)
+    return jax.tree_util.tree_map(
+        lambda g: jnp.sum(jnp.where(_row_shape(item_mask, g.ndim), g, 0.0),
+                          axis=0) / count.astype(g.dtype), per_item)
+
+  return user_gradient
+
+
 def clipped_user_grad_sum(
     loss_fn: Callable[[PyTree, PyTree], jax.Array],
     l2_clip: float,
@@ -763,22 +800,7 @@ def clipped_user_grad_sum(
     ghost.GhostClippingUnsupported: when called, for `method='ghost'` and a
       loss that does not qualify (the message says why).
   """
-  grad_fn = jax.grad(loss_fn)
-
-  def user_gradient(unit, params):
-    items, item_mask = _user_items(unit)
-    per_item = jax.vmap(grad_fn, in_axes=(None, 0))(params, items)
-    if item_mask is None:
-      return jax.tree_util.tree_map(lambda g: jnp.mean(g, axis=0), per_item)
-    # Select per-item gradients rather than masking the loss: the gradient of
-    # a masked-out NaN loss is NaN even behind `where` (0 * NaN), and it would
-    # spoil the whole user's contribution.
-    count = jnp.maximum(jnp.sum(item_mask), 1)
-    return jax.tree_util.tree_map(
-        lambda g: jnp.sum(jnp.where(_row_shape(item_mask, g.ndim), g, 0.0),
-                          axis=0) / count.astype(g.dtype), per_item)
-
   return ClippedStatistic(
-      contribution_fn=user_gradient, l2_clip=l2_clip,
+      contribution_fn=user_mean_gradient(loss_fn), l2_clip=l2_clip,
       microbatch_size=microbatch_size, unit='user', min_ndim=2,
       loss_fn=loss_fn, method=method, ghost_form=USER_FORM)

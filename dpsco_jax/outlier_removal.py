@@ -59,7 +59,7 @@ References:
 
 import functools
 import math
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -82,28 +82,41 @@ PAPER_CUTOFF_FRACTION = 2.0 / 3.0
 
 
 class OutlierRemovalCalibration(NamedTuple):
-  """Every constant of one private robust mean, derived by `calibrate`.
+  """Every constant of a phase of private robust means, from `calibrate`.
+
+  One phase is either ONE release with a fixed threshold (Algorithm 1) or
+  up to `num_steps` releases on K points sampled without replacement from
+  `population` each step, tested by AboveThreshold with one threshold
+  noise per phase (Algorithm 2).
 
   Attributes:
-    num_points: K, the number of points averaged.
+    num_points: K, the number of points averaged per release.
     tau: the concentration radius; inclusion counts neighbours within
       2 tau.
     score_radius: the score counts pairs within this radius (Algorithm 1:
       tau; Algorithm 2: 2 tau).
     threshold: the test threshold on the score, in [0, K] (paper: 4K/5).
     cutoff: the score the analysis needs on a pass (>= 2K/3); a pass below
-      it is a failure event, charged to delta.
-    laplace_scale: b, the scale of the Laplace noise on the score.
+      cutoff + 2 is a failure event, charged to delta.
+    laplace_scale: the scale of the Laplace noise on each score.
+    threshold_scale: the scale of AboveThreshold's threshold noise, drawn
+      once per phase (0 for a fixed threshold: one release).
     inclusion: 'weighted' or 'sampled'.
-    sensitivity: the l2 sensitivity of the pre-noise mean on the coupled
-      draws (`mean_sensitivity`).
+    sensitivity: the l2 sensitivity of the pre-noise mean on a pass
+      (`mean_sensitivity`).
     noise_std: sigma of the Gaussian noise on the mean.
-    epsilon: the epsilon of one release.
-    delta: the delta of one release, all parts below included.
-    tail_delta: the part of delta spent on passes below the cutoff.
-    coupling_delta: the part spent on the sampled coupling failing (0 for
+    num_steps: the releases the phase is calibrated for.
+    population: the users each step's K are sampled from without
+      replacement (None: the K points are all there is).
+    epsilon: the phase's epsilon.
+    delta: the phase's delta, all parts below included.
+    score_epsilon: the epsilon of the score tests (Laplace, or
+      AboveThreshold: 2/threshold_scale + 4/laplace_scale).
+    tail_delta: the part of delta for score noise large enough to pass a
+      test below the cutoff.
+    coupling_delta: the part for the sampled coupling failing (0 for
       'weighted').
-    gaussian_delta: the PLD delta of the Laplace-and-Gaussian composition.
+    gaussian_delta: the delta of the score-and-Gaussian composition.
   """
 
   num_points: int
@@ -112,11 +125,15 @@ class OutlierRemovalCalibration(NamedTuple):
   threshold: float
   cutoff: float
   laplace_scale: float
+  threshold_scale: float
   inclusion: str
   sensitivity: float
   noise_std: float
+  num_steps: int
+  population: Optional[int]
   epsilon: float
   delta: float
+  score_epsilon: float
   tail_delta: float
   coupling_delta: float
   gaussian_delta: float
@@ -253,39 +270,60 @@ def mean_sensitivity(num_points: int, tau: float, *,
 
 
 def calibrate(num_points: int, tau: float, epsilon: float, delta: float, *,
+              num_steps: int = 1,
+              population: Optional[int] = None,
               score_radius: Optional[float] = None,
               threshold_fraction: float = PAPER_THRESHOLD_FRACTION,
               cutoff_fraction: float = PAPER_CUTOFF_FRACTION,
               inclusion: str = 'weighted',
               tail_share: float = 0.25,
               coupling_share: float = 0.25) -> OutlierRemovalCalibration:
-  """Every noise level of one (epsilon, delta) private robust mean.
+  """Every noise level of a phase of private robust means (epsilon, delta).
 
-  The split of delta: `tail_share` of it bounds the passes below the cutoff
-  (they happen only if the Laplace noise exceeds the gap between threshold
-  and cutoff, less 2 for the neighbour's move, on either neighbour; this
-  sets the Laplace scale b); for `'sampled'`, `coupling_share` of it bounds
-  the coupling failure; the rest is the PLD delta of the Laplace score
-  (epsilon_1 = 2/b) composed with the Gaussian mean, whose sigma is found by
-  bisection (`accounting.laplace_and_gaussian_delta`).
+  The argument (docs/user_level.md §3): let G be the event that the score
+  noise never lets a test pass below `cutoff + 2` (and, for 'sampled', that
+  the coupled inclusions stay within their bound). On G the phase equals a
+  mechanism whose Gaussian part has sensitivity `mean_sensitivity` for
+  every pair of neighbours, so the phase is (epsilon, gaussian_delta +
+  (1 + e^eps) P(not G))-DP. The split of delta: `tail_share` for the score
+  noise, `coupling_share` for the coupling ('sampled' only), the rest for
+  the composition.
+
+  * One release (`num_steps=1`, no `population`; Algorithm 1): a fixed
+    threshold, score noise Lap(b) with the largest b whose tail fits; the
+    Laplace score (epsilon 2/b) and the Gaussian mean are composed by the
+    PLD (`accounting.laplace_and_gaussian_delta`).
+  * `num_steps` releases on K of `population` users sampled without
+    replacement (Algorithm 2): AboveThreshold with threshold noise
+    Lap(4/eps_AT) drawn once per phase and per-step noise Lap(8/eps_AT)
+    (the paper's 1:2 ratio; scores have sensitivity 2, so it is
+    eps_AT-DP), eps_AT the smallest whose tails over the T tests fit; the
+    Gaussian part is the T-fold subsampled Gaussian, accounted by
+    dp_accounting's RDP under replace-one, with epsilon - eps_AT.
+
+  sigma is the smallest (bisection) that meets the target.
 
   Example:
-    >>> cal = calibrate(num_points=600, tau=0.05, epsilon=2.0, delta=1e-6)
-    >>> cal.noise_std, cal.laplace_scale
+    >>> one = calibrate(num_points=600, tau=0.05, epsilon=2.0, delta=1e-6)
+    >>> phase = calibrate(3000, tau=0.05, epsilon=2.0, delta=1e-6,
+    ...                   num_steps=20, population=12000, score_radius=0.1)
 
   Args:
-    num_points: K, the points averaged (users, or groups of users).
+    num_points: K, the points averaged per release.
     tau: the concentration radius (privacy holds for any tau; utility needs
       the points within tau of each other).
-    epsilon: the target epsilon of the release.
-    delta: the target delta of the release.
+    epsilon: the phase's target epsilon.
+    delta: the phase's target delta.
+    num_steps: T, the releases of the phase.
+    population: the users each step's K are drawn from without
+      replacement (>= K; None or K: no sampling).
     score_radius: the score's pair radius; default tau (Algorithm 1);
       Algorithm 2 uses 2 tau. At most 2 tau.
     threshold_fraction: the test threshold over K (paper: 4/5).
-    cutoff_fraction: the score the analysis needs on a pass over K (paper:
-      2/3; at least that).
+    cutoff_fraction: the score the analysis needs on a pass, over K
+      (paper: 2/3; at least that).
     inclusion: 'weighted' (default) or 'sampled' (the paper's).
-    tail_share: the fraction of delta for the below-cutoff passes.
+    tail_share: the fraction of delta for the score noise's tails.
     coupling_share: for 'sampled', the fraction for the coupling failure.
 
   Returns:
@@ -293,10 +331,16 @@ def calibrate(num_points: int, tau: float, epsilon: float, delta: float, *,
 
   Raises:
     ValueError: for bad arguments, or when K is too small for the score
-      test to cost less than epsilon (the message gives the smallest K).
+      tests to cost less than epsilon (the message gives the fewest K).
   """
   k = checks.positive_int(num_points, 'num_points')
   tau = _check_radius(tau, 'tau')
+  steps = checks.positive_int(num_steps, 'num_steps')
+  if population is not None:
+    population = checks.positive_int(population, 'population')
+    if population < k:
+      raise ValueError(f'population ({population}) must be at least '
+                       f'num_points ({k})')
   score_radius = tau if score_radius is None else _check_radius(
       score_radius, 'score_radius')
   if score_radius > 2.0 * tau:
@@ -315,55 +359,94 @@ def calibrate(num_points: int, tau: float, epsilon: float, delta: float, *,
   tail_delta = tail_share * delta
   coupling_delta = coupling_share * delta
   gaussian_delta = delta - tail_delta - coupling_delta
+  blowup = 1.0 + math.exp(epsilon)
   sensitivity = mean_sensitivity(
       k, tau, cutoff_fraction=cutoff_fraction, inclusion=inclusion,
-      failure_probability=coupling_delta or None)
+      failure_probability=(coupling_delta / (blowup * steps)
+                           if coupling_delta else None))
   threshold = threshold_fraction * k
   cutoff = cutoff_fraction * k
+  one_release = steps == 1 and population in (None, k)
   score_epsilon = score_test_epsilon(
-      k, epsilon, delta, threshold_fraction=threshold_fraction,
-      cutoff_fraction=cutoff_fraction, tail_share=tail_share)
+      k, epsilon, delta, num_steps=steps, one_release=one_release,
+      threshold_fraction=threshold_fraction, cutoff_fraction=cutoff_fraction,
+      tail_share=tail_share)
   if score_epsilon >= epsilon:
-    fewest = fewest_points(epsilon, delta, score_share=1.0,
+    fewest = fewest_points(epsilon, delta, num_steps=steps,
+                           one_release=one_release, score_share=1.0,
                            threshold_fraction=threshold_fraction,
                            cutoff_fraction=cutoff_fraction,
                            tail_share=tail_share)
     raise ValueError(
-        f'K = {k} points are too few: the score test alone costs epsilon '
+        f'K = {k} points are too few: the score tests alone cost epsilon '
         f'{score_epsilon:.3g} >= {epsilon} (threshold {threshold:.1f}, '
-        f'cutoff {cutoff:.1f}). Use at least {fewest} points, a larger '
-        'epsilon or delta')
-  gap = threshold - cutoff - 2.0
-  tail_log = _tail_log(epsilon, tail_delta)
-  laplace_scale = gap / tail_log
-  multiplier = _gaussian_multiplier(laplace_scale / 2.0, epsilon,
-                                    gaussian_delta)
+        f'cutoff {cutoff:.1f}, {steps} tests). Use at least {fewest} '
+        'points, a larger epsilon or delta')
+  if one_release:
+    laplace_scale, threshold_scale = 2.0 / score_epsilon, 0.0
+    multiplier = _gaussian_multiplier(laplace_scale / 2.0, epsilon,
+                                      gaussian_delta)
+  else:
+    threshold_scale = 4.0 / score_epsilon
+    laplace_scale = 8.0 / score_epsilon
+    multiplier = _sampled_gaussian_multiplier(
+        epsilon - score_epsilon, gaussian_delta, steps,
+        population if population is not None else k, k)
   return OutlierRemovalCalibration(
       num_points=k, tau=tau, score_radius=score_radius, threshold=threshold,
-      cutoff=cutoff, laplace_scale=laplace_scale, inclusion=inclusion,
+      cutoff=cutoff, laplace_scale=laplace_scale,
+      threshold_scale=threshold_scale, inclusion=inclusion,
       sensitivity=sensitivity, noise_std=multiplier * sensitivity,
-      epsilon=float(epsilon), delta=float(delta), tail_delta=tail_delta,
-      coupling_delta=coupling_delta, gaussian_delta=gaussian_delta)
+      num_steps=steps, population=population, epsilon=float(epsilon),
+      delta=float(delta), score_epsilon=score_epsilon,
+      tail_delta=tail_delta, coupling_delta=coupling_delta,
+      gaussian_delta=gaussian_delta)
 
 
-def _tail_log(epsilon: float, tail_delta: float) -> float:
-  # Below-cutoff passes: P(Lap(b) >= gap) on the neighbour just above the
-  # cutoff (gap = threshold - cutoff - 2), plus P(Lap(b) >= gap + 2) on
-  # each side for replacing the mechanism by one that never passes below
-  # the cutoff (docs/user_level.md §3): at most
-  # (2 + e^eps) / 2 * exp(-gap / b), which this makes tail_delta.
-  return math.log((2.0 + math.exp(epsilon)) / (2.0 * tail_delta))
+def score_noise_tail(gap: float, laplace_scale: float,
+                     threshold_scale: float = 0.0,
+                     num_steps: int = 1) -> float:
+  """P(the score noise lets some test pass a score `gap` below threshold).
+
+  A fixed threshold (`threshold_scale=0`): P(Lap(b) >= gap) = e^(-gap/b)/2.
+  AboveThreshold: a pass needs `v_t - xi >= gap` for threshold noise xi and
+  step noise v_t; for any split a1 + a2 = gap it is at most
+  P(xi <= -a1) + T P(v >= a2); the best split on a fine grid is returned.
+
+  Example:
+    >>> score_noise_tail(60.0, laplace_scale=4.0)
+
+  Args:
+    gap: threshold - cutoff - 2 (> 0).
+    laplace_scale: the step noise's scale.
+    threshold_scale: the threshold noise's scale (0: fixed threshold).
+    num_steps: T, the tests.
+
+  Returns:
+    The probability bound.
+  """
+  if gap <= 0:
+    return 1.0
+  if threshold_scale == 0:
+    return num_steps * 0.5 * math.exp(-gap / laplace_scale)
+  splits = np.linspace(0.0, gap, 2001)
+  tails = (0.5 * np.exp(-splits / threshold_scale) +
+           num_steps * 0.5 * np.exp(-(gap - splits) / laplace_scale))
+  return float(min(1.0, tails.min()))
 
 
 def score_test_epsilon(num_points: int, epsilon: float, delta: float, *,
+                       num_steps: int = 1, one_release: bool = True,
                        threshold_fraction: float = PAPER_THRESHOLD_FRACTION,
                        cutoff_fraction: float = PAPER_CUTOFF_FRACTION,
                        tail_share: float = 0.25) -> float:
-  """The epsilon the score test of `calibrate` costs (2 / its Laplace scale).
+  """The epsilon the score tests of `calibrate` cost.
 
-  The Laplace scale is the largest whose below-cutoff passes fit
-  `tail_share * delta`; K points leave a gap of
+  The smallest epsilon whose noise tails (`score_noise_tail`, times
+  1 + e^eps) fit `tail_share * delta`: K points leave a gap of
   `(threshold_fraction - cutoff_fraction) K - 2` for the noise to cross.
+  One release: 2/b for the Laplace scale b; several: AboveThreshold's
+  eps_AT with scales 4/eps_AT (threshold) and 8/eps_AT (steps).
 
   Example:
     >>> score_test_epsilon(600, epsilon=2.0, delta=1e-6)
@@ -371,34 +454,57 @@ def score_test_epsilon(num_points: int, epsilon: float, delta: float, *,
 
   Args:
     num_points: K.
-    epsilon: the release's target epsilon (it enters the tail bound).
-    delta: the release's target delta.
+    epsilon: the phase's target epsilon (it enters the tail bound).
+    delta: the phase's target delta.
+    num_steps: T, the tests of the phase.
+    one_release: a fixed threshold and one test (Algorithm 1); False:
+      AboveThreshold.
     threshold_fraction: the test threshold over K.
     cutoff_fraction: the cutoff over K.
-    tail_share: the fraction of delta for the below-cutoff passes.
+    tail_share: the fraction of delta for the tails.
 
   Returns:
-    The score test's epsilon (inf when the gap is not positive).
+    The score tests' epsilon (inf when the gap is not positive).
   """
   gap = (threshold_fraction - cutoff_fraction) * num_points - 2.0
   if gap <= 0:
     return math.inf
-  return 2.0 * _tail_log(epsilon, tail_share * delta) / gap
+  budget = tail_share * delta / (1.0 + math.exp(epsilon))
+  if one_release:
+    return 2.0 * math.log(0.5 / budget) / gap
+
+  def fits(score_epsilon):
+    return score_noise_tail(gap, 8.0 / score_epsilon, 4.0 / score_epsilon,
+                            num_steps) <= budget
+
+  low, high = 0.0, 1.0
+  while not fits(high):
+    low, high = high, 2.0 * high
+    if high > 1e6:
+      return math.inf
+  for _ in range(60):
+    middle = 0.5 * (low + high)
+    if fits(middle):
+      high = middle
+    else:
+      low = middle
+  return high
 
 
 def fewest_points(epsilon: float, delta: float, *, score_share: float = 0.5,
                   **kwargs: Any) -> int:
-  """The fewest points K whose score test costs under score_share * eps.
+  """The fewest points K whose score tests cost under score_share * eps.
 
   Example:
-    >>> fewest_points(2.0, 1e-6)        # the score test within epsilon / 2
+    >>> fewest_points(2.0, 1e-6)        # one release, tests within eps / 2
+    >>> fewest_points(2.0, 1e-6, num_steps=50, one_release=False)
 
   Args:
-    epsilon: the release's target epsilon.
-    delta: the release's target delta.
-    score_share: the fraction of epsilon the test may cost, in (0, 1].
-    **kwargs: `threshold_fraction`, `cutoff_fraction`, `tail_share` as for
-      `score_test_epsilon`.
+    epsilon: the phase's target epsilon.
+    delta: the phase's target delta.
+    score_share: the fraction of epsilon the tests may cost, in (0, 1].
+    **kwargs: `num_steps`, `one_release`, `threshold_fraction`,
+      `cutoff_fraction`, `tail_share` as for `score_test_epsilon`.
 
   Returns:
     K (at least 9, the proof's minimum).
@@ -427,24 +533,15 @@ def fewest_points(epsilon: float, delta: float, *, score_share: float = 0.5,
   return high
 
 
-@functools.lru_cache(maxsize=256)
-def _gaussian_multiplier(laplace_multiplier: float, epsilon: float,
-                         delta: float) -> float:
-  """The smallest Gaussian multiplier whose composition meets (eps, delta).
-
-  Cached: every phase of a run (and every run of a sweep) with the same K,
-  epsilon and delta needs the same multiplier; tau only scales the noise.
-  """
-  def fails(z):
-    return accounting.laplace_and_gaussian_delta(laplace_multiplier, z,
-                                                 epsilon) > delta
+def _bisect_multiplier(fails: Callable[[float], bool]) -> float:
+  """The smallest multiplier z (to 1e-4 relative) with `fails(z)` False."""
   low, high = 0.0, 1.0
   while fails(high):
     low, high = high, 2.0 * high
     if high > 1e6:
       raise ValueError('no Gaussian noise meets this (epsilon, delta) after '
-                       'the score test')
-  for _ in range(40):
+                       'the score tests')
+  for _ in range(60):
     middle = 0.5 * (low + high)
     if fails(middle):
       low = middle
@@ -453,6 +550,27 @@ def _gaussian_multiplier(laplace_multiplier: float, epsilon: float,
     if high - low < 1e-4 * high:
       break
   return high
+
+
+# Cached: every phase of a run (and every run of a sweep) with the same K,
+# epsilon and delta needs the same multiplier; tau only scales the noise.
+@functools.lru_cache(maxsize=256)
+def _gaussian_multiplier(laplace_multiplier: float, epsilon: float,
+                         delta: float) -> float:
+  """One release: the Gaussian multiplier composed with the Laplace score."""
+  return _bisect_multiplier(
+      lambda z: accounting.laplace_and_gaussian_delta(
+          laplace_multiplier, z, epsilon) > delta)
+
+
+@functools.lru_cache(maxsize=256)
+def _sampled_gaussian_multiplier(epsilon: float, delta: float,
+                                 num_steps: int, population: int,
+                                 sample_size: int) -> float:
+  """T subsampled releases: the multiplier meeting (epsilon, delta)."""
+  return _bisect_multiplier(
+      lambda z: accounting.subsampled_gaussian_epsilon(
+          z, num_steps, population, sample_size, delta) > epsilon)
 
 
 def _leaves_as_rows(points: PyTree) -> list[jax.Array]:
@@ -634,9 +752,30 @@ def _gathered(points: PyTree, axis_name: Optional[str]) -> PyTree:
                                 points)
 
 
+def draw_threshold_noise(calibration: OutlierRemovalCalibration,
+                         key: keys_lib.KeyLike) -> jax.Array:
+  """AboveThreshold's threshold noise: ONE draw per phase, kept in state.
+
+  Zero for a one-release calibration (its threshold is fixed).
+
+  Example:
+    >>> xi = draw_threshold_noise(calibration, phase_key)
+
+  Args:
+    calibration: from `calibrate`.
+    key: the phase's threshold key (use it for nothing else).
+
+  Returns:
+    A float32 scalar.
+  """
+  return calibration.threshold_scale * jax.random.laplace(
+      keys_lib.as_key(key), (), jnp.float32)
+
+
 def private_robust_mean(points: PyTree,
                         calibration: OutlierRemovalCalibration,
                         key: keys_lib.KeyLike, *,
+                        threshold_noise: Any = 0.0,
                         halt_value: Optional[PyTree] = None,
                         center: Optional[PyTree] = None,
                         axis_name: Optional[str] = None) -> RobustMeanRelease:
@@ -659,6 +798,9 @@ def private_robust_mean(points: PyTree,
       device under `axis_name`), K = `calibration.num_points`.
     calibration: from `calibrate`.
     key: the release's key, used once.
+    threshold_noise: AboveThreshold's threshold noise for the phase
+      (`draw_threshold_noise`; 0 for one release): the test is
+      `score + Lap(laplace_scale) >= threshold + threshold_noise`.
     halt_value: the data-independent value released when the test fails
       (default zeros, the paper's 0; the previous released point is also
       fine: it is public).
@@ -685,7 +827,7 @@ def private_robust_mean(points: PyTree,
   score = concentration_score(d2, calibration.score_radius)
   noisy_score = score + calibration.laplace_scale * jax.random.laplace(
       score_key, (), jnp.float32)
-  passed = noisy_score >= calibration.threshold
+  passed = noisy_score >= calibration.threshold + threshold_noise
   weights = inclusion_weights(d2, calibration.tau,
                               inclusion=calibration.inclusion,
                               key=inclusion_key)

@@ -11,7 +11,6 @@ NaN, Inf points and planted outlier clusters.
 import math
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -221,11 +220,41 @@ def test_calibration_meets_its_epsilon_and_delta():
       cal.laplace_scale / 2.0, 0.97 * cal.noise_std / cal.sensitivity,
       cal.epsilon) > cal.gaussian_delta
   gap = cal.threshold - cal.cutoff - 2.0
-  tails = (2 + math.exp(cal.epsilon)) / 2 * math.exp(-gap / cal.laplace_scale)
+  tails = (1 + math.exp(cal.epsilon)) / 2 * math.exp(-gap / cal.laplace_scale)
   assert tails <= cal.tail_delta * (1 + 1e-9)
+  assert cal.threshold_scale == 0 and cal.num_steps == 1
   assert math.isclose(cal.tail_delta + cal.coupling_delta + cal.gaussian_delta,
                       cal.delta)
   assert cal.sensitivity == orm.mean_sensitivity(400, 0.2)
+
+
+def test_above_threshold_phase_calibration_meets_its_target():
+  cal = orm.calibrate(2000, tau=0.2, epsilon=2.0, delta=1e-6, num_steps=20,
+                      population=8000, score_radius=0.4)
+  # AboveThreshold with sensitivity-2 scores: eps = 2/b_threshold + 4/b_step.
+  assert math.isclose(2 / cal.threshold_scale + 4 / cal.laplace_scale,
+                      cal.score_epsilon, rel_tol=1e-9)
+  assert cal.laplace_scale == 2 * cal.threshold_scale  # the paper's 1:2
+  gap = cal.threshold - cal.cutoff - 2.0
+  assert (1 + math.exp(2.0)) * orm.score_noise_tail(
+      gap, cal.laplace_scale, cal.threshold_scale, 20) <= cal.tail_delta * (
+          1 + 1e-9)
+  # A larger step noise (smaller score epsilon) would not fit the tails.
+  assert (1 + math.exp(2.0)) * orm.score_noise_tail(
+      gap, cal.laplace_scale * 1.05, cal.threshold_scale * 1.05,
+      20) > cal.tail_delta
+  gaussian_epsilon = accounting.subsampled_gaussian_epsilon(
+      cal.noise_std / cal.sensitivity, 20, 8000, 2000, cal.gaussian_delta)
+  assert gaussian_epsilon <= cal.epsilon - cal.score_epsilon
+  assert accounting.subsampled_gaussian_epsilon(
+      0.97 * cal.noise_std / cal.sensitivity, 20, 8000, 2000,
+      cal.gaussian_delta) > cal.epsilon - cal.score_epsilon
+  # More tests per phase cost the score more.
+  longer = orm.calibrate(2000, tau=0.2, epsilon=2.0, delta=1e-6,
+                         num_steps=200, population=8000, score_radius=0.4)
+  assert longer.score_epsilon > cal.score_epsilon
+  with pytest.raises(ValueError, match='population'):
+    orm.calibrate(2000, 0.2, 2.0, 1e-6, num_steps=5, population=100)
 
 
 def test_sensitivity_constant_is_explicit():
