@@ -293,7 +293,7 @@ class Curve(NamedTuple):
 
 def plot_curves(path: str, curves: Sequence[Curve], *, xlabel: str,
                 ylabel: str, title: str = '', xscale: str = 'linear',
-                markers: bool = False,
+                yscale: str = 'linear', markers: bool = False,
                 xticks: Optional[Sequence[float]] = None) -> None:
   """Plots lines with shaded bands to a PNG.
 
@@ -309,6 +309,7 @@ def plot_curves(path: str, curves: Sequence[Curve], *, xlabel: str,
     ylabel: y axis label.
     title: plot title.
     xscale: 'linear' or 'log'.
+    yscale: 'linear' or 'log'.
     markers: draw a marker at every point (for few points).
     xticks: label exactly these x values (plain numbers, also on a log
       axis), or None for matplotlib's choice.
@@ -321,6 +322,7 @@ def plot_curves(path: str, curves: Sequence[Curve], *, xlabel: str,
       axes.fill_between(curve.x, curve.lower, curve.upper, alpha=0.2,
                         color=line.get_color(), linewidth=0)
   axes.set_xscale(xscale)
+  axes.set_yscale(yscale)
   if xticks is not None:
     axes.xaxis.set_minor_formatter(ticker.NullFormatter())
     axes.set_xticks(list(xticks), [f'{x:g}' for x in xticks])

@@ -550,6 +550,7 @@ def phased_sgd_preset(num_users: int, items_per_user: int, dim: int,
                       epsilon: float, delta: float, *, lipschitz: float,
                       diameter: float, smoothness: Optional[float] = None,
                       mode: str = 'paper', tau_scale: Optional[float] = None,
+                      phase_decay: Optional[float] = None,
                       inclusion: str = 'weighted') -> tuple[dict, list]:
   """`phased_sgd`'s arguments from Theorem 2.1 (B.1), and its conditions.
 
@@ -581,6 +582,8 @@ def phased_sgd_preset(num_users: int, items_per_user: int, dim: int,
     smoothness: beta, when known (checked against eta <= 1/beta).
     mode: 'paper' or 'practical'.
     tau_scale: overrides the mode's tau_scale.
+    phase_decay: overrides the theorem's q (a larger q puts more users in
+      the first phases).
     inclusion: the aggregator's inclusion ('weighted' or 'sampled').
 
   Returns:
@@ -599,8 +602,9 @@ def phased_sgd_preset(num_users: int, items_per_user: int, dim: int,
   eta = float(diameter) / (float(lipschitz) * math.sqrt(d * m * n * epsilon))
   big_j = max(math.log(m) / math.log(n), 0.0)
   step_decay = big_j + 1.5
-  ratio = math.log2(n)
-  phase_decay = math.log2((1 + ratio) / ratio)
+  if phase_decay is None:
+    ratio = math.log2(n)
+    phase_decay = math.log2((1 + ratio) / ratio)
   log_phases = max(1, int(math.floor(math.log2(n))))
   conditions = []
   if mode == 'paper':
@@ -1236,7 +1240,8 @@ def accelerated_phased_erm_preset(
     num_users: int, items_per_user: int, dim: int, epsilon: float,
     delta: float, *, lipschitz: float, diameter: float, smoothness: float,
     mode: str = 'paper', inclusion: str = 'weighted',
-    tau: Optional[float] = None) -> tuple[dict, list]:
+    tau: Optional[float] = None,
+    phase_decay: Optional[float] = None) -> tuple[dict, list]:
   """`accelerated_phased_erm`'s arguments from Theorem 3.2 (C.3), Lemma D.2.
 
   Both modes: lambda = (L/R)(1/sqrt(nm) + sqrt(d)/(eps n sqrt(m))),
@@ -1270,6 +1275,7 @@ def accelerated_phased_erm_preset(
     mode: 'paper' or 'practical'.
     inclusion: the aggregator's inclusion.
     tau: overrides the mode's tau.
+    phase_decay: overrides the theorem's q (p follows it).
 
   Returns:
     `(kwargs for accelerated_phased_erm, [PresetCondition, ...])`.
@@ -1287,8 +1293,11 @@ def accelerated_phased_erm_preset(
   big_l, big_r = float(lipschitz), float(diameter)
   lam = (big_l / big_r) * (1 / math.sqrt(n * m) +
                            math.sqrt(d) / (epsilon * n * math.sqrt(m)))
-  ratio = math.log2(n)
-  q = math.log2((1 + ratio) / ratio)
+  if phase_decay is None:
+    ratio = math.log2(n)
+    q = math.log2((1 + ratio) / ratio)
+  else:
+    q = float(phase_decay)
   p = 3 * q + 2.5 + math.log(m) / (2 * math.log(n))
   log_ndm = math.log(n * d * m)
   sizes = phase_sizes(n, q)
