@@ -49,6 +49,7 @@ from dpsco_jax import neighboring
 from dpsco_jax import keys as keys_lib
 from dpsco_jax import noise
 from dpsco_jax import outlier_removal
+from dpsco_jax import parallel
 from dpsco_jax import smoothing
 from dpsco_jax.algorithms import srg
 
@@ -711,6 +712,7 @@ def outlier_removal_gradient(
     *,
     key: estimators.KeyLike = None,
     smoothing_radius: Optional[float] = None,
+    axis_name: Optional[str] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Algorithm 2's private gradient: the outlier-removal mean of user gradients.
 
@@ -739,6 +741,9 @@ def outlier_removal_gradient(
     smoothing_radius: if set, each item's loss is evaluated at a point
       perturbed uniformly in the ball of this radius (Section 4), the
       perturbation keyed per step, user slot and item (public randomness).
+    axis_name: the device axis when the K users are sharded across devices:
+      each device forms its users' gradients, the gradients are gathered
+      and every device releases the same mean from the same replicated key.
 
   Returns:
     A transformation; call `update(None, state, params, batch=UserBatch)`
@@ -774,24 +779,28 @@ def outlier_removal_gradient(
     if not isinstance(batch, clipping.UserBatch):
       batch = clipping.UserBatch(batch)
     size = np.shape(jax.tree_util.tree_leaves(batch.items)[0])[0]
-    if size != calibration.num_points:
+    if size * parallel.axis_size(axis_name) != calibration.num_points:
       raise ValueError(f'{name} is calibrated for K = '
-                       f'{calibration.num_points} users per step, got {size}')
+                       f'{calibration.num_points} users per step, got '
+                       f'{size * parallel.axis_size(axis_name)}')
     items = batch.items
     if smoothing_radius is not None:
       m = np.shape(jax.tree_util.tree_leaves(items)[0])[1]
       step_key = jax.random.fold_in(jax.random.fold_in(state.key, 2),
                                     state.step)
+      # Slots numbered globally, so the perturbations do not depend on how
+      # the users are sharded.
+      first = size * (jax.lax.axis_index(axis_name) if axis_name else 0)
       item_keys = jax.vmap(lambda u: jax.vmap(
           lambda j: jax.random.fold_in(jax.random.fold_in(step_key, u), j))(
-              jnp.arange(m)))(jnp.arange(size))
+              jnp.arange(m)))(first + jnp.arange(size))
       items = {'item': items, 'key': item_keys}
     gradients = jax.vmap(user_gradient, in_axes=(0, None))(
         clipping.UserBatch(items, batch.item_mask), params)
     release = outlier_removal.private_robust_mean(
         gradients, calibration,
         jax.random.fold_in(jax.random.fold_in(state.key, 1), state.step),
-        threshold_noise=state.threshold_noise)
+        threshold_noise=state.threshold_noise, axis_name=axis_name)
     halted = state.halted | ~release.passed
     private = jax.tree_util.tree_map(
         lambda g: jnp.where(halted, jnp.zeros_like(g), g), release.value)

@@ -153,6 +153,28 @@ def test_one_replaced_user_moves_the_release_by_at_most_the_sensitivity(
   assert np.linalg.norm(releases[0] - releases[1]) <= CAL.sensitivity
 
 
+def test_eight_devices_equal_one():
+  """Users sharded over 8 devices (a vmap with the axis name): same release."""
+  w = jnp.array([0.3, -0.2, 0.1])
+  users = _users(K, spread=0.2)
+  single = ul.outlier_removal_gradient(_loss, CAL, key=jax.random.key(6))
+  expected, _ = single.update(None, single.init(w), w, batch=users)
+  sharded = ul.outlier_removal_gradient(_loss, CAL, key=jax.random.key(6),
+                                        axis_name='devices')
+
+  def on_device(items):
+    out, state = sharded.update(None, sharded.init(w), w,
+                                batch=clipping.UserBatch(items))
+    return out, state.halted
+
+  items = jax.tree.map(lambda a: a.reshape((8, K // 8) + a.shape[1:]),
+                       users.items)
+  outs, halted = jax.vmap(on_device, axis_name='devices')(items)
+  assert not np.any(halted)
+  for device in range(8):
+    np.testing.assert_allclose(outs[device], expected, rtol=1e-5, atol=1e-6)
+
+
 def test_smoothing_evaluates_each_item_at_a_perturbed_point():
   quiet = CAL._replace(noise_std=0.0, laplace_scale=1e-9, threshold_scale=0.0,
                        tau=1e3, score_radius=2e3)
