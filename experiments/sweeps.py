@@ -546,3 +546,69 @@ def per_run_rows(result: SweepResult, metrics: Sequence[str],
       rows.append({**dict(labels or {}), **result.point(g), 'seed': int(seed),
                    **{m: float(result.metrics[m][g, s]) for m in metrics}})
   return rows
+
+
+def extend_axis(axis: Sequence[float], edge: str) -> list[float]:
+  """`axis` with one more value past its `edge`, at its ratio (or x2).
+
+  Example:
+    >>> extend_axis([0.1, 0.3, 1.0], 'upper')
+    [0.1, 0.3, 1.0, 3.0...]
+
+  Args:
+    axis: the values of one grid axis (positive, geometric).
+    edge: 'lower' or 'upper'.
+
+  Returns:
+    The sorted extended values.
+  """
+  values = sorted(float(v) for v in axis)
+  ratio = values[1] / values[0] if len(values) > 1 else 2.0
+  return sorted(values + ([values[0] / ratio] if edge == 'lower'
+                          else [values[-1] * ratio]))
+
+
+def search_with_extension(
+    grid: Mapping[str, Sequence[float]],
+    score: Callable[..., float], *, extensions: int
+) -> Tuple[dict, dict, dict]:
+  """Minimizes `score(**point)` over a grid, extending axes past edge picks.
+
+  Every point of the grid is scored; while the best point sits on the edge
+  of some axis (and its score is finite), that axis gets one more value
+  past the edge and the new points are scored, up to `extensions` times.
+  The caller flags a pick still on an edge (`grid_edge`).
+
+  Example:
+    >>> picked, grid, scores = search_with_extension(
+    ...     {'learning_rate': [0.1, 1.0]}, lambda learning_rate: ...,
+    ...     extensions=2)
+
+  Args:
+    grid: axis name -> values (positive: extensions are geometric).
+    score: `score(**point) -> float` (lower is better; inf for a point
+      that cannot run).
+    extensions: the most times the grid is extended.
+
+  Returns:
+    `(picked point, final grid, {values tuple: score})`.
+  """
+  grid = {axis: sorted(float(v) for v in values)
+          for axis, values in grid.items()}
+  scores: dict = {}
+  for extension in range(extensions + 1):
+    for values in itertools.product(*grid.values()):
+      if values not in scores:
+        scores[values] = float(score(**dict(zip(grid, values))))
+    best = min(scores, key=scores.get)
+    edges = {axis: grid_edge(grid[axis], value)
+             for axis, value in zip(grid, best)}
+    # The grid returned is the grid scored: the pick's edge flag must be
+    # read against the values actually tried.
+    if (not any(edges.values()) or not math.isfinite(scores[best]) or
+        extension == extensions):
+      break
+    grid = {axis: (extend_axis(grid[axis], edges[axis]) if edges[axis]
+                   else grid[axis]) for axis in grid}
+  best = min(scores, key=scores.get)
+  return dict(zip(grid, best)), grid, scores

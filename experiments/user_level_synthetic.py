@@ -33,7 +33,6 @@ Writes `runs.csv`, `summary.csv`, `summary.md`, `excess_risk.png` and
 `run_record.json`. Results: docs/user_level_synthetic/README.md.
 """
 
-import itertools
 import math
 import os
 import time
@@ -60,12 +59,6 @@ from experiments import sweeps
 
 Row = dict[str, Any]
 
-_CONFIG = cli.define_config(
-    'configs/user_level_synthetic.py',
-    'Paper 002: user-level DP methods over items per user m.')
-flags.DEFINE_string('output_dir', 'results/user_level',
-                    'Where the CSVs, the table, the plot and the run record '
-                    'are written.')
 
 
 def lipschitz(config: ml_collections.ConfigDict) -> float:
@@ -188,54 +181,37 @@ def runner(method: str) -> Callable[..., float]:
   return run_accelerated_erm
 
 
-def _extend(axis: list[float], edge: str) -> list[float]:
-  """One more value past `edge`, at the axis's ratio (or x2)."""
-  values = sorted(axis)
-  ratio = values[1] / values[0] if len(values) > 1 else 2.0
-  return sorted(values + ([values[0] / ratio] if edge == 'lower'
-                          else [values[-1] * ratio]))
-
-
 def tune(config, method: str, m: int, data_of) -> tuple[dict, dict, list]:
   """Picks `method`'s hyperparameters on the tuning seeds.
 
   Returns `(picked, grid searched, tuning rows)`; the grid is extended past
-  an edge pick up to `grid_extensions` times.
+  an edge pick up to `grid_extensions` times (`sweeps.search_with_extension`).
   """
-  grid = method_grid(config, method)
-  scores: dict[tuple, float] = {}
-  rows = []
-  for _ in range(config.grid_extensions + 1):
-    for values in itertools.product(*grid.values()):
-      if values in scores:
-        continue
-      point = dict(zip(grid, values))
-      risks = []
-      for seed in config.tuning_seeds:
-        try:
-          risks.append(runner(method)(config, data_of(seed), m, seed,
-                                      **point))
-        except ValueError as error:  # infeasible at this m (e.g. K > n_i)
-          logging.warning('%s m=%d %s: %s', method, m, point, error)
-          risks.append(math.inf)
-      scores[values] = float(np.mean(risks))
-      rows.append({'method': method, 'm': m, **point,
-                   'tuning_excess_risk': scores[values]})
-    best = min(scores, key=scores.get)
-    edges = {axis: sweeps.grid_edge(grid[axis], value)
-             for axis, value in zip(grid, best)}
-    if not any(edges.values()) or not math.isfinite(scores[best]):
-      break
-    grid = {axis: (_extend(grid[axis], edges[axis]) if edges[axis]
-                   else grid[axis]) for axis in grid}
-  best = min(scores, key=scores.get)
-  return dict(zip(grid, best)), grid, rows
+  def score(**point):
+    risks = []
+    for seed in config.tuning_seeds:
+      try:
+        risks.append(runner(method)(config, data_of(seed), m, seed, **point))
+      except ValueError as error:  # infeasible at this m (e.g. K > n_i)
+        logging.warning('%s m=%d %s: %s', method, m, point, error)
+        risks.append(math.inf)
+    return float(np.mean(risks))
+
+  picked, grid, scores = sweeps.search_with_extension(
+      method_grid(config, method), score,
+      extensions=config.grid_extensions)
+  rows = [{'method': method, 'm': m, **dict(zip(grid, values)),
+           'tuning_excess_risk': value} for values, value in scores.items()]
+  return picked, grid, rows
 
 
 def main(argv: Sequence[str]) -> None:
   del argv
-  config = _CONFIG.value
-  output_dir = flags.FLAGS.output_dir
+  run(flags.FLAGS.config, flags.FLAGS.output_dir)
+
+
+def run(config: ml_collections.ConfigDict, output_dir: str) -> list[Row]:
+  """The whole study; writes the outputs and returns the summary rows."""
   os.makedirs(output_dir, exist_ok=True)
   start = time.time()
   warnings.simplefilter('ignore', UserWarning)
@@ -281,7 +257,10 @@ def main(argv: Sequence[str]) -> None:
   plot(config, summary, os.path.join(output_dir, 'excess_risk.png'))
   outputs.write_json(os.path.join(output_dir, 'run_record.json'),
                      outputs.run_record(config, wall_seconds=time.time() -
-                                        start))
+                                        start, extra={
+                                            'experiment':
+                                                'experiments.user_level_synthetic'}))
+  return summary
 
 
 def write_table(config, summary: Sequence[Row], path: str) -> None:
@@ -318,5 +297,14 @@ def plot(config, summary: Sequence[Row], path: str) -> None:
       xticks=list(config.items_per_user))
 
 
+def define_flags() -> None:
+  """`--config` (its fields listed by --help) and `--output_dir`."""
+  cli.define_config('configs/user_level_synthetic.py',
+                    'Paper 002: user-level DP methods over items per user m.')
+  flags.DEFINE_string('output_dir', 'results/user_level',
+                      'Where the CSVs, the table, the plot and the run record are written.')
+
+
 if __name__ == '__main__':
+  define_flags()
   app.run(main)
