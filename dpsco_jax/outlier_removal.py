@@ -473,22 +473,10 @@ def score_test_epsilon(num_points: int, epsilon: float, delta: float, *,
   if one_release:
     return 2.0 * math.log(0.5 / budget) / gap
 
-  def fits(score_epsilon):
-    return score_noise_tail(gap, 8.0 / score_epsilon, 4.0 / score_epsilon,
-                            num_steps) <= budget
-
-  low, high = 0.0, 1.0
-  while not fits(high):
-    low, high = high, 2.0 * high
-    if high > 1e6:
-      return math.inf
-  for _ in range(60):
-    middle = 0.5 * (low + high)
-    if fits(middle):
-      high = middle
-    else:
-      low = middle
-  return high
+  return _smallest_passing(
+      lambda score_epsilon: score_noise_tail(
+          gap, 8.0 / score_epsilon, 4.0 / score_epsilon,
+          num_steps) > budget, relative_tolerance=1e-12)
 
 
 def fewest_points(epsilon: float, delta: float, *, score_share: float = 0.5,
@@ -533,23 +521,37 @@ def fewest_points(epsilon: float, delta: float, *, score_share: float = 0.5,
   return high
 
 
-def _bisect_multiplier(fails: Callable[[float], bool]) -> float:
-  """The smallest multiplier z (to 1e-4 relative) with `fails(z)` False."""
+def _smallest_passing(fails: Callable[[float], bool], *,
+                      relative_tolerance: float = 1e-4,
+                      limit: float = 1e6) -> float:
+  """The smallest positive x (to `relative_tolerance`) with `fails(x)` False.
+
+  `fails` must be decreasing in x (True below some point, False above).
+  Returns inf when even `limit` fails.
+  """
   low, high = 0.0, 1.0
   while fails(high):
     low, high = high, 2.0 * high
-    if high > 1e6:
-      raise ValueError('no Gaussian noise meets this (epsilon, delta) after '
-                       'the score tests')
+    if high > limit:
+      return math.inf
   for _ in range(60):
     middle = 0.5 * (low + high)
     if fails(middle):
       low = middle
     else:
       high = middle
-    if high - low < 1e-4 * high:
+    if high - low < relative_tolerance * high:
       break
   return high
+
+
+def _bisect_multiplier(fails: Callable[[float], bool]) -> float:
+  """The smallest noise multiplier (to 1e-4 relative) with `fails` False."""
+  multiplier = _smallest_passing(fails)
+  if multiplier == math.inf:
+    raise ValueError('no Gaussian noise meets this (epsilon, delta) after '
+                     'the score tests')
+  return multiplier
 
 
 # Cached: every phase of a run (and every run of a sweep) with the same K,

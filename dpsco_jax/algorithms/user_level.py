@@ -391,6 +391,24 @@ def _group_average_iterates(loss_fn, start, items, item_mask, learning_rate,
   return jax.vmap(one_group)(items, item_mask)
 
 
+def _user_arrays(users: Any) -> tuple[int, int, np.ndarray]:
+  """(n, m, item mask) of a `UserBatch` of all users, checked."""
+  if not isinstance(users, clipping.UserBatch):
+    raise TypeError('users must be a clipping.UserBatch (see '
+                    'batching.group_by_user)')
+  leaves = jax.tree_util.tree_leaves(users.items)
+  if not leaves or any(np.ndim(leaf) < 2 for leaf in leaves):
+    raise ValueError('users.items needs leaves shaped [users, items, ...]')
+  n, m = np.shape(leaves[0])[:2]
+  if m < 1:
+    raise ValueError('every user needs at least one item slot (m >= 1)')
+  mask = (np.ones((n, m), bool) if users.item_mask is None
+          else np.asarray(users.item_mask, bool))
+  if mask.shape != (n, m):
+    raise ValueError(f'item_mask must be [{n}, {m}], got {mask.shape}')
+  return n, m, mask
+
+
 def phased_sgd(
     loss_fn: Callable[[PyTree, PyTree], jax.Array],
     init_params: PyTree,
@@ -471,19 +489,7 @@ def phased_sgd(
   References:
     Paper 002, Algorithm 1, Lemmas 2.3, B.2-B.4, Theorem 2.1 (B.1).
   """
-  if not isinstance(users, clipping.UserBatch):
-    raise TypeError('users must be a clipping.UserBatch (see '
-                    'batching.group_by_user)')
-  leaves = jax.tree_util.tree_leaves(users.items)
-  if not leaves or any(np.ndim(leaf) < 2 for leaf in leaves):
-    raise ValueError('users.items needs leaves shaped [users, items, ...]')
-  n, m = np.shape(leaves[0])[:2]
-  if m < 1:
-    raise ValueError('every user needs at least one item slot (m >= 1)')
-  mask = (np.ones((n, m), bool) if users.item_mask is None
-          else np.asarray(users.item_mask, bool))
-  if mask.shape != (n, m):
-    raise ValueError(f'item_mask must be [{n}, {m}], got {mask.shape}')
+  n, m, mask = _user_arrays(users)
   schedule = phased_sgd_schedule(
       n, m, num_groups, learning_rate=learning_rate, lipschitz=lipschitz,
       tau_scale=tau_scale, phase_decay=phase_decay, step_decay=step_decay,
@@ -1156,17 +1162,7 @@ def accelerated_phased_erm(
   References:
     Paper 002, Algorithms 2-3, Lemma D.2, Theorems 3.2 (C.3) and 4.1.
   """
-  if not isinstance(users, clipping.UserBatch):
-    raise TypeError('users must be a clipping.UserBatch (see '
-                    'batching.group_by_user)')
-  leaves = jax.tree_util.tree_leaves(users.items)
-  if not leaves or any(np.ndim(leaf) < 2 for leaf in leaves):
-    raise ValueError('users.items needs leaves shaped [users, items, ...]')
-  n, m = np.shape(leaves[0])[:2]
-  if m < 1:
-    raise ValueError('every user needs at least one item slot (m >= 1)')
-  mask = (np.ones((n, m), bool) if users.item_mask is None
-          else np.asarray(users.item_mask, bool))
+  n, m, mask = _user_arrays(users)
   for value, name in ((regularization, 'regularization'),
                       (smoothness, 'smoothness'), (tau, 'tau')):
     if not 0 < float(value) < math.inf:
