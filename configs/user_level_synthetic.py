@@ -19,6 +19,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.epsilon = 4.0
   # User-level delta of every run.
   config.delta = 1e-6
+  # The per-item loss: 'squared' ((x . w - y)^2 / 2, smooth) or 'absolute'
+  # (|x . w - y|, non-smooth: Algorithm 3 runs on its ball smoothing,
+  # Section 4). Both have an exact excess risk.
+  config.loss = 'squared'
   # Half-width of the label noise: y = x . w* + U[-noise, noise], x uniform
   # on the unit sphere; the loss (x . w - y)^2 / 2 on the ball of `radius`
   # has L <= radius + target_norm + noise and beta = 1.

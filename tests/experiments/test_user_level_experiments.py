@@ -30,6 +30,24 @@ def test_the_excess_risk_is_exact():
   assert empirical == pytest.approx(exact, rel=0.05)   # 100,000 items
 
 
+def test_the_absolute_loss_excess_risk_is_exact():
+  config = synthetic_config.get_config()
+  config.num_users, config.dimension, config.loss = 4000, 5, 'absolute'
+  users = user_level_synthetic.make_users(config, 50, seed=1)
+  x = users.items['x'].reshape(-1, 5).astype(np.float64)
+  y = users.items['y'].reshape(-1).astype(np.float64)
+  w_star = user_level_synthetic.target(config)
+  for step in (0.2, 1.0):   # inside and beyond the noise's half-width
+    w = w_star + step * np.array([1.0, 0, 0, 0, 0])
+    empirical = np.mean(np.abs(x @ w - y)) - np.mean(np.abs(x @ w_star - y))
+    assert empirical == pytest.approx(
+        user_level_synthetic.excess_risk(config, w), rel=0.12)  # ~4 std
+  assert user_level_synthetic.lipschitz(config) == 1.0
+  with pytest.raises(ValueError, match='loss must be one of'):
+    config.loss = 'hinge'
+    user_level_synthetic.loss_of(config)
+
+
 def test_a_pick_on_an_edge_extends_that_axis_until_interior():
   calls = []
 
