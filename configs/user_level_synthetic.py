@@ -51,6 +51,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.phased_learning_rate_scales = (1.0, 10.0)
   # Algorithm 3: tau searched, as fractions of L.
   config.erm_tau_fractions = (0.25, 0.5, 1.0)
+  # Algorithm 3: the most steps per phase (None: Lemma D.2's T_i). The
+  # smoothed absolute loss has beta = L sqrt(d) / r and T_i in the tens of
+  # thousands; its study caps T_i (--config.erm_max_steps=100).
+  config.erm_max_steps = ml_collections.FieldReference(None, field_type=int)
   # Phase decay q of Algorithms 1 and 3 (the presets' theoretical q, about
   # 0.1 here, leaves too few users per phase for the tests).
   config.phase_decay = 0.5

@@ -35,7 +35,7 @@ flagged in the table.
     python -m experiments.user_level_synthetic --output_dir=results/user_level
     python -m experiments.user_level_synthetic --config.loss=absolute \
         --config.methods="('user_dpsgd','accelerated_erm')" \
-        --output_dir=results/user_level_absolute
+        --config.erm_max_steps=100 --output_dir=results/user_level_absolute
 
 Writes `runs.csv`, `summary.csv`, `summary.md`, `excess_risk.png` and
 `run_record.json`. Results: docs/user_level_synthetic/README.md.
@@ -202,7 +202,8 @@ def run_accelerated_erm(config, users, m, seed, *,
       n, m, d, config.epsilon, config.delta,
       lipschitz=lipschitz(config), diameter=2 * config.radius,
       smoothness=smoothness, mode='practical',
-      tau=tau_fraction * lipschitz(config), phase_decay=config.phase_decay)
+      tau=tau_fraction * lipschitz(config), phase_decay=config.phase_decay,
+      max_steps=config.erm_max_steps)
   out = user_level.accelerated_phased_erm(
       loss_of(config), jnp.zeros(d), users,
       key=jax.random.key(quickstart.seed_for(seed, 'noise')),

@@ -1246,7 +1246,8 @@ def accelerated_phased_erm_preset(
     delta: float, *, lipschitz: float, diameter: float, smoothness: float,
     mode: str = 'paper', inclusion: str = 'weighted',
     tau: Optional[float] = None,
-    phase_decay: Optional[float] = None) -> tuple[dict, list]:
+    phase_decay: Optional[float] = None,
+    max_steps: Optional[int] = None) -> tuple[dict, list]:
   """`accelerated_phased_erm`'s arguments from Theorem 3.2 (C.3), Lemma D.2.
 
   Both modes: lambda = (L/R)(1/sqrt(nm) + sqrt(d)/(eps n sqrt(m))),
@@ -1281,6 +1282,11 @@ def accelerated_phased_erm_preset(
     inclusion: the aggregator's inclusion.
     tau: overrides the mode's tau.
     phase_decay: overrides the theorem's q (p follows it).
+    max_steps: caps T_i (the smoothed losses of Section 4 have
+      beta = L sqrt(d)/r, and Lemma D.2's T_i then runs to tens of
+      thousands of steps); the theorem's condition on T_i is then reported
+      as failing where the cap bites. Privacy is calibrated to the steps
+      actually taken.
 
   Returns:
     `(kwargs for accelerated_phased_erm, [PresetCondition, ...])`.
@@ -1307,8 +1313,11 @@ def accelerated_phased_erm_preset(
   log_ndm = math.log(n * d * m)
   sizes = phase_sizes(n, q)
   lambdas = [lam * 2 ** (p * i) for i in range(1, len(sizes) + 1)]
-  step_counts = [int(math.ceil((1 + math.sqrt(float(smoothness) / li)) *
-                               log_ndm)) for li in lambdas]
+  theory_steps = [int(math.ceil((1 + math.sqrt(float(smoothness) / li)) *
+                                log_ndm)) for li in lambdas]
+  step_counts = (theory_steps if max_steps is None else
+                 [min(t, checks.positive_int(max_steps, 'max_steps'))
+                  for t in theory_steps])
   if mode == 'paper':
     per_step = [int(math.ceil(
         500 * math.log(size ** 2 * m ** 2 * math.exp(epsilon) / delta) *
@@ -1335,8 +1344,9 @@ def accelerated_phased_erm_preset(
       raise ValueError(
           f'n = {n} users are too few for one phase: it needs '
           f'{per_step[0]} users per step and has {sizes[0]}')
-  sizes, per_step, step_counts = (sizes[:phases], per_step[:phases],
-                                  step_counts[:phases])
+  sizes, per_step, step_counts, theory_steps = (
+      sizes[:phases], per_step[:phases], step_counts[:phases],
+      theory_steps[:phases])
   conditions = [
       PresetCondition('epsilon <= 10', epsilon <= 10, f'epsilon = {epsilon}'),
       PresetCondition('delta < 1/(n m)', delta < 1 / (n * m),
@@ -1344,6 +1354,9 @@ def accelerated_phased_erm_preset(
       PresetCondition('K_i <= n_i', all(k <= s for k, s in zip(per_step,
                                                                sizes)),
                       f'K = {per_step}, n_i = {sizes}'),
+      PresetCondition('T_i >= (1 + sqrt(beta/lambda_i)) ln(ndm) (Lemma D.2)',
+                      step_counts == theory_steps,
+                      f'T = {step_counts}, Lemma D.2: {theory_steps}'),
       PresetCondition('K_i T_i >= n_i', all(
           k * t >= s for k, t, s in zip(per_step, step_counts, sizes)),
                       f'T = {step_counts}'),

@@ -250,6 +250,11 @@ def test_presets_follow_the_theorem_and_flag_what_fails():
   assert [c for c in conditions
           if c.name.startswith('every phase')][0].holds
   assert practical['tau'] <= 1.0  # never above L
+  capped, conditions = ul.accelerated_phased_erm_preset(
+      100000, 16, 10, 4.0, 1e-7, lipschitz=1.0, diameter=2.0,
+      smoothness=1.0, mode='practical', max_steps=20)
+  assert max(capped['steps']) == 20
+  assert not [c for c in conditions if c.name.startswith('T_i >=')][0].holds
   with pytest.raises(ValueError, match='too few for one phase'):
     ul.accelerated_phased_erm_preset(
         1000, 16, 10, 4.0, 1e-7, lipschitz=1.0, diameter=2.0,
