@@ -281,14 +281,18 @@ class PhaseRecord(NamedTuple):
   noisy_score: float
 
 
-class PhasedSGDResult(NamedTuple):
-  """The output of `phased_sgd`.
+class PhasedResult(NamedTuple):
+  """The output of `phased_sgd` and of `accelerated_phased_erm`.
 
   Attributes:
-    params: x_l, the last released point (x_{i-1} when phase i halted).
-    phases: a `PhaseRecord` per phase run.
-    halted: whether a score test failed (the run stopped there).
-    gradient_evaluations: sum_i C T_i (at most n m).
+    params: the last released point. `phased_sgd`: x_l (x_{i-1} when phase
+      i halted). `accelerated_phased_erm`: the last phase's AC-SA output
+      (at a halt, the x_ag reached: post-processing of released gradients).
+    phases: a `PhaseRecord` (`phased_sgd`) or `ErmPhaseRecord` per phase
+      run.
+    halted: whether a test failed (the run stopped there).
+    gradient_evaluations: the per-item gradients computed (`phased_sgd`:
+      sum_i C T_i <= n m; `accelerated_phased_erm`: K_i m per step run).
     epsilon: the run's epsilon (each phase's: the phases' users are
       disjoint, so they compose in parallel).
     delta: the run's delta.
@@ -427,7 +431,7 @@ def phased_sgd(
     inclusion: str = 'weighted',
     key: estimators.KeyLike = None,
     verbose: bool = False,
-) -> PhasedSGDResult:
+) -> PhasedResult:
   """Paper 002's Algorithm 1: phased SGD with outlier-iterate removal.
 
   Phase i = 1..l (`phased_sgd_schedule`): n_i fresh users (a random,
@@ -480,7 +484,7 @@ def phased_sgd(
     verbose: print one line per phase.
 
   Returns:
-    A `PhasedSGDResult`.
+    A `PhasedResult`.
 
   Raises:
     ValueError: for bad arguments, too few users for the schedule, or too
@@ -540,7 +544,7 @@ def phased_sgd(
       halted = True
       break
     point = srg.project_l2_ball(out.value, radius)
-  return PhasedSGDResult(params=point, phases=records, halted=halted,
+  return PhasedResult(params=point, phases=records, halted=halted,
                          gradient_evaluations=evaluations,
                          epsilon=float(epsilon), delta=float(delta))
 
@@ -1022,27 +1026,6 @@ class ErmPhaseRecord(NamedTuple):
   halted: bool
 
 
-class PhasedErmResult(NamedTuple):
-  """The output of `accelerated_phased_erm`.
-
-  Attributes:
-    params: x_l, the last phase's AC-SA output (at a halt: the x_ag
-      reached, which is post-processing of released gradients).
-    phases: an `ErmPhaseRecord` per phase run.
-    halted: whether a test failed (the run stopped there).
-    gradient_evaluations: sum over steps run of K_i m.
-    epsilon: the run's epsilon (each phase's; disjoint users).
-    delta: the run's delta.
-  """
-
-  params: Any
-  phases: list
-  halted: bool
-  gradient_evaluations: int
-  epsilon: float
-  delta: float
-
-
 def _per_phase(value: Any, phases: int, name: str) -> list:
   if np.ndim(value) == 0:
     return [value] * phases
@@ -1103,7 +1086,7 @@ def accelerated_phased_erm(
     smoothing_radius: Optional[float] = None,
     key: estimators.KeyLike = None,
     verbose: bool = False,
-) -> PhasedErmResult:
+) -> PhasedResult:
   """Paper 002's Algorithm 3 (with Algorithm 2 per phase).
 
   Phase i = 1..l takes n_i fresh users (`phase_sizes`,
@@ -1153,7 +1136,7 @@ def accelerated_phased_erm(
     verbose: one line per phase.
 
   Returns:
-    A `PhasedErmResult`.
+    A `PhasedResult`.
 
   Raises:
     ValueError: for bad arguments, too few users for the schedule, or a
@@ -1229,7 +1212,7 @@ def accelerated_phased_erm(
             flush=True)
     if halted:
       break
-  return PhasedErmResult(params=point, phases=records, halted=halted,
+  return PhasedResult(params=point, phases=records, halted=halted,
                          gradient_evaluations=evaluations,
                          epsilon=float(epsilon), delta=float(delta))
 
