@@ -119,3 +119,32 @@ def noise_multiplier(value: Any, name: str = 'noise_multiplier') -> float:
     raise ValueError(
         f'{name} must be a non-negative finite number, got {value!r}')
   return number
+
+
+def positive_finite(value: Any, name: str) -> float:
+  """Returns `value` as a float, or raises unless it is positive and finite.
+
+  The one check for step sizes, radii, smoothness and Lipschitz constants:
+  zero, a negative value, NaN, infinity or a non-number is refused.
+
+  Example:
+    >>> positive_finite(0.5, 'radius')
+    0.5
+
+  Args:
+    value: the argument.
+    name: the argument name used in the error message.
+
+  Returns:
+    `float(value)`.
+
+  Raises:
+    ValueError: if `value` is not a positive finite number.
+  """
+  try:
+    number = float(value)
+  except (TypeError, ValueError):
+    number = math.nan
+  if not 0.0 < number < math.inf:
+    raise ValueError(f'{name} must be positive and finite, got {value!r}')
+  return number

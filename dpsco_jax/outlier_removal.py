@@ -161,16 +161,6 @@ def _check_inclusion(inclusion: str) -> str:
   return inclusion
 
 
-def _check_radius(value: Any, name: str) -> float:
-  try:
-    number = float(value)
-  except (TypeError, ValueError):
-    number = math.nan
-  if not 0.0 < number < math.inf:
-    raise ValueError(f'{name} must be a positive finite number, got '
-                     f'{value!r}')
-  return number
-
 
 def _check_probability(value: float, name: str) -> float:
   if not 0.0 < value < 1.0:
@@ -239,7 +229,7 @@ def mean_sensitivity(num_points: int, tau: float, *,
       this K), a bad tau or a missing failure probability.
   """
   k = checks.positive_int(num_points, 'num_points')
-  tau = _check_radius(tau, 'tau')
+  tau = checks.positive_finite(tau, 'tau')
   inclusion = _check_inclusion(inclusion)
   if k < 9:
     raise ValueError(f'the outlier-removal mean needs at least 9 points (the '
@@ -334,14 +324,14 @@ def calibrate(num_points: int, tau: float, epsilon: float, delta: float, *,
       tests to cost less than epsilon (the message gives the fewest K).
   """
   k = checks.positive_int(num_points, 'num_points')
-  tau = _check_radius(tau, 'tau')
+  tau = checks.positive_finite(tau, 'tau')
   steps = checks.positive_int(num_steps, 'num_steps')
   if population is not None:
     population = checks.positive_int(population, 'population')
     if population < k:
       raise ValueError(f'population ({population}) must be at least '
                        f'num_points ({k})')
-  score_radius = tau if score_radius is None else _check_radius(
+  score_radius = tau if score_radius is None else checks.positive_finite(
       score_radius, 'score_radius')
   if score_radius > 2.0 * tau:
     raise ValueError('score_radius must be at most 2 tau (the proof bounds '

@@ -60,6 +60,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
+from dpsco_jax import checks
 from dpsco_jax import clipping
 from dpsco_jax import ghost
 
@@ -499,12 +500,6 @@ class SmoothingClips(NamedTuple):
   difference: float
 
 
-def _positive(value: float, name: str) -> float:
-  value = float(value)
-  if not (value > 0 and math.isfinite(value)):
-    raise ValueError(f'{name} must be positive and finite, got {value!r}')
-  return value
-
 
 def worst_case_clips(*, order: str, lipschitz: float,
                      dimension: int) -> SmoothingClips:
@@ -526,7 +521,7 @@ def worst_case_clips(*, order: str, lipschitz: float,
   Returns:
     `SmoothingClips`.
   """
-  lipschitz = _positive(lipschitz, 'lipschitz')
+  lipschitz = checks.positive_finite(lipschitz, 'lipschitz')
   worst = lipschitz * (dimension if _validate_order(order) == 'zero' else 1)
   return SmoothingClips(anchor=worst, difference=2.0 * worst)
 
@@ -583,9 +578,9 @@ def effective_clips(
   Returns:
     `SmoothingClips`.
   """
-  lipschitz = _positive(lipschitz, 'lipschitz')
-  alpha = _positive(smoothing_radius, 'smoothing_radius')
-  movement = _positive(movement_radius, 'movement_radius')
+  lipschitz = checks.positive_finite(lipschitz, 'lipschitz')
+  alpha = checks.positive_finite(smoothing_radius, 'smoothing_radius')
+  movement = checks.positive_finite(movement_radius, 'movement_radius')
   worst = worst_case_clips(order=order, lipschitz=lipschitz,
                            dimension=dimension)
   num_estimates = int(num_estimates)

@@ -46,3 +46,14 @@ def test_no_noise_is_announced_not_silent():
     dpsco_jax.dp_gd(loss, learning_rate=0.1, grad_clip=1.0,
                     noise_multiplier=1.0, num_rounds=4)
     dpsco_jax.dpftrl(loss, l2_clip=1.0, noise_multiplier=0.5, num_steps=3)
+
+
+@pytest.mark.parametrize('bad', [0.0, -1.0, float('nan'), float('inf'),
+                                 'x', None])
+def test_positive_finite_refuses_what_no_radius_or_step_can_be(bad):
+  with pytest.raises(ValueError, match='radius must be positive and finite'):
+    checks.positive_finite(bad, 'radius')
+
+
+def test_positive_finite_returns_a_float():
+  assert checks.positive_finite(jnp.float32(0.5), "radius") == 0.5

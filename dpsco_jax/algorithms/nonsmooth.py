@@ -125,12 +125,6 @@ class O2ncState(NamedTuple):
   key: jax.Array
 
 
-def _positive(value: float, name: str) -> float:
-  value = float(value)
-  if not (value > 0 and math.isfinite(value)):
-    raise ValueError(f'{name} must be positive and finite, got {value!r}')
-  return value
-
 
 def _float_zeros(params: PyTree) -> PyTree:
   return jax.tree_util.tree_map(
@@ -185,8 +179,8 @@ def o2nc(
   Returns:
     An `optax.GradientTransformation` with `O2ncState`.
   """
-  learning_rate = _positive(learning_rate, 'learning_rate')
-  radius = _positive(movement_radius, 'movement_radius')
+  learning_rate = checks.positive_finite(learning_rate, 'learning_rate')
+  radius = checks.positive_finite(movement_radius, 'movement_radius')
   block_length = checks.positive_int(block_length, 'block_length')
   key = keys.fresh_key() if key is None else keys.as_key(key)
 
@@ -686,9 +680,9 @@ def proposition_2_6_learning_rate(*, movement_radius: float,
   Returns:
     eta.
   """
-  scale = _positive(scale, 'scale')
-  return float(scale * _positive(movement_radius, 'movement_radius') / (
-      (_positive(lipschitz, 'lipschitz') + max(0.0, float(noise_norm))) *
+  scale = checks.positive_finite(scale, 'scale')
+  return float(scale * checks.positive_finite(movement_radius, 'movement_radius') / (
+      (checks.positive_finite(lipschitz, 'lipschitz') + max(0.0, float(noise_norm))) *
       math.sqrt(checks.positive_int(block_length, 'block_length'))))
 
 
@@ -781,12 +775,12 @@ def nonsmooth_preset(
     raise ValueError(f'theorem must be one of {THEOREMS}, got {theorem!r}')
   n = checks.positive_int(num_examples, 'num_examples')
   d = checks.positive_int(dimension, 'dimension')
-  eps = _positive(epsilon, 'epsilon')
+  eps = checks.positive_finite(epsilon, 'epsilon')
   if not 0 < delta < 1:
     raise ValueError(f'delta must be in (0, 1), got {delta!r}')
-  lip = _positive(lipschitz, 'lipschitz')
-  phi = _positive(initial_gap, 'initial_gap')
-  alpha = _positive(smoothing_radius, 'smoothing_radius')
+  lip = checks.positive_finite(lipschitz, 'lipschitz')
+  phi = checks.positive_finite(initial_gap, 'initial_gap')
+  alpha = checks.positive_finite(smoothing_radius, 'smoothing_radius')
   if alpha > phi / lip:
     raise ValueError(f'the theorems assume alpha <= Phi / L = {phi / lip:g}, '
                      f'got alpha = {alpha:g}')
@@ -820,7 +814,7 @@ def nonsmooth_preset(
   else:
     if target_norm is None:
       raise ValueError("theorem '4.1' needs target_norm (beta)")
-    beta = _positive(target_norm, 'target_norm')
+    beta = checks.positive_finite(target_norm, 'target_norm')
     movement = alpha * beta ** 2 / lip ** 2
     steps = max(1, math.ceil(phi * lip ** 2 / (alpha * beta ** 3)))
     period = max(1, round(alpha / (movement * math.sqrt(d))))

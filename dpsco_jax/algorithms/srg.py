@@ -318,17 +318,11 @@ class AcceleratedSrgdState(NamedTuple):
   estimator: Any
 
 
-def _validate_positive(value: float, name: str) -> float:
-  value = float(value)
-  if not (value > 0 and math.isfinite(value)):
-    raise ValueError(f'{name} must be positive and finite, got {value!r}')
-  return value
-
 
 def _validate_radius(radius: Optional[float]) -> Optional[float]:
   if radius is None:
     return None
-  return _validate_positive(radius, 'radius')
+  return checks.positive_finite(radius, 'radius')
 
 
 def project_l2_ball(tree: PyTree, radius: Optional[float]) -> PyTree:
@@ -395,7 +389,7 @@ def nesterov_coupling(
     An `optax.GradientTransformationExtraArgs` with `AcceleratedSrgdState`;
     extra args are forwarded to the estimator.
   """
-  beta = _validate_positive(beta, 'beta')
+  beta = checks.positive_finite(beta, 'beta')
   radius = _validate_radius(radius)
 
   def init_fn(params):
@@ -647,7 +641,7 @@ def unaccelerated_dp_srg(
   Returns:
     `optax.chain(srg_gradient(...), optax.sgd(1 / beta), projection(R))`.
   """
-  beta = _validate_positive(beta, 'beta')
+  beta = checks.positive_finite(beta, 'beta')
   return optax.chain(
       srg_gradient(
           loss_fn, l2_clip=l2_clip, noise_multiplier=noise_multiplier,
@@ -896,9 +890,9 @@ def srgd_preset(
   """
   n = checks.positive_int(num_examples, 'num_examples')
   accounting.validate_epsilon_delta(epsilon, delta)
-  lipschitz = _validate_positive(lipschitz, 'lipschitz')
-  smoothness = _validate_positive(smoothness, 'smoothness')
-  radius = _validate_positive(radius, 'radius')
+  lipschitz = checks.positive_finite(lipschitz, 'lipschitz')
+  smoothness = checks.positive_finite(smoothness, 'smoothness')
+  radius = checks.positive_finite(radius, 'radius')
   dimension = checks.positive_int(dimension, 'dimension')
   if regime == 'interior':
     if batch_size is not None:

@@ -158,9 +158,7 @@ def phase_sizes(num_users: int, phase_decay: float,
     The list of n_i.
   """
   n = checks.positive_int(num_users, 'num_users')
-  if not 0 < float(phase_decay) < math.inf:
-    raise ValueError(f'phase_decay must be positive and finite, got '
-                     f'{phase_decay!r}')
+  phase_decay = checks.positive_finite(phase_decay, 'phase_decay')
   phases = (max(1, int(math.floor(math.log2(n)))) if num_phases is None
             else checks.positive_int(num_phases, 'num_phases'))
   return [int(math.floor((1 - 2 ** -phase_decay) * n /
@@ -230,8 +228,7 @@ def phased_sgd_schedule(num_users: int, items_per_user: int, num_groups: int,
   for value, name in ((learning_rate, 'learning_rate'),
                       (lipschitz, 'lipschitz'), (tau_scale, 'tau_scale'),
                       (phase_decay, 'phase_decay')):
-    if not 0 < float(value) < math.inf:
-      raise ValueError(f'{name} must be positive and finite, got {value!r}')
+    checks.positive_finite(value, name)
   if not 0 <= float(step_decay) < math.inf:
     raise ValueError(f'step_decay must be >= 0, got {step_decay!r}')
   users = phase_sizes(n, phase_decay, num_phases)
@@ -704,9 +701,7 @@ def smoothed_item_loss(loss_fn: Callable[[PyTree, PyTree], jax.Array],
   Returns:
     The perturbed loss.
   """
-  radius = float(radius)
-  if not 0 < radius < math.inf:
-    raise ValueError(f'smoothing radius must be positive, got {radius!r}')
+  radius = checks.positive_finite(radius, 'smoothing radius')
 
   def loss(params, keyed):
     shift = smoothing.ball_point(keyed['key'], params, radius)
@@ -923,11 +918,8 @@ def ac_sa(smoothness: float, strong_convexity: float, *,
     Ghadimi & Lan (2012), AC-SA for strongly convex problems; paper 002,
     Algorithm 2 line 15 and Remark C.5.
   """
-  smoothness = float(smoothness)
-  mu = float(strong_convexity)
-  if not 0 < mu < math.inf or not 0 < smoothness < math.inf:
-    raise ValueError('ac_sa needs a positive finite smoothness and strong '
-                     f'convexity, got {smoothness!r}, {strong_convexity!r}')
+  smoothness = checks.positive_finite(smoothness, 'smoothness')
+  mu = checks.positive_finite(strong_convexity, 'strong_convexity')
   boundaries = None
   if stage_lengths is not None:
     lengths = [checks.positive_int(v, 'stage_lengths') for v in stage_lengths]
@@ -1148,8 +1140,7 @@ def accelerated_phased_erm(
   n, m, mask = _user_arrays(users)
   for value, name in ((regularization, 'regularization'),
                       (smoothness, 'smoothness'), (tau, 'tau')):
-    if not 0 < float(value) < math.inf:
-      raise ValueError(f'{name} must be positive and finite, got {value!r}')
+    checks.positive_finite(value, name)
   if not 0 <= float(regularization_growth) < math.inf:
     raise ValueError('regularization_growth must be >= 0, got '
                      f'{regularization_growth!r}')
