@@ -217,7 +217,8 @@ def optax_variant(model: Model) -> Variant:
   return Variant(step, tx.init(model.params))
 
 
-def jax_privacy_variant(model: Model, jax_privacy: ModuleType) -> Variant:
+def jax_privacy_variant(model: Model, jax_privacy: ModuleType,
+                        batch_size: int = BATCH_SIZE) -> Variant:
   """``jax_privacy`` clipped-gradient sum + Gaussian privatizer + sgd."""
   clipped_grad_sum = jax_privacy.clipped_grad(
       example_loss_fn(model.apply),
@@ -228,7 +229,7 @@ def jax_privacy_variant(model: Model, jax_privacy: ModuleType) -> Variant:
   tx = optax.chain(
       jax_privacy.noise_addition.gaussian_privatizer(
           stddev=L2_CLIP * NOISE_MULTIPLIER, prng_key=jax.random.key(0)),
-      optax.scale(1.0 / BATCH_SIZE),
+      optax.scale(1.0 / batch_size),
       optax.sgd(LEARNING_RATE),
   )
 

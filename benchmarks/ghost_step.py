@@ -18,22 +18,31 @@ classes, softmax cross-entropy), for:
 * ``optax``: ``optax.contrib.dpsgd`` on ``jax.vmap``-ed per-example
   gradients.
 
+* ``jax_privacy``: ``jax_privacy.clipped_grad`` (per-example gradients),
+  its Gaussian privatizer and ``optax.sgd``, when ``jax_privacy`` is
+  importable (``pip install jax-privacy``; else the column is skipped).
+
 Models: logistic regression 784->10 (B=500), MLP 784-256-10 (B=500) and
-MLP 784-1024-1024-10 (B=256), ReLU, and a one-block transformer encoder
-(token embedding 1000x64, learned positions, 4-head self-attention, two
-layer norms, a ReLU MLP 64-256-64, mean pooling; 116,426 parameters; 32
+MLP 784-1024-1024-10 (B=256), ReLU; a small CNN on 28x28 inputs (two 3x3
+SAME convolutions with 16 and 32 channels, each followed by ReLU and 2x2
+average pooling, a dense head; 20,490 parameters; B=256) whose
+convolutions take the unfolded-input rule; and a one-block transformer
+encoder (token embedding 1000x64, learned positions, 4-head self-attention,
+two layer norms, a ReLU MLP 64-256-64, mean pooling; 116,426 parameters; 32
 tokens, B=64) whose every parameter takes the ghost path (the embedding by
 the token-equality Gram form). Before timing, the script checks that the
 ghost and vmap clipped sums agree on the batch.
 
 Variants are interleaved in rounds with a rotating order (machine-load drift
 hits all alike); the reported time is the median over rounds of the mean
-per-step time, and the ratios come from the same run.
+per-step time, and the ratios come from the same run. Peak memory is XLA's
+own account of each compiled step (``memory_analysis()``: temporaries,
+arguments and outputs), on whatever backend runs the script.
 
 Usage (from the repository root)::
 
     python benchmarks/ghost_step.py [--iters 3] [--warmup 1] [--rounds 5] \
-        [--only transformer]
+        [--only cnn]
 """
 
 from __future__ import annotations
@@ -62,6 +71,7 @@ RATIOS = (
     ('ghost', 'non-private'),
     ('dpsgd', 'non-private'),
     ('optax', 'non-private'),
+    ('jax_privacy', 'non-private'),
     ('ghost clip only', 'non-private'),
     ('vmap', 'ghost'),
 )
@@ -134,6 +144,42 @@ def make_token_batch(rng: np.random.Generator,
   }
 
 
+# The CNN: image side, channels of its two convolutions.
+IMAGE_SIDE, CNN_CHANNELS = 28, (16, 32)
+
+
+def cnn_init(rng: np.random.Generator) -> dict:
+  """Two 3x3 convolutions (HWIO kernels) and a dense head (20,490 params)."""
+  params, fan_in = {}, 1
+  for k, channels in enumerate(CNN_CHANNELS):
+    params[f'conv_{k}'] = {
+        'kernel': jnp.asarray(rng.normal(size=(3, 3, fan_in, channels)) /
+                              np.sqrt(9 * fan_in), jnp.float32),
+        'bias': jnp.zeros(channels, jnp.float32)}
+    fan_in = channels
+  side = IMAGE_SIDE // 2**len(CNN_CHANNELS)
+  params['head'] = dpsgd_step.dense_init(rng, side * side * fan_in,
+                                         NUM_CLASSES)
+  return params
+
+
+def cnn_apply(params: dict, x: jax.Array) -> jax.Array:
+  """Logits for flattened 28x28 images `[..., 784]` (any leading axes)."""
+  lead = x.shape[:-1]
+  h = x.reshape((-1, IMAGE_SIDE, IMAGE_SIDE, 1))
+  for k in range(len(CNN_CHANNELS)):
+    layer = params[f'conv_{k}']
+    h = jax.lax.conv_general_dilated(
+        h, layer['kernel'], (1, 1), 'SAME',
+        dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
+    h = jax.nn.relu(h + layer['bias'])
+    n, height, width, channels = h.shape
+    h = jnp.mean(h.reshape(n, height // 2, 2, width // 2, 2, channels),
+                 axis=(2, 4))
+  logits = dpsgd_step.dense(params['head'], h.reshape(h.shape[0], -1))
+  return logits.reshape(lead + (NUM_CLASSES,))
+
+
 def mlp_init(rng: np.random.Generator, widths: list[int]):
   """Params of an MLP with the given layer widths: {"layer_k": {"w", "b"}}."""
   return {f'layer_{k}': dpsgd_step.dense_init(rng, fan_in, fan_out)
@@ -162,6 +208,10 @@ def make_problems(rng: np.random.Generator) -> list[Problem]:
     problems.append(Problem(dpsgd_step.Model(
         f'MLP {name} (relu), B={batch_size}', mlp_init(rng, widths),
         mlp_apply), batch_size, iters_scale))
+  problems.append(Problem(dpsgd_step.Model(
+      f'CNN {IMAGE_SIDE}x{IMAGE_SIDE} conv3x3-{CNN_CHANNELS[0]}-pool-'
+      f'conv3x3-{CNN_CHANNELS[1]}-pool-dense, B=256', cnn_init(rng),
+      cnn_apply), 256, 1))
   problems.append(Problem(dpsgd_step.Model(
       f'transformer encoder (embedding {VOCABULARY}x{WIDTH}, {SEQUENCE} '
       f'tokens, {HEADS} heads, layer norms), B=64', transformer_init(rng),
@@ -220,10 +270,11 @@ def clip_only_variant(model: dpsgd_step.Model,
   return dpsgd_step.Variant(step, sgd.init(model.params))
 
 
-def make_variants(problem: Problem) -> dict[str, dpsgd_step.Variant]:
+def make_variants(problem: Problem,
+                  jax_privacy=None) -> dict[str, dpsgd_step.Variant]:
   """Every variant of the module docstring, for `problem`."""
   model = problem.model
-  return {
+  variants = {
       'non-private': dpsgd_step.non_private_variant(model),
       'vmap': clipped_sum_variant(model, 'vmap', problem.batch_size),
       'ghost': clipped_sum_variant(model, 'ghost', problem.batch_size),
@@ -231,6 +282,37 @@ def make_variants(problem: Problem) -> dict[str, dpsgd_step.Variant]:
       'optax': dpsgd_step.optax_variant(model),
       'ghost clip only': clip_only_variant(model, problem.batch_size),
   }
+  if jax_privacy is not None:
+    variants['jax_privacy'] = dpsgd_step.jax_privacy_variant(
+        model, jax_privacy, problem.batch_size)
+  return variants
+
+
+def peak_memory(model: dpsgd_step.Model,
+                variants: dict[str, dpsgd_step.Variant],
+                batch: dpsgd_step.Batch) -> dict[str, float]:
+  """XLA's peak estimate (temporaries + arguments + outputs) per step, MiB."""
+  peaks = {}
+  for name, variant in variants.items():
+    analysis = variant.step.lower(model.params, variant.state,
+                                  batch).compile().memory_analysis()
+    if analysis is None:   # a backend without the analysis
+      continue
+    peaks[name] = (analysis.temp_size_in_bytes +
+                   analysis.argument_size_in_bytes +
+                   analysis.output_size_in_bytes) / 2**20
+  return peaks
+
+
+def print_memory(peaks: dict[str, float]) -> None:
+  """Peak MiB per variant and its ratio to the non-private step."""
+  if 'non-private' not in peaks:
+    print('  peak memory: not reported by this backend')
+    return
+  base = peaks['non-private']
+  print('  peak memory (XLA): ' + ', '.join(
+      f'{name} {mib:.1f} MiB ({mib / base:.2f}x)'
+      for name, mib in peaks.items()))
 
 
 def check_agreement(model: dpsgd_step.Model, batch: dpsgd_step.Batch) -> str:
@@ -283,17 +365,20 @@ def main(argv: list[str]) -> None:
   # The `dpsgd` column reuses `dpsgd_step`'s fixed noise key for every model
   # on purpose: these runs only time steps, they release nothing.
   warnings.filterwarnings('ignore', category=dpsco_jax.keys.KeyReuseWarning)
+  jax_privacy, reason = dpsgd_step.optional_import('jax_privacy')
   print_header(args)
+  print(dpsgd_step.describe('jax_privacy', jax_privacy, reason))
   rng = np.random.default_rng(dpsgd_step.DATA_SEED)
   for problem in make_problems(rng):
     if args.only not in problem.model.name:
       continue
     batch = (problem.batch_fn or make_batch)(rng, problem.batch_size)
-    variants = make_variants(problem)
+    variants = make_variants(problem, jax_privacy)
     times = dpsgd_step.benchmark(problem.model, variants, batch,
                                  args.iters * problem.iters_scale,
                                  args.warmup, args.rounds)
     dpsgd_step.print_results(problem.model, times, RATIOS)
+    print_memory(peak_memory(problem.model, variants, batch))
     print(check_agreement(problem.model, batch))
 
 

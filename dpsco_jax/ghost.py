@@ -13,15 +13,18 @@ layer's output `g_i` (notes/fast-clipping.md):
 * bias add and elementwise scale: the per-example gradient of that
   parameter (small) is materialized;
 * embedding lookup (a `gather` of whole rows of a 2-D table): the
-  token-equality Gram form `sum_{p,q} [i_p = i_q] (g_p . g_q)`.
+  token-equality Gram form `sum_{p,q} [i_p = i_q] (g_p . g_q)`;
+* convolution (`conv_general_dilated`, any layout, strides, padding,
+  dilations, groups): the input unfolded into patches (im2col) makes it a
+  dense layer over the output positions, so the dense identities apply.
 
 The layers are found by tracing `loss_fn(params, example)` to a jaxpr, so a
 plain JAX function and a flax model (whose `apply` traces to operations on the
 params pytree) are handled alike. Each params leaf, after structural
 operations (reshape, transpose, dtype conversion, broadcast), must be consumed
 by exactly ONE operation that has a layer rule below; anything else (a leaf
-used twice, as tied weights are; a convolution; a gather that is not a row
-lookup; a custom_vjp or scan that takes a parameter) makes `analyze` raise
+used twice, as tied weights are; a gather that is not a row lookup; a
+custom_vjp or scan that takes a parameter) makes `analyze` raise
 `GhostClippingUnsupported` with the reason, and the caller falls back to
 per-example gradients.
 
@@ -53,8 +56,8 @@ sum/difference basis), and the clipped sum the same vector-Jacobian products
 over every term.
 
 Adding a layer type is one rule: a `LayerRule` registered in `LAYER_RULES`
-under the primitive's name (as `gather` for embeddings; a convolution would unfold
-the input into patches, then use the dense-over-positions identity).
+under the primitive's name (as `gather` for embeddings and
+`conv_general_dilated` for convolutions).
 A rule only computes per-example squared norms; the clipped sum is the
 generic vector-Jacobian product and needs nothing new.
 
@@ -356,7 +359,7 @@ def _norm(x: jax.Array) -> jax.Array:
 
 def _with_rounding_margin(squared: jax.Array, magnitude: jax.Array, *,
                           contract: int, features: int, columns: int,
-                          dtype: Any) -> jax.Array:
+                          dtype: Any, gram: bool = True) -> jax.Array:
   """A squared norm raised by a bound on its rounding error: never below
   the truth, so rounding never lets a contribution past the clip.
 
@@ -378,19 +381,34 @@ def _with_rounding_margin(squared: jax.Array, magnitude: jax.Array, *,
   points built to cancel), the margin dominates and such units are clipped
   hard rather than under-measured (`tests/test_ghost_rounding.py`).
 
+  When `M` itself is formed (`gram=False`: the squared entries of `A^T G`),
+  only its entries are signed sums, each within `gamma_K` of its
+  absolute-value counterpart, so `|M| <= |fl(M)| + gamma_K S` and
+  `2 (2 K + 8) u S^2` suffices; the K^2 pair sum is not formed. (The final
+  sum of squares adds non-negative terms: its rounding is relative to the
+  norm itself, as in every path's norm, the vmap path's included, and
+  cancellation cannot hide a norm there.) With hundreds of positions (a
+  convolution's output positions) the Gram bound's `K^2 u` would be a
+  relative few percent; this one stays near `1e-4`.
+
   Args:
     squared: `[units]` computed squared norms.
     magnitude: `[units, batch]` `S` per shared batch index.
     contract, features: C and F, the dense layer's dot-product lengths.
     columns: K, the columns summed per unit.
     dtype: the accumulation dtype (its unit roundoff is used).
+    gram: whether the squared norm was a sum over pairs of columns (Gram
+      form, cross terms) rather than the squared entries of the formed `M`.
 
   Returns:
     `[units]` squared norms plus the margin.
   """
   roundoff = float(jnp.finfo(dtype).eps) / 2
-  factor = 2.0 * (contract + features + columns * columns + 2 * columns +
-                  8) * roundoff
+  if gram:
+    terms = contract + features + columns * columns + 2 * columns + 8
+  else:
+    terms = 2 * columns + 8
+  factor = 2.0 * terms * roundoff
   return squared + factor * jnp.sum(jnp.square(magnitude), axis=-1)
 
 
@@ -431,6 +449,29 @@ def _dense_squared_norms(tap: Tap, program: _Program, leaf: jax.Array,
   features = _size(g.shape[2 + num_batch + num_free_a:])
   a = a.reshape(units, terms, batch, positions, contract)
   g = g.reshape(units, terms, batch, positions, features)
+  return _bilinear_squared_norms(a, g)
+
+
+def _bilinear_squared_norms(a: jax.Array, g: jax.Array) -> jax.Array:
+  """Per-unit `||sum_{t,p} a_tp g_tp^T||_F^2`, summed over shared indices.
+
+  The one computation behind every layer whose gradient is a sum of outer
+  products of an input column and an output-gradient column: a dense layer
+  (columns: its positions) and a convolution (columns: the unfolded input
+  patches at each output position).
+
+  Args:
+    a: `[units, terms, batch, positions, contract]` inputs, in the
+      accumulation dtype.
+    g: `[units, terms, batch, positions, features]` output gradients, alike.
+
+  Returns:
+    `[units]` squared norms plus the rounding margin
+    (`_with_rounding_margin`), so never below the truth.
+  """
+  acc = a.dtype
+  units, terms, batch, positions, contract = a.shape
+  features = g.shape[-1]
   gram = (terms * positions) * (contract + features) <= contract * features
   if terms * positions == 1 or (gram and
                                 terms * positions <= _FEW_POSITIONS):
@@ -467,7 +508,69 @@ def _dense_squared_norms(tap: Tap, program: _Program, leaf: jax.Array,
   magnitude = jnp.sum(_norm(a) * _norm(g), axis=2)
   return _with_rounding_margin(squared, magnitude, contract=contract,
                                features=features, columns=positions,
-                               dtype=acc)
+                               dtype=acc, gram=gram)
+
+
+def _conv_squared_norms(tap: Tap, program: _Program, leaf: jax.Array,
+                        others: Sequence[jax.Array],
+                        g: jax.Array) -> jax.Array:
+  """Per-unit squared norms of a convolution kernel's gradient.
+
+  Unfolding the input into the patches each output position sees (im2col)
+  makes the convolution a dense layer over the output positions: the
+  kernel's per-unit gradient is `sum_p patch_p g_p^T` (for grouped and
+  depthwise convolutions, one such block per group, as a shared batch
+  index), with the patch length `C_in/G * prod(window)` as the contracting
+  size. `_bilinear_squared_norms` then takes the Gram form over positions
+  or the per-unit `patch x C_out` gradient, whichever the shapes make
+  cheaper (usually the latter: many positions, small patches). The order of
+  a patch's entries need not match the kernel's layout: a norm does not
+  depend on it, and the clipped sum is the convolution's own
+  vector-Jacobian product (`weighted_grad_sum`).
+
+  A kernel that is resized before use, a convolution with
+  `batch_group_count > 1` or one whose parameter is the convolved input
+  takes the per-unit gradient of that leaf alone (still exact, slower).
+  """
+  eqn = program.nodes[tap.node].eqn
+  params = eqn.params
+  if (tap.position != 1 or params['batch_group_count'] != 1 or
+      not _norm_preserving(tap.chain)):
+    return _materialized_squared_norms(tap, program, leaf, others, g)
+  (x,) = others
+  numbers = params['dimension_numbers']
+  _, rhs_spec, out_spec = numbers
+  kernel_shape = eqn.invars[1].aval.shape
+  window = tuple(kernel_shape[d] for d in rhs_spec[2:])
+  groups = params['feature_group_count']
+  acc = jnp.promote_types(jnp.promote_types(x.dtype, g.dtype), jnp.float32)
+  units, terms = x.shape[:2]
+
+  def patches_of(lhs):
+    # The unfolding is itself a convolution with a 0/1 kernel: at full
+    # precision every patch entry is an input entry, exactly.
+    return jax.lax.conv_general_dilated_patches(
+        lhs, window, params['window_strides'], params['padding'],
+        params['lhs_dilation'], params['rhs_dilation'], numbers,
+        precision=jax.lax.Precision.HIGHEST)
+
+  flat = x.reshape((units * terms,) + x.shape[2:]).astype(acc)
+  patches = jax.vmap(patches_of)(flat)
+  # Output layout to [rows, batch, spatial..., features], then to
+  # [rows, groups, positions, features per group] (a patch's entries are
+  # ordered input channel first, and the channels of a group are adjacent,
+  # as are the output features of a group).
+  order = (0, 1 + out_spec[0], *(1 + d for d in out_spec[2:]),
+           1 + out_spec[1])
+
+  def columns(y):
+    y = jnp.transpose(y, order)
+    y = y.reshape(units, terms, -1, groups, y.shape[-1] // groups)
+    return jnp.swapaxes(y, 2, 3)
+
+  return _bilinear_squared_norms(columns(patches),
+                                 columns(g.reshape(flat.shape[:1] +
+                                                   g.shape[2:]).astype(acc)))
 
 
 def dense_uses_gram(tap: Tap, plan: GhostPlan,
@@ -563,7 +666,8 @@ def _embedding_squared_norms(tap: Tap, program: _Program, leaf: jax.Array,
 # without positions, any dimension numbers); `add`/`sub` cover biases and
 # `mul` elementwise scales (e.g. a norm layer's scale), whose per-example
 # gradients are small enough to materialize; `gather` covers embedding
-# lookups (the token-equality Gram form).
+# lookups (the token-equality Gram form); `conv_general_dilated` covers
+# convolutions (unfolded input, then the dense computation).
 # Rules whose parameter gradient is linear in the output gradient alone (a
 # bias: the other operand does not enter it).
 _LINEAR_IN_COTANGENT = ('add', 'sub')
@@ -574,6 +678,7 @@ LAYER_RULES: dict[str, LayerRule] = {
     'sub': LayerRule(_no_check, _materialized_squared_norms),
     'mul': LayerRule(_no_check, _materialized_squared_norms),
     'gather': LayerRule(_embedding_check, _embedding_squared_norms),
+    'conv_general_dilated': LayerRule(_no_check, _conv_squared_norms),
 }
 
 

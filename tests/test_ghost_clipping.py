@@ -189,6 +189,55 @@ def _embedding_model(seed=8):
   return loss_fn, params, batch
 
 
+def _conv(seed=7):
+  """A plain `lax` convolution (NCHW/OIHW, VALID, two input channels)."""
+  rng = np.random.default_rng(seed)
+  params = {'kernel': _normal(rng, 3, 2, 3, 3, scale=0.5),
+            'w': _normal(rng, 3 * 4 * 4, 3, scale=0.3)}
+
+  def loss_fn(params, example):
+    image = example['x'].reshape(1, 2, 6, 6)
+    features = jax.lax.conv_general_dilated(image, params['kernel'], (1, 1),
+                                            'VALID')
+    logits = jax.nn.relu(features).reshape(-1) @ params['w']
+    return _cross_entropy(logits, example['y'])
+
+  return loss_fn, params, _classification_batch(rng, 72)
+
+
+def _flax_nnx_cnn(seed=10):
+  """nnx convolutions: SAME, strided VALID, and a dilated depthwise layer
+  with uneven padding; then mean pooling and a dense head."""
+  nnx = pytest.importorskip('flax.nnx')
+
+  class Cnn(nnx.Module):
+
+    def __init__(self, rngs):
+      self.first = nnx.Conv(1, 4, (3, 3), padding='SAME', rngs=rngs)
+      self.strided = nnx.Conv(4, 8, (3, 3), strides=2, padding='VALID',
+                              rngs=rngs)
+      self.depthwise = nnx.Conv(8, 8, (3, 3), feature_group_count=8,
+                                padding=((1, 0), (0, 2)), kernel_dilation=2,
+                                rngs=rngs)
+      self.out = nnx.Linear(8, 3, rngs=rngs)
+
+    def __call__(self, image):
+      x = jax.nn.relu(self.first(image[None, :, :, None]))
+      x = jax.nn.relu(self.strided(x))
+      x = jnp.tanh(self.depthwise(x))
+      return self.out(jnp.mean(x, axis=(0, 1, 2)))
+
+  graphdef, params = nnx.split(Cnn(nnx.Rngs(seed)), nnx.Param)
+
+  def loss_fn(params, example):
+    return _cross_entropy(nnx.merge(graphdef, params)(example['x']),
+                          example['y'])
+
+  rng = np.random.default_rng(seed)
+  batch = _classification_batch(rng, 10, positions=10)
+  return loss_fn, params, batch
+
+
 VOCABULARY = 5
 
 
@@ -200,6 +249,8 @@ MODELS = {
     'flax_linen_mlp_layernorm': _flax_linen_mlp,
     'flax_nnx_mlp': _flax_nnx_mlp,
     'embedding': _embedding_model,
+    'conv': _conv,
+    'flax_nnx_cnn': _flax_nnx_cnn,
 }
 # Clip norms inside each model's spread of per-example gradient norms (and
 # not within 1% of any of them), so both clipped and unclipped examples occur.
@@ -211,6 +262,8 @@ CLIPS = {
     'flax_linen_mlp_layernorm': 4.0,
     'flax_nnx_mlp': 2.0,
     'embedding': 1.0,
+    'conv': 5.0,
+    'flax_nnx_cnn': 2.0,
 }
 
 
@@ -266,12 +319,20 @@ def _set_row(batch, index, value):
 # Equivalence with the vmap path.
 
 
+# The rounding margin (ghost._with_rounding_margin) grows with the columns
+# per example: the CNN's first layer has 100 output positions, so its clip
+# factors may be smaller than the vmap path's by ~1e-4 relative (clipping a
+# little earlier, never later; `test_conv_norms_match_per_example_norms`
+# checks the norms themselves tightly).
+RTOL = {'flax_nnx_cnn': 3e-4}
+
+
 @pytest.mark.parametrize('model', list(MODELS))
 def test_ghost_sum_equals_vmap_sum(model):
   loss_fn, params, batch = _model(model)
   ghost_out, vmap_out = _ghost_and_vmap(loss_fn, params, batch,
                                         clip=CLIPS[model])
-  _assert_same(ghost_out, vmap_out)
+  _assert_same(ghost_out, vmap_out, rtol=RTOL.get(model, 1e-5))
   assert int(ghost_out.count) == NUM_EXAMPLES
   # Clipping is active on some examples and not on others.
   assert 0 < int(vmap_out.num_clipped) < NUM_EXAMPLES
@@ -286,6 +347,24 @@ def test_sequence_layers_exercise_gram_and_materialized_forms():
   choices = {names[tap.leaf]: ghost.dense_uses_gram(tap, plan)
              for tap in plan.taps}
   assert choices == {'wide': True, 'narrow': False, 'wide_bias': None}
+
+
+@pytest.mark.parametrize('model', ['conv', 'flax_nnx_cnn'])
+def test_conv_norms_match_per_example_norms(model):
+  # The unfolded-input rule against the norms of materialized per-example
+  # gradients: never below them, and above only by the rounding margin.
+  loss_fn, params, batch = _model(model)
+  plan = ghost.analyze(loss_fn, params, batch)
+  assert 'conv_general_dilated' in {tap.rule for tap in plan.taps}
+  values = ghost.gradient_terms(plan, params, batch)
+  ghost_squared = ghost.squared_norms(plan, params, values, 1.0, NUM_EXAMPLES)
+  per_example = jax.vmap(jax.grad(loss_fn), (None, 0))(params, batch)
+  true_squared = sum(
+      np.sum(np.asarray(leaf, np.float64).reshape(NUM_EXAMPLES, -1)**2, 1)
+      for leaf in jax.tree_util.tree_leaves(per_example))
+  ratio = np.asarray(ghost_squared, np.float64) / true_squared
+  assert np.all(ratio >= 1 - 1e-6), ratio
+  assert np.all(ratio <= 1 + 5e-4), ratio
 
 
 def test_every_leaf_of_the_models_is_handled_natively():
@@ -444,19 +523,16 @@ def _tied_weights(seed=6):
   return loss_fn, params, _classification_batch(rng, 6)
 
 
-def _conv(seed=7):
+def _cumulative(seed=7):
+  """A parameter through `cumsum`: an operation with no layer rule."""
   rng = np.random.default_rng(seed)
-  params = {'kernel': _normal(rng, 2, 1, 3, 3, scale=0.5),
-            'w': _normal(rng, 2 * 4 * 4, 3, scale=0.3)}
+  params = {'w': _normal(rng, 6, 3, scale=0.5)}
 
   def loss_fn(params, example):
-    image = example['x'].reshape(1, 1, 6, 6)
-    features = jax.lax.conv_general_dilated(image, params['kernel'], (1, 1),
-                                            'VALID')
-    logits = jax.nn.relu(features).reshape(-1) @ params['w']
-    return _cross_entropy(logits, example['y'])
+    return _cross_entropy(example['x'] @ jnp.cumsum(params['w'], axis=0),
+                          example['y'])
 
-  return loss_fn, params, _classification_batch(rng, 36)
+  return loss_fn, params, _classification_batch(rng, 6)
 
 
 def _column_gather(seed=9):
@@ -476,7 +552,7 @@ def _column_gather(seed=9):
 
 FALLBACKS = {
     'tied_weights': (_tied_weights, r"\['w'\] is used 2 times"),
-    'conv': (_conv, r"\['kernel'\] is used by `conv_general_dilated`"),
+    'cumulative': (_cumulative, r"\['w'\] is used by `cumsum`"),
     'column_gather': (_column_gather, r"\['table'\] used by `gather`: not a "
                       'lookup of whole rows'),
 }

@@ -25,8 +25,10 @@ from tests.test_ghost_clipping import _assert_same
 from tests.test_ghost_clipping import _flat
 from tests.test_ghost_clipping import _model
 from tests.test_ghost_clipping import _tied_weights
+from tests.test_ghost_clipping import RTOL
 
-MODELS = ('logistic_regression', 'mlp', 'sequence', 'embedding')
+MODELS = ('logistic_regression', 'mlp', 'sequence', 'embedding',
+          'flax_nnx_cnn')
 NUM_EXAMPLES = 12
 USERS, ITEMS = 6, 3
 
@@ -81,7 +83,7 @@ def test_difference_ghost_equals_vmap(model):
   loss_fn, batch, args = _difference_case(model)
   clip = _clip_between_norms('difference', loss_fn, batch, args)
   ghost_out, vmap_out = _both('difference', loss_fn, batch, args, clip)
-  _assert_same(ghost_out, vmap_out)
+  _assert_same(ghost_out, vmap_out, rtol=RTOL.get(model, 1e-5))
   assert 0 < int(vmap_out.num_clipped) < NUM_EXAMPLES
 
 
@@ -234,7 +236,7 @@ def _poison_masked_items(items, item_mask):
 # ITEMS x positions of them, so its clip factor may be smaller than the vmap
 # path's by up to ~1e-4 relative (clipping a little earlier, never later).
 USER_RTOL = {'logistic_regression': 1e-5, 'mlp': 1e-5, 'sequence': 2e-4,
-             'embedding': 2e-4}
+             'embedding': 2e-4, 'flax_nnx_cnn': 2e-4}
 
 
 @pytest.mark.parametrize('model', MODELS)
