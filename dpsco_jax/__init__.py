@@ -103,8 +103,14 @@ from dpsco_jax.algorithms.diff2 import diff2_estimator
 from dpsco_jax.algorithms.diff2 import diff2_gd
 from dpsco_jax.algorithms.diff2 import diff2_mechanism
 from dpsco_jax.algorithms.diff2 import Diff2NoiseMultipliers
+from dpsco_jax.algorithms.diff2 import Diff2Stability
 from dpsco_jax.algorithms.diff2 import Diff2State
 from dpsco_jax.algorithms.diff2 import dp_gd
+from dpsco_jax.algorithms.diff2 import random_output_iterate
+from dpsco_jax.algorithms.diff2 import RandomIterateState
+from dpsco_jax.algorithms.diff2 import restart_interval_preset
+from dpsco_jax.algorithms.diff2 import selected_iterate
+from dpsco_jax.algorithms.diff2 import step_size_stability
 from dpsco_jax.clipping import clipped_grad_difference_sum
 from dpsco_jax.clipping import clipped_grad_sum
 from dpsco_jax.clipping import clipped_user_grad_sum
@@ -178,8 +184,14 @@ __all__ = (
     'diff2_gd',
     'diff2_mechanism',
     'Diff2NoiseMultipliers',
+    'Diff2Stability',
     'Diff2State',
     'dp_gd',
+    'random_output_iterate',
+    'RandomIterateState',
+    'restart_interval_preset',
+    'selected_iterate',
+    'step_size_stability',
     'clipped_grad_difference_sum',
     'clipped_grad_sum',
     'clipped_user_grad_sum',

@@ -893,6 +893,8 @@ def diff2_gd(
     microbatch_size: Optional[int] = None,
     clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
+    output: str = 'last',
+    output_key: estimators.KeyLike = None,
 ) -> Plan:
   """A DIFF2-GD run across clients (paper 003 Algorithms 1 and 3), calibrated.
 
@@ -914,7 +916,9 @@ def diff2_gd(
     num_rounds: R.
     restart_interval: T (1 is DP-GD).
     grad_clip: C_1.
-    diff_clip_factor: C_2 / C_1.
+    diff_clip_factor: C_2 (differences are clipped to
+      `C_2 ||x_t - x_{t-1}||`; `algorithms.diff2.step_size_stability` says
+      whether `learning_rate` meets Theorem 4.3's bound).
     num_examples: the total number of examples over the clients (recorded;
       the accounting is per example and does not depend on it).
     delta: target delta.
@@ -928,10 +932,17 @@ def diff2_gd(
       else per-example gradients, announced once), 'ghost' or 'vmap'
       (`dpsco_jax.clipping`).
     axis_name: the client axis.
+    output: 'last', or 'random_iterate' to also keep Algorithm 1's output
+      `x_{t_hat}` (`algorithms.diff2.random_output_iterate`, first in the
+      chain; read it with `algorithms.diff2.selected_iterate(state)`).
+    output_key: key or seed of t_hat (None: fresh).
 
   Returns:
     A `Plan` (no sampler, no ledger: see `Plan`).
   """
+  if output not in ('last', 'random_iterate'):
+    raise ValueError(
+        f"output must be 'last' or 'random_iterate', got {output!r}")
   _target(epsilon, noise_multipliers, delta)
   num_rounds = checks.positive_int(num_rounds, 'num_rounds')
   restart_interval = checks.positive_int(restart_interval, 'restart_interval')
@@ -952,7 +963,10 @@ def diff2_gd(
       rounds, restart_interval, z, delta, method=method)
   return Plan(
       algorithm='diff2_gd' if restart_interval > 1 else 'dp_gd',
-      transformation=optax.chain(private, optax.sgd(learning_rate)),
+      transformation=optax.chain(
+          *(() if output == 'last' else
+            (diff2.random_output_iterate(num_rounds, output_key),)),
+          private, optax.sgd(learning_rate)),
       private_transformation=private, batches=None,
       mechanism=diff2.diff2_mechanism(num_rounds), noise_multiplier=z,
       participation=None,
@@ -964,7 +978,8 @@ def diff2_gd(
       hyperparameters={'learning_rate': learning_rate,
                        'restart_interval': restart_interval,
                        'grad_clip': grad_clip,
-                       'diff_clip_factor': diff_clip_factor},
+                       'diff_clip_factor': diff_clip_factor,
+                       'output': output},
       _epsilon_of_prefix=spent)
 
 

@@ -38,8 +38,8 @@ import dataclasses
 import itertools
 import math
 import time
-from typing import (Any, Callable, Dict, List, Mapping, Optional, Sequence,
-                    Tuple)
+from typing import (Any, Callable, Dict, List, Mapping, NamedTuple,
+                    Optional, Sequence, Tuple)
 
 from absl import logging
 import jax
@@ -459,6 +459,94 @@ def grid_edge(grid: Sequence[float], picked: float) -> str:
   if math.isclose(float(picked), values[-1], rel_tol=1e-12):
     return 'upper'
   return ''
+
+
+class PatienceResult(NamedTuple):
+  """The outcome of `descending_step_size_selection`.
+
+  Attributes:
+    selected: index (into the learning rates as given) of the first rate,
+      largest first, whose run completed; None when every run was rejected.
+    verdicts: per learning rate as given: 'selected', 'nan' (the loss
+      became non-finite), 'patience' (the counter reached its limit) or
+      'not tried' (smaller than the selected rate).
+    stopped_at: per learning rate, the index of the check at which the run
+      was abandoned (-1 for runs that completed or were not tried).
+  """
+
+  selected: Optional[int]
+  verdicts: tuple[str, ...]
+  stopped_at: tuple[int, ...]
+
+
+def descending_step_size_selection(
+    learning_rates: Sequence[float], train_losses: Any, *, patience: int = 5,
+    tolerance: float = 1.05) -> PatienceResult:
+  """Paper 003's learning-rate search: largest first, with early rejection.
+
+  Rates are tried from the largest down. A run's train loss is checked at
+  fixed intervals (the paper: every 20 rounds); it is abandoned when the
+  loss is not finite or when a patience counter reaches `patience`. The
+  counter goes up by one when the loss exceeds `tolerance` times the best
+  loss seen so far and resets to zero when the loss improves on it. The
+  first rate whose run completes is selected and smaller rates are not
+  tried. Runs are independent, so applying the rule to the curves of runs
+  made together (a vmapped sweep) selects what the sequential search would.
+
+  Example:
+    >>> descending_step_size_selection(
+    ...     [0.5, 0.25], [[1.0, float('nan')], [1.0, 0.9]]).selected
+    1
+
+  Args:
+    learning_rates: the rates, any order (they are tried largest first).
+    train_losses: `[num_rates, num_checks]` train losses at the checks,
+      row k for `learning_rates[k]`.
+    patience: the counter's limit (the paper: 5).
+    tolerance: the factor over the best loss that counts as no progress
+      (the paper: 1.05).
+
+  Returns:
+    A `PatienceResult`.
+
+  Raises:
+    ValueError: on shapes that disagree, an empty grid, patience < 1 or
+      tolerance < 1.
+
+  References:
+    Murata & Suzuki (2023), Appendix A (hyperparameter search).
+  """
+  rates = [float(r) for r in learning_rates]
+  losses = np.asarray(train_losses, np.float64)
+  if not rates or losses.ndim != 2 or losses.shape[0] != len(rates):
+    raise ValueError('train_losses must be [num_rates, num_checks] with one '
+                     f'row per learning rate; got {losses.shape} for '
+                     f'{len(rates)} rates')
+  if int(patience) < 1 or not float(tolerance) >= 1.0:
+    raise ValueError(f'patience must be >= 1 and tolerance >= 1, got '
+                     f'{patience!r} and {tolerance!r}')
+  verdicts = ['not tried'] * len(rates)
+  stopped = [-1] * len(rates)
+  selected = None
+  for k in sorted(range(len(rates)), key=lambda k: -rates[k]):
+    best, counter, verdict = math.inf, 0, 'completed'
+    for check, loss in enumerate(losses[k]):
+      if not math.isfinite(loss):
+        verdict = 'nan'
+      elif loss > tolerance * best:
+        counter += 1
+        verdict = 'patience' if counter >= patience else verdict
+      elif loss < best:
+        counter = 0
+      if verdict != 'completed':
+        stopped[k] = check
+        break
+      best = min(best, loss)
+    verdicts[k] = verdict
+    if verdict == 'completed':
+      verdicts[k], selected = 'selected', k
+      break
+  return PatienceResult(selected, tuple(verdicts), tuple(stopped))
 
 
 def format_table(rows: Sequence[Row], columns: Optional[Sequence[str]] = None,

@@ -22,6 +22,7 @@ from dpsco_jax import accounting
 from dpsco_jax import noise
 from dpsco_jax import plans
 from dpsco_jax import strategies
+from dpsco_jax.algorithms import diff2
 from dpsco_jax.algorithms import diff2_accounting
 
 N, DIM, BATCH, EPOCHS, DELTA = 60, 3, 10, 2, 1e-5
@@ -316,6 +317,31 @@ class Diff2PlanTest(absltest.TestCase):
                                                   batch=_data())
       params = optax.apply_updates(params, updates)
     self.assertTrue(np.all(np.isfinite(params)))
+
+  def test_random_output_iterate_is_kept_by_the_plan(self):
+    plan = plans.diff2_gd(_loss, learning_rate=0.1, num_rounds=4,
+                          restart_interval=2, grad_clip=1.0,
+                          diff_clip_factor=1.5, num_examples=N,
+                          noise_multipliers=(2.0, 3.0), delta=DELTA,
+                          output='random_iterate', output_key=2)
+    self.assertEqual(plan.hyperparameters['output'], 'random_iterate')
+    with warnings.catch_warnings():
+      warnings.simplefilter('ignore')
+      state = plan.init(jnp.zeros(DIM))
+    params, points = jnp.zeros(DIM), []
+    for _ in range(4):
+      points.append(params)
+      updates, state = plan.transformation.update(None, state, params,
+                                                  batch=_data())
+      params = optax.apply_updates(params, updates)
+    selected = int(state[0].selected)
+    np.testing.assert_array_equal(diff2.selected_iterate(state),
+                                  points[selected])
+    with self.assertRaisesRegex(ValueError, 'output must be'):
+      plans.diff2_gd(_loss, learning_rate=0.1, num_rounds=4,
+                     restart_interval=2, grad_clip=1.0, diff_clip_factor=1.5,
+                     num_examples=N, noise_multipliers=(2.0, 3.0),
+                     delta=DELTA, output='best')
 
   def test_dp_gd_is_one_restart_per_round(self):
     plan = plans.dp_gd(_loss, learning_rate=0.1, num_rounds=10,

@@ -148,6 +148,246 @@ class Diff2BvrState(NamedTuple):
   sampling_key: jax.Array
 
 
+def paper_sigma(noise_multiplier: float, min_client_size: int,
+                num_clients: int,
+                neighboring_relation: neighboring.NeighboringRelation = (
+                    neighboring.NeighboringRelation.REPLACE_ONE)) -> float:
+  """The paper's sigma of a server round: `Delta z / (n_min P)`.
+
+  `Delta` is the sensitivity factor of the relation: 2 under replace-one
+  (the paper's: `2 z / (n_min P)`), 1 under zero-out.
+
+  Example:
+    >>> paper_sigma(77.46, 1651, 10)   # DP-GD, California Housing, eps 3
+    0.00938...
+
+  Args:
+    noise_multiplier: z (std over the sensitivity of the clipped sum).
+    min_client_size: n_min.
+    num_clients: P.
+    neighboring_relation: the relation z was calibrated for.
+
+  Returns:
+    sigma, with per-coordinate noise std `sigma C` on `v_t`.
+  """
+  return neighboring.sensitivity_factor(
+      _validate_relation(neighboring_relation)) * float(noise_multiplier) / (
+          checks.positive_int(min_client_size, 'min_client_size') *
+          checks.positive_int(num_clients, 'num_clients'))
+
+
+class Diff2Stability(NamedTuple):
+  """Theorem 4.3's step-size condition for DIFF2-GD at one configuration.
+
+  Attributes:
+    rho: `eta sigma_2 C_2 sqrt(d)`, the noise injected per difference round
+      relative to the movement it is scaled by (notes §4.1).
+    step_size_bound: `1 / (2 sqrt(T) sigma_2 C_2 sqrt(d))`, the largest eta
+      the proof allows (inf when there are no difference rounds).
+    holds: whether `sqrt(T) rho <= 1/2`, i.e. eta is within the bound.
+  """
+
+  rho: float
+  step_size_bound: float
+  holds: bool
+
+
+def step_size_stability(
+    learning_rate: float, *, restart_interval: int,
+    noise_multipliers: Diff2NoiseMultipliers, diff_clip_factor: float,
+    num_params: int, min_client_size: int, num_clients: int,
+    neighboring_relation: neighboring.NeighboringRelation = (
+        neighboring.NeighboringRelation.REPLACE_ONE)) -> Diff2Stability:
+  """Whether eta meets paper 003 Theorem 4.3's step-size bound.
+
+  A difference round adds noise of std `sigma_2 C_2 ||x_t - x_{t-1}||` per
+  coordinate, `sigma_2 = Delta z_2 / (n_min P)` (`Delta` = 2 under
+  replace-one, 1 under zero-out), so the step it feeds moves the iterate by
+  about `rho = eta sigma_2 C_2 sqrt(d)` times the last movement. Over the T
+  rounds between restarts the proof (Proposition D.2, with its printed
+  `1 / (sqrt(T) sigma_2^2 C_2^2 d)` corrected to
+  `1 / (2 sqrt(T sigma_2^2 C_2^2 d))`, notes §4.1) needs
+  `sqrt(T) rho <= 1/2`; above it noise makes bigger steps, bigger steps
+  bigger clips and bigger noise, and runs blow up. The bound says nothing
+  about privacy, which holds for any eta.
+
+  Example:
+    >>> z = diff2_accounting.calibrate(2000, 20, 3.0, 1e-5, method='paper')
+    >>> step_size_stability(0.25, restart_interval=20, noise_multipliers=z,
+    ...                     diff_clip_factor=3.0, num_params=101,
+    ...                     min_client_size=1651, num_clients=10).holds
+    False
+
+  Args:
+    learning_rate: eta.
+    restart_interval: T.
+    noise_multipliers: the run's `Diff2NoiseMultipliers` (library
+      convention: std over the sensitivity of the clipped sum).
+    diff_clip_factor: C_2.
+    num_params: d, the number of model parameters.
+    min_client_size: n_min, the smallest client's number of examples.
+    num_clients: P.
+    neighboring_relation: the relation the multipliers were calibrated for.
+
+  Returns:
+    A `Diff2Stability`.
+
+  References:
+    Murata & Suzuki (2023), Theorem 4.3 and Proposition D.2.
+  """
+  eta = checks.positive_finite(learning_rate, 'learning_rate')
+  interval = checks.positive_int(restart_interval, 'restart_interval')
+  multipliers = _validate_multipliers(noise_multipliers)
+  factor = checks.positive_finite(diff_clip_factor, 'diff_clip_factor')
+  sigma_2 = paper_sigma(multipliers.difference, min_client_size, num_clients,
+                        neighboring_relation)
+  noise_per_movement = (sigma_2 * factor *
+                        checks.positive_int(num_params, 'num_params') ** 0.5)
+  if interval == 1 or noise_per_movement == 0.0:
+    return Diff2Stability(0.0, float('inf'), True)
+  rho = eta * noise_per_movement
+  bound = 1.0 / (2.0 * interval ** 0.5 * noise_per_movement)
+  return Diff2Stability(float(rho), float(bound), bool(eta <= bound))
+
+
+def restart_interval_preset(num_rounds: int, *, grad_bound: float,
+                            smoothness: float, num_examples: int,
+                            epsilon: float, num_params: int) -> int:
+  """Theorem 4.3's restart interval `T = max(1, tau R)`, rounded, <= R.
+
+  `tau = (G^2 sqrt(d) / (L N epsilon))^(2/3)` balances the restart noise
+  against the accumulated difference noise; the theorem fixes T only up to
+  a constant, taken here as 1 (the paper's experiments grid T/R over
+  {0.003, 0.01, 0.03, 0.1} instead).
+
+  Example:
+    >>> restart_interval_preset(2000, grad_bound=1.0, smoothness=1.0,
+    ...                         num_examples=16_512, epsilon=3.0,
+    ...                         num_params=101)
+    7
+
+  Args:
+    num_rounds: R.
+    grad_bound: G, a bound on per-example gradient norms (C_1's target).
+    smoothness: L, the per-example smoothness (C_2's target).
+    num_examples: N, all clients' examples together.
+    epsilon: the privacy target.
+    num_params: d.
+
+  Returns:
+    T in [1, R].
+
+  References:
+    Murata & Suzuki (2023), Theorem 4.3.
+  """
+  rounds = checks.positive_int(num_rounds, 'num_rounds')
+  tau = (checks.positive_finite(grad_bound, 'grad_bound') ** 2 *
+         checks.positive_int(num_params, 'num_params') ** 0.5 /
+         (checks.positive_finite(smoothness, 'smoothness') *
+          checks.positive_int(num_examples, 'num_examples') *
+          checks.positive_finite(epsilon, 'epsilon'))) ** (2.0 / 3.0)
+  return int(min(rounds, max(1, round(tau * rounds))))
+
+
+class RandomIterateState(NamedTuple):
+  """State of `random_output_iterate`.
+
+  Attributes:
+    count: int32 rounds done so far.
+    selected: int32 `t_hat`, drawn once at init, uniform on `[0, R)`.
+    iterate: `x_{t_hat}` once round `t_hat` has been reached, else the
+      initial params.
+  """
+
+  count: jax.Array
+  selected: jax.Array
+  iterate: PyTree
+
+
+def random_output_iterate(num_rounds: int,
+                          key: estimators.KeyLike = None
+                          ) -> optax.GradientTransformation:
+  """Keeps the iterate of one uniformly random round: Algorithm 1's output.
+
+  Paper 003's Algorithm 1 outputs `x_{t_hat}` with `t_hat` uniform on
+  `{0, ..., R - 1}` (the paper's `x_{r-1}`, r uniform on `[R]`), the point
+  its Theorem 4.3 bounds `E ||grad f||^2` at. `t_hat` is drawn at init from
+  `key` (data-independent; keep it apart from the noise key); the
+  transformation passes updates through unchanged and records the params
+  it sees at round `t_hat`, so chain it FIRST (it must see `x_t`, the
+  point the round's gradient is taken at). Read the result with
+  `selected_iterate(state)` after the last round.
+
+  Example:
+    >>> tx = optax.chain(random_output_iterate(2000, key=1),
+    ...                  diff2_estimator(...), optax.sgd(0.125))
+    >>> ...   # 2000 rounds
+    >>> output = selected_iterate(state)
+
+  Args:
+    num_rounds: R.
+    key: PRNG key or int seed of the draw of `t_hat`; None: fresh from OS
+      entropy.
+
+  Returns:
+    An `optax.GradientTransformation` with `RandomIterateState`.
+
+  References:
+    Murata & Suzuki (2023), Algorithm 1 (output) and Theorem 4.3.
+  """
+  num_rounds = checks.positive_int(num_rounds, 'num_rounds')
+  key = keys.fresh_key() if key is None else keys.as_key(key)
+
+  def init_fn(params):
+    selected = jax.random.randint(key, (), 0, num_rounds, jnp.int32)
+    return RandomIterateState(count=jnp.zeros([], jnp.int32),
+                              selected=selected, iterate=params)
+
+  def update_fn(updates, state, params=None):
+    checks.state_type(state, RandomIterateState, 'random_output_iterate')
+    if params is None:
+      raise ValueError('random_output_iterate needs params (x_t)')
+    here = state.count == state.selected
+    iterate = jax.tree_util.tree_map(lambda p, kept: jnp.where(here, p, kept),
+                                     params, state.iterate)
+    return updates, RandomIterateState(state.count + 1, state.selected,
+                                       iterate)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def selected_iterate(state: Any) -> PyTree:
+  """`x_{t_hat}` from the state of a chain holding `random_output_iterate`.
+
+  Example:
+    >>> output = selected_iterate(state)   # after the last round
+
+  Args:
+    state: a `RandomIterateState` or a (nested) tuple holding one.
+
+  Returns:
+    The iterate of the selected round.
+
+  Raises:
+    LookupError: if no `RandomIterateState` is found.
+    ValueError: if the selected round has not been reached yet (the run is
+      not finished).
+  """
+  if isinstance(state, RandomIterateState):
+    if int(state.count) <= int(state.selected):
+      raise ValueError(
+          f'the selected round {int(state.selected)} has not been reached '
+          f'({int(state.count)} rounds done): finish the run first')
+    return state.iterate
+  if isinstance(state, tuple):
+    for part in state:
+      try:
+        return selected_iterate(part)
+      except LookupError:
+        continue
+  raise LookupError('no random_output_iterate state found')
+
+
 def diff2_mechanism(num_rounds: int) -> noise_lib.NoiseMechanism:
   """The server noise mechanism of DIFF2: one i.i.d. Gaussian draw per round.
 
@@ -381,12 +621,18 @@ def diff2_gd(
     microbatch_size: Optional[int] = None,
     clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
+    output: str = 'last',
+    output_key: estimators.KeyLike = None,
 ) -> optax.GradientTransformationExtraArgs:
   """DIFF2-GD (paper 003, Alg. 1 with the GD routine, Alg. 3).
 
   `x_{t+1} = x_t - learning_rate * v_t` with `v_t` from `diff2_estimator`.
   Any other optimizer chained after `diff2_estimator` is equally private
   (post-processing); this is the one the paper analyses (Theorem 4.3).
+  `output='random_iterate'` also keeps Algorithm 1's output `x_{t_hat}`,
+  t_hat uniform on `[0, R)` (`random_output_iterate`; read it with
+  `selected_iterate(state)`); `step_size_stability` says whether
+  `learning_rate` meets Theorem 4.3's bound.
 
   Example:
     >>> tx = diff2_gd(loss_fn, learning_rate=0.25, grad_clip=1.0,
@@ -411,17 +657,28 @@ def diff2_gd(
       else per-example gradients, announced once), 'ghost' or 'vmap'
       (`dpsco_jax.clipping`).
     axis_name: see `diff2_estimator`.
+    output: 'last' (the iterates only) or 'random_iterate' (also keep
+      `x_{t_hat}`).
+    output_key: key or seed of t_hat with 'random_iterate' (None: fresh).
 
   Returns:
-    `optax.chain(diff2_estimator(...), optax.sgd(learning_rate))`.
+    `optax.chain(diff2_estimator(...), optax.sgd(learning_rate))`, with
+    `random_output_iterate(num_rounds, output_key)` first for
+    'random_iterate'.
 
   Raises:
-    ValueError: as `diff2_estimator`.
+    ValueError: as `diff2_estimator`, or for an unknown `output`.
 
   References:
-    Murata & Suzuki (2023), Algorithm 3, Proposition 4.1, Theorem 4.3.
+    Murata & Suzuki (2023), Algorithms 1 and 3, Proposition 4.1, Theorem 4.3.
   """
+  if output not in ('last', 'random_iterate'):
+    raise ValueError(
+        f"output must be 'last' or 'random_iterate', got {output!r}")
+  selector = (() if output == 'last' else
+              (random_output_iterate(num_rounds, output_key),))
   return optax.chain(
+      *selector,
       diff2_estimator(
           loss_fn, grad_clip=grad_clip, diff_clip_factor=diff_clip_factor,
           restart_interval=restart_interval, num_rounds=num_rounds,

@@ -63,6 +63,7 @@ from scipy import special
 
 from dpsco_jax import accounting
 from dpsco_jax import checks
+from dpsco_jax.algorithms import diff2
 from dpsco_jax.algorithms.diff2 import Diff2NoiseMultipliers
 
 METHODS = ('pld', 'rdp', 'paper')
@@ -132,25 +133,9 @@ def paper_order(epsilon: float, delta: float) -> int:
   return 1 + math.ceil(2 * math.log(1 / delta) / epsilon)
 
 
-def paper_sigma(noise_multiplier: float, min_client_size: int,
-                num_clients: int) -> float:
-  """The paper's sigma of a server round: `2 z / (n_min P)`.
-
-  Example:
-    >>> paper_sigma(77.46, 1651, 10)   # DP-GD, California Housing, eps 3
-    0.00938...
-
-  Args:
-    noise_multiplier: z (std over the replace-one sensitivity of the sum).
-    min_client_size: n_min.
-    num_clients: P.
-
-  Returns:
-    sigma, with per-coordinate noise std `sigma C` on `v_t`.
-  """
-  return 2.0 * float(noise_multiplier) / (
-      checks.positive_int(min_client_size, 'min_client_size') *
-      checks.positive_int(num_clients, 'num_clients'))
+# The paper's sigma lives with the estimator it describes (Theorem 4.3's
+# step-size bound uses it); it stays part of this module's API.
+paper_sigma = diff2.paper_sigma
 
 
 def _validate(num_rounds, restart_interval, noise_multipliers, local):

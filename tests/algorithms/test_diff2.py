@@ -6,6 +6,9 @@ are padded to a common size with junk (NaN) rows and a mask, so every test
 also checks that padding never leaks into the per-client means.
 """
 
+import math
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 from scipy import stats
 
 import dpsco_jax
+from dpsco_jax import neighboring
 from dpsco_jax import noise
 from dpsco_jax.algorithms import diff2
 from dpsco_jax.algorithms.diff2 import Diff2NoiseMultipliers
@@ -516,3 +520,111 @@ def test_missing_batch_or_params():
   with pytest.raises(ValueError, match='params are required'):
     tx.update(None, state, None, batch={'x': jnp.ones((2, 3)),
                                         'y': jnp.ones((2,))})
+
+
+# ---------------------------------------------------------------------------
+# Theorem 4.3's step-size condition and restart interval.
+
+
+def test_step_size_bound_is_theorem_4_3_with_the_papers_sigma():
+  # California Housing at epsilon 3 (notes §5): z_2 = 168.82 at T = 20,
+  # n_min = 1651, P = 10, d = 101, C_2 = 3.
+  z = diff2.Diff2NoiseMultipliers(19.36, 168.82)
+  sigma_2 = 2 * 168.82 / (1651 * 10)   # the paper's sigma, replace-one
+  expected = 1.0 / (2.0 * math.sqrt(20 * sigma_2**2 * 3.0**2 * 101))
+  kwargs = dict(restart_interval=20, noise_multipliers=z,
+                diff_clip_factor=3.0, num_params=101, min_client_size=1651,
+                num_clients=10)
+  result = diff2.step_size_stability(0.25, **kwargs)
+  assert result.step_size_bound == pytest.approx(expected, rel=1e-12)
+  assert result.step_size_bound == pytest.approx(0.1813, abs=1e-4)
+  assert result.rho == pytest.approx(0.25 * sigma_2 * 3.0 * math.sqrt(101))
+  assert not result.holds
+  bound = result.step_size_bound
+  assert diff2.step_size_stability(bound * (1 - 1e-9), **kwargs).holds
+  assert not diff2.step_size_stability(bound * (1 + 1e-9), **kwargs).holds
+  # At the bound sqrt(T) rho is exactly 1/2.
+  at_bound = diff2.step_size_stability(bound, **kwargs)
+  assert math.sqrt(20) * at_bound.rho == pytest.approx(0.5)
+  # Zero-out neighbours halve the sensitivity, hence sigma_2: the bound
+  # doubles.
+  zero_out = diff2.step_size_stability(
+      0.25, neighboring_relation=neighboring.NeighboringRelation.ZERO_OUT,
+      **kwargs)
+  assert zero_out.step_size_bound == pytest.approx(2 * bound)
+  # DP-GD (T = 1) has no difference rounds: no bound.
+  dp_gd = diff2.step_size_stability(
+      10.0, **dict(kwargs, restart_interval=1))
+  assert dp_gd.holds and math.isinf(dp_gd.step_size_bound)
+  with pytest.raises(ValueError, match='learning_rate'):
+    diff2.step_size_stability(-0.1, **kwargs)
+  with pytest.raises(ValueError, match='replace-one'):
+    diff2.step_size_stability(
+        0.1, neighboring_relation=neighboring.NeighboringRelation
+        .ADD_OR_REMOVE, **kwargs)
+
+
+def test_restart_interval_preset_is_tau_r_clamped_to_one_and_r():
+  tau = (1.0**2 * math.sqrt(101) / (1.0 * 16_512 * 3.0))**(2 / 3)
+  assert diff2.restart_interval_preset(
+      2000, grad_bound=1.0, smoothness=1.0, num_examples=16_512,
+      epsilon=3.0, num_params=101) == round(tau * 2000) == 7
+  # Tiny tau R: at least one round between restarts; huge: at most R.
+  assert diff2.restart_interval_preset(
+      10, grad_bound=0.01, smoothness=1.0, num_examples=10**6, epsilon=8.0,
+      num_params=10) == 1
+  assert diff2.restart_interval_preset(
+      50, grad_bound=100.0, smoothness=0.01, num_examples=100, epsilon=0.1,
+      num_params=10**4) == 50
+  with pytest.raises(ValueError, match='epsilon'):
+    diff2.restart_interval_preset(10, grad_bound=1.0, smoothness=1.0,
+                                  num_examples=100, epsilon=0.0,
+                                  num_params=10)
+
+
+# ---------------------------------------------------------------------------
+# Algorithm 1's random output iterate.
+
+
+def test_random_output_iterate_keeps_the_selected_rounds_point():
+  _, batch, mask = make_clients()
+  params = make_params()
+  plain, _ = run_vmapped(diff2.diff2_gd(loss_fn, **kwargs()), params, batch,
+                         mask, 7)
+  with warnings.catch_warnings():
+    warnings.simplefilter('ignore', dpsco_jax.keys.KeyReuseWarning)
+    tx = diff2.diff2_gd(loss_fn, output='random_iterate', output_key=5,
+                        **kwargs())
+    trajectory, state = run_vmapped(tx, params, batch, mask, 7)
+  # The selector only watches: the iterates are those of the plain run.
+  for a, b in zip(plain, trajectory):
+    np.testing.assert_array_equal(flat(a), flat(b))
+  selected = int(state[0].selected)
+  assert 0 <= selected < 7
+  # x_{t_hat} is the point round t_hat's gradient was taken at.
+  points = [params] + trajectory[:-1]
+  np.testing.assert_array_equal(flat(diff2.selected_iterate(state)),
+                                flat(points[selected]))
+
+
+def test_random_output_round_is_uniform_and_read_only_once_reached():
+  params = make_params()
+  rounds = 10
+  draws = [int(diff2.random_output_iterate(rounds, key=k).init(params)
+               .selected) for k in range(1000)]
+  counts = np.bincount(draws, minlength=rounds)
+  assert len(counts) == rounds
+  assert stats.chisquare(counts).pvalue > 1e-3
+  tx = diff2.random_output_iterate(rounds, key=int(np.argmax(
+      np.asarray(draws) == rounds - 1)))   # a key selecting the last round
+  state = tx.init(params)
+  for _ in range(rounds - 1):
+    _, state = tx.update(params, state, params)
+  with pytest.raises(ValueError, match='has not been reached'):
+    diff2.selected_iterate(state)
+  _, state = tx.update(params, state, params)
+  diff2.selected_iterate(state)
+  with pytest.raises(LookupError):
+    diff2.selected_iterate((optax.EmptyState(),))
+  with pytest.raises(ValueError, match="output must be 'last' or"):
+    diff2.diff2_gd(loss_fn, output='best', **kwargs())

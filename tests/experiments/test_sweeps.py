@@ -229,3 +229,49 @@ def test_grid_edge_flags_picks_on_either_edge():
   assert sweeps.grid_edge([1.0], 1.0) == ''
   with pytest.raises(ValueError, match='not a value of the grid'):
     sweeps.grid_edge(grid, 0.2)
+
+
+# ---------------------------------------------------------------------------
+# Paper 003's descending learning-rate search with patience.
+
+
+def test_descending_search_takes_the_largest_rate_that_completes():
+  nan = float('nan')
+  rates = [0.125, 0.5, 0.25]          # tried as 0.5, 0.25, 0.125
+  losses = [[1.0, 0.9, 0.8, 0.7],     # 0.125: would complete
+            [1.0, 0.5, nan, 0.1],     # 0.5: loss becomes NaN at check 2
+            [1.0, 0.8, 0.6, 0.5]]     # 0.25: completes
+  result = sweeps.descending_step_size_selection(rates, losses)
+  assert result.selected == 2
+  assert result.verdicts == ('not tried', 'nan', 'selected')
+  assert result.stopped_at == (-1, 2, -1)
+
+
+def test_patience_counts_checks_above_the_tolerance_and_resets_on_progress():
+  # Four checks above 1.05 x best, then progress resets the counter, then
+  # four more: the run never reaches a count of 5, so it completes.
+  up = [1.0, 1.1, 1.1, 1.1, 1.1, 0.9, 1.0, 1.0, 1.0, 1.0]
+  assert sweeps.descending_step_size_selection([0.5], [up]).selected == 0
+  # A fifth check above the tolerance without progress rejects it.
+  result = sweeps.descending_step_size_selection(
+      [0.5, 0.1], [up[:5] + [1.2], [1.0, 1.0, 1.0, 1.0, 1.0, 1.0]])
+  assert result.verdicts == ('patience', 'selected')
+  assert result.stopped_at == (5, -1)
+  # Losses within the tolerance of the best never count.
+  flat = [1.0, 1.04, 1.04, 1.04, 1.04, 1.04, 1.04]
+  assert sweeps.descending_step_size_selection([0.5], [flat]).selected == 0
+  # The paper's parameters are the defaults; a stricter patience rejects.
+  assert sweeps.descending_step_size_selection(
+      [0.5], [up], patience=4).selected is None
+
+
+def test_descending_search_reports_when_every_rate_fails_and_refuses_bad_input():
+  inf = float('inf')
+  result = sweeps.descending_step_size_selection([0.5, 0.25],
+                                                 [[1.0, inf], [inf, 1.0]])
+  assert result.selected is None
+  assert result.verdicts == ('nan', 'nan')
+  with pytest.raises(ValueError, match='one row per learning rate'):
+    sweeps.descending_step_size_selection([0.5], [[1.0], [1.0]])
+  with pytest.raises(ValueError, match='patience must be'):
+    sweeps.descending_step_size_selection([0.5], [[1.0]], patience=0)
