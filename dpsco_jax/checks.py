@@ -4,6 +4,8 @@ import math
 import warnings
 from typing import Any
 
+import jax
+
 
 def positive_int(value: Any, name: str) -> int:
   """Returns `value` as an int, or raises if it is not a positive integer.
@@ -60,6 +62,40 @@ def state_type(state: Any, expected: Any, transformation: str) -> Any:
         f'{names} its init makes: the optimizer state belongs to another '
         'transformation (or to another position of an optax chain)')
   return state
+
+
+def find_state(state: Any, expected: type, transformation: str) -> Any:
+  """The one `expected` state inside `state` (any pytree of states).
+
+  An algorithm's output lives in its own state (Algorithm 1's y_T, AC-SA's
+  x_ag, O2NC's block averages, DIFF2's random output iterate); the user
+  holds the state of the whole optax chain (or wrapper) around it.
+
+  Example:
+    >>> find_state(opt_state, AcSaState, 'ac_sa').aggregate
+
+  Args:
+    state: a state, or a pytree (an optax chain's tuple, a wrapper's
+      state) holding one.
+    expected: the state class to find.
+    transformation: its transformation's name, for the error.
+
+  Returns:
+    The instance found.
+
+  Raises:
+    ValueError: if there is none, or more than one (which one would be
+      ambiguous).
+  """
+  found = [part for part in jax.tree_util.tree_leaves(
+      state, is_leaf=lambda part: isinstance(part, expected))
+           if isinstance(part, expected)]
+  if len(found) != 1:
+    raise ValueError(
+        f'expected one {expected.__name__} (the state of {transformation}), '
+        f'found {len(found)}: pass the state of {transformation} or of a '
+        'chain containing it once')
+  return found[0]
 
 
 class NoPrivacyWarning(UserWarning):

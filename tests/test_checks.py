@@ -3,10 +3,12 @@
 import warnings
 
 import jax.numpy as jnp
+import optax
 import pytest
 
 import dpsco_jax
 from dpsco_jax import checks
+from dpsco_jax.algorithms import diff2
 
 
 @pytest.mark.parametrize('value', [1, 7, 3.0])
@@ -57,3 +59,17 @@ def test_positive_finite_refuses_what_no_radius_or_step_can_be(bad):
 
 def test_positive_finite_returns_a_float():
   assert checks.positive_finite(jnp.float32(0.5), "radius") == 0.5
+
+
+def test_find_state_finds_the_one_state_in_a_chain_or_wrapper():
+  tx = diff2.random_output_iterate(3, key=0)
+  inner = tx.init({'w': 1.0})
+  chain = optax.chain(optax.sgd(0.1), optax.inject_hyperparams(
+      optax.sgd)(learning_rate=0.1)).init({'w': 1.0})
+  nested = (chain, (optax.EmptyState(), inner))
+  assert checks.find_state(nested, diff2.RandomIterateState, 'x') is inner
+  with pytest.raises(ValueError, match='expected one RandomIterateState'
+                     r'.*found 0'):
+    checks.find_state(chain, diff2.RandomIterateState, 'x')
+  with pytest.raises(ValueError, match='found 2'):
+    checks.find_state((inner, inner), diff2.RandomIterateState, 'x')

@@ -369,23 +369,15 @@ def selected_iterate(state: Any) -> PyTree:
     The iterate of the selected round.
 
   Raises:
-    LookupError: if no `RandomIterateState` is found.
-    ValueError: if the selected round has not been reached yet (the run is
-      not finished).
+    ValueError: if no `RandomIterateState` is found, or the selected round
+      has not been reached yet (the run is not finished).
   """
-  if isinstance(state, RandomIterateState):
-    if int(state.count) <= int(state.selected):
-      raise ValueError(
-          f'the selected round {int(state.selected)} has not been reached '
-          f'({int(state.count)} rounds done): finish the run first')
-    return state.iterate
-  if isinstance(state, tuple):
-    for part in state:
-      try:
-        return selected_iterate(part)
-      except LookupError:
-        continue
-  raise LookupError('no random_output_iterate state found')
+  state = checks.find_state(state, RandomIterateState, 'random_output_iterate')
+  if int(state.count) <= int(state.selected):
+    raise ValueError(
+        f'the selected round {int(state.selected)} has not been reached '
+        f'({int(state.count)} rounds done): finish the run first')
+  return state.iterate
 
 
 def diff2_mechanism(num_rounds: int) -> noise_lib.NoiseMechanism:

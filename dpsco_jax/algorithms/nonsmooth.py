@@ -237,16 +237,6 @@ def o2nc(
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-def _find_o2nc_state(opt_state: Any) -> O2ncState:
-  found = [s for s in jax.tree_util.tree_leaves(
-      opt_state, is_leaf=lambda s: isinstance(s, O2ncState))
-           if isinstance(s, O2ncState)]
-  if len(found) != 1:
-    raise ValueError(f'expected one O2ncState in the optimizer state, found '
-                     f'{len(found)}')
-  return found[0]
-
-
 def o2nc_output(opt_state: Any, which: str = 'uniform') -> PyTree:
   """The output of O2NC: a block average of the query points.
 
@@ -266,7 +256,7 @@ def o2nc_output(opt_state: Any, which: str = 'uniform') -> PyTree:
     ValueError: before the first block completes (fewer than M steps), or
       for another `which`.
   """
-  state = _find_o2nc_state(opt_state)
+  state = checks.find_state(opt_state, O2ncState, 'o2nc')
   if which not in ('uniform', 'last'):
     raise ValueError(f"which must be 'uniform' or 'last', got {which!r}")
   if not isinstance(state.num_blocks, jax.core.Tracer) and int(

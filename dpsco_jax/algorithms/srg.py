@@ -551,16 +551,8 @@ def final_params(state: Any) -> PyTree:
   Raises:
     ValueError: if no `AcceleratedSrgdState` is found in `state`.
   """
-  if isinstance(state, AcceleratedSrgdState):
-    return state.y
-  if isinstance(state, tuple):
-    for part in state:
-      try:
-        return final_params(part)
-      except ValueError:
-        continue
-  raise ValueError('no AcceleratedSrgdState found: pass the state of '
-                   'accelerated_dp_srgd (or of a chain containing it)')
+  return checks.find_state(state, AcceleratedSrgdState,
+                           'accelerated_dp_srgd').y
 
 
 def projection(radius: Optional[float]) -> optax.GradientTransformation:

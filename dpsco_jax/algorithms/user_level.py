@@ -979,15 +979,7 @@ def ac_sa_output(state: Any) -> PyTree:
   Raises:
     ValueError: if no `AcSaState` is found.
   """
-  if isinstance(state, AcSaState):
-    return state.aggregate
-  if isinstance(state, tuple):
-    for part in state:
-      try:
-        return ac_sa_output(part)
-      except ValueError:
-        continue
-  raise ValueError('no ac_sa state found')
+  return checks.find_state(state, AcSaState, 'ac_sa').aggregate
 
 
 class ErmPhaseRecord(NamedTuple):

@@ -624,7 +624,7 @@ def test_random_output_round_is_uniform_and_read_only_once_reached():
     diff2.selected_iterate(state)
   _, state = tx.update(params, state, params)
   diff2.selected_iterate(state)
-  with pytest.raises(LookupError):
+  with pytest.raises(ValueError, match='expected one RandomIterateState'):
     diff2.selected_iterate((optax.EmptyState(),))
   with pytest.raises(ValueError, match="output must be 'last' or"):
     diff2.diff2_gd(loss_fn, output='best', **kwargs())
