@@ -82,6 +82,8 @@ from dpsco_jax.algorithms.mf import dpmemf_mechanism
 from dpsco_jax.algorithms.srg import accelerated_dp_srgd
 from dpsco_jax.algorithms.srg import AcceleratedSrgdState
 from dpsco_jax.algorithms.srg import dp_srg_memf
+from dpsco_jax.algorithms.srg import ScheduleOutsideTheoryWarning
+from dpsco_jax.algorithms.srg import srg_weights
 from dpsco_jax.algorithms.srg import final_params
 from dpsco_jax.algorithms.srg import nesterov_coupling
 from dpsco_jax.algorithms.srg import project_l2_ball
@@ -163,6 +165,8 @@ __all__ = (
     'accelerated_dp_srgd',
     'AcceleratedSrgdState',
     'dp_srg_memf',
+    'ScheduleOutsideTheoryWarning',
+    'srg_weights',
     'final_params',
     'nesterov_coupling',
     'project_l2_ball',

@@ -565,7 +565,7 @@ def dpmemf(
     seed: Optional[int] = None,
     key: estimators.KeyLike = None,
     method: str = 'pld',
-    neighboring_relation: Relation = Relation.ADD_OR_REMOVE,
+    neighboring_relation: Relation = Relation.ZERO_OUT,
     microbatch_size: Optional[int] = None,
     clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
@@ -599,7 +599,9 @@ def dpmemf(
     seed: the order's seed (None: fresh from OS entropy).
     key: the noise key (None: fresh from OS entropy).
     method: accounting method.
-    neighboring_relation: the relation the noise is calibrated for.
+    neighboring_relation: the relation the noise is calibrated for; default
+      ZERO_OUT, the papers' (000/001): a fixed batch order's accounting
+      assumes it (same sensitivity as add/remove).
     microbatch_size: optional cap on per-example gradients held at once.
     clipping_method: 'auto' (default: ghost norms when the loss qualifies,
       else per-example gradients, announced once), 'ghost' or 'vmap'
@@ -681,7 +683,7 @@ def accelerated_dp_srgd(
     seed: Optional[int] = None,
     key: estimators.KeyLike = None,
     method: str = 'pld',
-    neighboring_relation: Relation = Relation.ADD_OR_REMOVE,
+    neighboring_relation: Relation = Relation.ZERO_OUT,
     microbatch_size: Optional[int] = None,
     clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
@@ -713,7 +715,9 @@ def accelerated_dp_srgd(
     seed: the order's seed (None: fresh from OS entropy).
     key: the noise key (None: fresh from OS entropy).
     method: accounting method ('gdp_paper' is the papers' route).
-    neighboring_relation: the relation the noise is calibrated for.
+    neighboring_relation: the relation the noise is calibrated for; default
+      ZERO_OUT, the papers' (000/001): a fixed batch order's accounting
+      assumes it (same sensitivity as add/remove).
     microbatch_size: optional cap on per-example values held at once.
     clipping_method: 'auto' (default: ghost norms when the loss qualifies,
       else per-example gradients, announced once), 'ghost' or 'vmap'
@@ -747,7 +751,7 @@ def unaccelerated_dp_srg(
     seed: Optional[int] = None,
     key: estimators.KeyLike = None,
     method: str = 'pld',
-    neighboring_relation: Relation = Relation.ADD_OR_REMOVE,
+    neighboring_relation: Relation = Relation.ZERO_OUT,
     microbatch_size: Optional[int] = None,
     clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
@@ -772,7 +776,9 @@ def unaccelerated_dp_srg(
     seed: the order's seed (None: fresh from OS entropy).
     key: the noise key (None: fresh from OS entropy).
     method: accounting method.
-    neighboring_relation: the relation the noise is calibrated for.
+    neighboring_relation: the relation the noise is calibrated for; default
+      ZERO_OUT, the papers' (000/001): a fixed batch order's accounting
+      assumes it (same sensitivity as add/remove).
     microbatch_size: optional cap on per-example values held at once.
     clipping_method: 'auto' (default: ghost norms when the loss qualifies,
       else per-example gradients, announced once), 'ghost' or 'vmap'
@@ -810,7 +816,7 @@ def dp_srg_memf(
     seed: Optional[int] = None,
     key: estimators.KeyLike = None,
     method: str = 'pld',
-    neighboring_relation: Relation = Relation.ADD_OR_REMOVE,
+    neighboring_relation: Relation = Relation.ZERO_OUT,
     microbatch_size: Optional[int] = None,
     clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
@@ -844,7 +850,9 @@ def dp_srg_memf(
     seed: the order's seed (None: fresh from OS entropy).
     key: the noise key (None: fresh from OS entropy).
     method: accounting method.
-    neighboring_relation: the relation the noise is calibrated for.
+    neighboring_relation: the relation the noise is calibrated for; default
+      ZERO_OUT, the papers' (000/001): a fixed batch order's accounting
+      assumes it (same sensitivity as add/remove).
     microbatch_size: optional cap on per-example values held at once.
     clipping_method: 'auto' (default: ghost norms when the loss qualifies,
       else per-example gradients, announced once), 'ghost' or 'vmap'

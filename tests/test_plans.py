@@ -150,6 +150,23 @@ def _cases():
   ]
 
 
+class FixedOrderPlansAreZeroOutTest(absltest.TestCase):
+
+  def test_the_papers_fixed_order_plans_record_zero_out(self):
+    # Papers 000/001 account a fixed batch order under zero-out neighbours;
+    # the sensitivity (and so epsilon, checked above against add/remove)
+    # is the same, but the record says which relation was assumed.
+    fixed_order = {'dpmemf', 'accelerated_dp_srgd', 'accelerated_independent',
+                   'unaccelerated_dp_srg', 'dp_srg_memf'}
+    found = set()
+    for name, make_plan, _, _ in _cases():
+      plan = make_plan()
+      expected = 'zero_out' if name in fixed_order else 'add_or_remove'
+      self.assertEqual(plan.ledger.neighboring_relation, expected, name)
+      found.add(name)
+    self.assertTrue(fixed_order <= found)
+
+
 class PlanAccountsWhatTheRunDidTest(parameterized.TestCase):
 
   @parameterized.named_parameters(*_cases())

@@ -75,7 +75,7 @@ def dpmemf(
     check_order: bool = True,
     storage: str = 'buffer',
     neighboring_relation: neighboring.NeighboringRelation = (
-        neighboring.NeighboringRelation.ADD_OR_REMOVE),
+        neighboring.NeighboringRelation.ZERO_OUT),
     normalize_by: Optional[float] = None,
     microbatch_size: Optional[int] = None,
     clipping_method: str = 'auto',
@@ -120,7 +120,10 @@ def dpmemf(
     check_order: verify the fixed batch order from `example_ids`. Only turn
       it off when the pipeline is known to repeat its batches.
     storage: how the MF noise is streamed (`noise.matrix_factorization`).
-    neighboring_relation: the relation the noise is calibrated for.
+    neighboring_relation: the relation the noise is calibrated for; default
+      ZERO_OUT, the papers' (000/001): a fixed batch order's accounting
+      assumes it, since adding or removing an example would move every
+      later example to another batch (same sensitivity as add/remove).
     normalize_by: public batch size (required with a padding mask).
     microbatch_size: optional cap on per-example gradients held at once.
     clipping_method: 'auto' (default: ghost norms when the loss qualifies,

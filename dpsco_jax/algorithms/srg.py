@@ -51,6 +51,7 @@ release or share a checkpoint of them. The params (x_t) and
 """
 
 import math
+import warnings
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
@@ -97,6 +98,142 @@ def _float_zeros_like(params: PyTree) -> PyTree:
       params)
 
 
+# Beyond this the unnormalized differences `eta_t grad f` leave float32's
+# range (about 3e38) for gradients of norm up to about 1e8.
+_LARGEST_WEIGHT = 1e30
+
+
+class ScheduleOutsideTheoryWarning(UserWarning):
+  """A weight schedule that Algorithm 1's analysis does not cover."""
+
+
+def srg_weights(num_steps: int, schedule: str = 'linear', *,
+                rate: Optional[float] = None) -> np.ndarray:
+  """Weights {eta_t} of Algorithm 1: `t + 1` (the theory's) or `e^(rate t)`.
+
+  The analysis (000 §5.2, 001 Claim 4.2) takes eta_t = t + 1 (the papers'
+  "eta_t = t" is an erratum: eta_0 = 0 divides by zero). Paper 001's
+  introduction motivates DP-SRG-MEMF by eta_t = e^(lambda t) with lambda
+  large; that schedule breaks the analysis' condition
+  `eta_t^2 <= 4 eta_{0:t}` (see `validate_weights`), and its weights leave
+  float32's range after about 69 / lambda steps (`dp_srg_memf` runs the
+  same recursion in normalized form for any length).
+
+  Example:
+    >>> srg_weights(4)
+    array([1., 2., 3., 4.])
+    >>> srg_weights(3, 'exponential', rate=0.5)   # e^0, e^0.5, e^1
+
+  Args:
+    num_steps: T.
+    schedule: 'linear' (`t + 1`) or 'exponential' (`e^(rate t)`).
+    rate: lambda, for 'exponential' (positive).
+
+  Returns:
+    float64 `[T]` weights eta_0..eta_{T-1}.
+
+  Raises:
+    ValueError: for an unknown schedule or a bad rate.
+  """
+  steps = np.arange(checks.positive_int(num_steps, 'num_steps'),
+                    dtype=np.float64)
+  if schedule == 'linear':
+    if rate is not None:
+      raise ValueError("rate is for schedule='exponential'")
+    return steps + 1.0
+  if schedule == 'exponential':
+    return np.exp(checks.positive_finite(rate, 'rate') * steps)
+  raise ValueError(f"schedule must be 'linear' or 'exponential', got "
+                   f'{schedule!r}')
+
+
+def validate_weights(weights: Any, num_steps: int, *,
+                     outside_theory: str = 'refuse') -> np.ndarray:
+  """Checks a weight schedule {eta_t} for Algorithm 1.
+
+  Always required: T finite, positive, non-decreasing weights, at most
+  1e30 (the unnormalized differences `eta_t grad f` are formed in float32).
+  The privacy never depends on the weights: each example's clipped
+  difference enters one prefix sum with the same clip whatever eta_t is.
+  The analysis (000 Lemma 5.9 / 001 Claim 4.2 and the potential argument)
+  also needs `eta_t^2 <= 4 eta_{0:t}` (`eta_{0:t}` the sum up to t) for
+  every t: `outside_theory` says what to do when it fails.
+
+  Example:
+    >>> validate_weights(srg_weights(100), 100)             # t + 1: fine
+    >>> validate_weights(srg_weights(100, 'exponential', rate=0.5), 100,
+    ...                  outside_theory='warn')              # warns
+
+  Args:
+    weights: `[T]` eta_0..eta_{T-1}.
+    num_steps: T.
+    outside_theory: 'refuse' (ValueError), 'warn'
+      (`ScheduleOutsideTheoryWarning`) or 'allow'.
+
+  Returns:
+    The weights as float64 `[T]`.
+
+  Raises:
+    ValueError: on a wrong length, non-finite, non-positive, decreasing or
+      too large weights, or (with 'refuse') a violated theory condition,
+      naming the first step where it fails.
+  """
+  num_steps = checks.positive_int(num_steps, 'num_steps')
+  if outside_theory not in ('refuse', 'warn', 'allow'):
+    raise ValueError("outside_theory must be 'refuse', 'warn' or 'allow', "
+                     f'got {outside_theory!r}')
+  eta = np.asarray(weights, np.float64)
+  if eta.shape != (num_steps,):
+    raise ValueError(f'weights must hold T = {num_steps} values eta_0.. '
+                     f'eta_(T-1), got shape {eta.shape}')
+  if not np.all(np.isfinite(eta)) or not np.all(eta > 0):
+    raise ValueError('weights must be finite and positive')
+  if np.any(np.diff(eta) < 0):
+    t = int(np.argmax(np.diff(eta) < 0)) + 1
+    raise ValueError(f'weights must be non-decreasing (eta_{t} < '
+                     f'eta_{t - 1})')
+  if eta[-1] > _LARGEST_WEIGHT:
+    t = int(np.argmax(eta > _LARGEST_WEIGHT))
+    raise ValueError(
+        f'eta_{t} = {eta[t]:.3g} exceeds {_LARGEST_WEIGHT:g}: the '
+        'differences eta_t grad f would overflow float32; run fewer steps, '
+        'a slower schedule, or dp_srg_memf (the normalized recursion)')
+  failing = np.nonzero(eta**2 > 4.0 * np.cumsum(eta) * (1 + 1e-12))[0]
+  if failing.size and outside_theory != 'allow':
+    t = int(failing[0])
+    message = (f'eta_t^2 <= 4 eta_(0:t) fails at t = {t} ({eta[t]:.4g}^2 > '
+               f'4 x {np.sum(eta[:t + 1]):.4g}): Algorithm 1\'s analysis '
+               'does not cover this schedule (privacy does not depend on it)')
+    if outside_theory == 'refuse':
+      raise ValueError(message + "; pass outside_theory='warn' to run it")
+    warnings.warn(message, ScheduleOutsideTheoryWarning, stacklevel=2)
+  return eta
+
+
+class _Weights(NamedTuple):
+  """A validated schedule as float32 constants, indexed by the step."""
+
+  eta: jax.Array        # eta_t
+  previous: jax.Array   # eta_{t-1} (0 at t = 0)
+  tau_next: jax.Array   # tau_{t+1} = eta_{t+1} / eta_{0:t+1}; 0 at T - 1
+
+  def at(self, count: jax.Array):
+    index = jnp.minimum(count, self.eta.shape[0] - 1)
+    return self.eta[index], self.previous[index], self.tau_next[index]
+
+
+def _weights_constants(weights: Any, num_steps: int,
+                       outside_theory: str) -> Optional[_Weights]:
+  if weights is None:
+    return None
+  eta = validate_weights(weights, num_steps, outside_theory=outside_theory)
+  cumulative = np.cumsum(eta)
+  # x_T is never queried (the output is y_T): tau_T = 0 makes it y_T.
+  tau_next = np.append(eta[1:] / cumulative[1:], 0.0)
+  as32 = lambda v: jnp.asarray(v, jnp.float32)
+  return _Weights(as32(eta), as32(np.append(0.0, eta[:-1])), as32(tau_next))
+
+
 def srg_gradient(
     loss_fn: LossFn,
     *,
@@ -106,11 +243,13 @@ def srg_gradient(
     key: estimators.KeyLike = None,
     mechanism: Optional[noise.NoiseMechanism] = None,
     neighboring_relation: neighboring.NeighboringRelation = (
-        neighboring.NeighboringRelation.ADD_OR_REMOVE),
+        neighboring.NeighboringRelation.ZERO_OUT),
     normalize_by: Optional[float] = None,
     microbatch_size: Optional[int] = None,
     clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
+    weights: Any = None,
+    outside_theory: str = 'refuse',
 ) -> optax.GradientTransformationExtraArgs:
   """Noisy stochastic recursive gradient (papers 000/001 Algorithm 1, lines 3-4).
 
@@ -154,35 +293,50 @@ def srg_gradient(
       who knows the seed. Never give one key to two runs.
     mechanism: a prefix-release noise mechanism instead of the tree, e.g.
       `noise.matrix_factorization(C, release='prefix')`.
-    neighboring_relation: the relation the noise is calibrated for (the
-      papers' zero-out neighbours are add-or-remove here).
+    neighboring_relation: the relation the noise is calibrated for; default
+      ZERO_OUT, the papers' (000/001): a fixed batch order's accounting
+      assumes it, since adding or removing an example would move every
+      later example to another batch (same sensitivity as add/remove).
     normalize_by: public batch size B (required with a padding mask).
     microbatch_size: optional cap on per-example differences held at once.
     clipping_method: 'auto' (default: ghost norms when the loss qualifies,
       else per-example gradients, announced once), 'ghost' or 'vmap'
       (`dpsco_jax.clipping`).
     axis_name: the `pmap`/`shard_map` axis name on several devices.
+    weights: None (eta_t = t + 1) or `[T]` weights eta_0..eta_{T-1}
+      (`srg_weights`; checked by `validate_weights`): Delta_t uses eta_t and
+      eta_{t-1}, and Grad_t = G_t / eta_t.
+    outside_theory: what `validate_weights` does with a schedule that
+      breaks `eta_t^2 <= 4 eta_{0:t}`: 'refuse', 'warn' or 'allow'.
 
   Returns:
     An `optax.GradientTransformationExtraArgs`; call
     `update(None, state, params, batch=batch, batch_mask=None)`.
 
   Raises:
-    ValueError: on a mechanism that does not release prefix-sum noise, or
-      neither `num_steps` nor `mechanism`.
+    ValueError: on a mechanism that does not release prefix-sum noise,
+      neither `num_steps` nor `mechanism`, or a bad weight schedule.
   """
   mechanism = _prefix_mechanism(mechanism, num_steps)
+  schedule = _weights_constants(weights, mechanism.num_steps, outside_theory)
+
+  def etas(step):
+    # (eta_t, eta_{t-1}); eta_t = t + 1 unless a schedule is given.
+    if schedule is None:
+      return step + 1.0, step
+    eta, previous, _ = schedule.at(step.astype(jnp.int32))
+    return eta, previous
 
   def coefficients(step):
-    # eta_t grad f(x_t, d) - eta_{t-1} grad f(x_{t-1}, d), eta_t = t + 1.
-    return step + 1.0, step
+    # eta_t grad f(x_t, d) - eta_{t-1} grad f(x_{t-1}, d).
+    return etas(step)
 
   def recursion(step, grad, total, divisor, noise_state, stddev):
-    eta = step + 1.0
+    eta, previous = etas(step)
     # Clean normalized prefix sum G_t / eta_t; the noise is on G_t, i.e.
     # stddev * xi_t / (B eta_t) on the normalized value, never fed back.
     grad = jax.tree_util.tree_map(
-        lambda g, s: (step / eta) * g + s / (divisor * eta), grad, total)
+        lambda g, s: (previous / eta) * g + s / (divisor * eta), grad, total)
     noisy, noise_state = estimators.add_noise(
         grad, noise_state, mechanism, stddev / (divisor * eta),
         axis_name=axis_name)
@@ -364,6 +518,8 @@ def nesterov_coupling(
     *,
     beta: float,
     radius: Optional[float],
+    weights: Any = None,
+    outside_theory: str = 'refuse',
 ) -> optax.GradientTransformationExtraArgs:
   """The accelerated outer loop of Algorithm 1 around any gradient estimator.
 
@@ -384,6 +540,10 @@ def nesterov_coupling(
       at `params` (`srg_gradient`, or `estimators.noisy_gradient`).
     beta: the scaling beta (theory: beta >= M; >= 2 M T when constrained).
     radius: radius R of the l2-ball constraint set, or None for R^p.
+    weights: None (eta_t = t + 1, tau_{t+1} = 2 / (t + 3)) or `[T]`
+      weights, the same as the estimator's: eta_t scales the z step and
+      tau_{t+1} = eta_{t+1} / eta_{0:t+1} (x_T, never queried, is y_T).
+    outside_theory: as in `validate_weights`.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` with `AcceleratedSrgdState`;
@@ -391,6 +551,8 @@ def nesterov_coupling(
   """
   beta = checks.positive_finite(beta, 'beta')
   radius = _validate_radius(radius)
+  schedule = (None if weights is None else _weights_constants(
+      weights, len(np.asarray(weights)), outside_theory))
 
   def init_fn(params):
     estimators.check_params(params)
@@ -404,9 +566,11 @@ def nesterov_coupling(
     estimators.check_params(params)
     gradient, inner = estimator.update(updates, state.estimator, params,
                                        **extra_args)
-    step = state.count.astype(jnp.float32)
-    eta = step + 1.0
-    tau_next = 2.0 / (step + 3.0)
+    if schedule is None:
+      step = state.count.astype(jnp.float32)
+      eta, tau_next = step + 1.0, 2.0 / (step + 3.0)
+    else:
+      eta, _, tau_next = schedule.at(state.count)
     z = project_l2_ball(
         jax.tree_util.tree_map(lambda z, g: z - (eta / beta) * g, state.z,
                                gradient), radius)
@@ -434,11 +598,13 @@ def accelerated_dp_srgd(
     gradient: str = 'srg',
     mechanism: Optional[noise.NoiseMechanism] = None,
     neighboring_relation: neighboring.NeighboringRelation = (
-        neighboring.NeighboringRelation.ADD_OR_REMOVE),
+        neighboring.NeighboringRelation.ZERO_OUT),
     normalize_by: Optional[float] = None,
     microbatch_size: Optional[int] = None,
     clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
+    weights: Any = None,
+    outside_theory: str = 'refuse',
 ) -> optax.GradientTransformationExtraArgs:
   """Accelerated-DP-SRGD, papers 000 and 001 Algorithm 1 (corrected).
 
@@ -489,31 +655,46 @@ def accelerated_dp_srgd(
     mechanism: the noise mechanism; prefix release for 'srg' (default
       `srg_mechanism(T)`), per-step for 'independent' (default
       `noise.gaussian(T)`).
-    neighboring_relation: the relation the noise is calibrated for.
+    neighboring_relation: the relation the noise is calibrated for; default
+      ZERO_OUT, the papers' (000/001): a fixed batch order's accounting
+      assumes it, since adding or removing an example would move every
+      later example to another batch (same sensitivity as add/remove).
     normalize_by: public batch size B (required with a padding mask).
     microbatch_size: optional cap on per-example values held at once.
     clipping_method: 'auto' (default: ghost norms when the loss qualifies,
       else per-example gradients, announced once), 'ghost' or 'vmap'
       (`dpsco_jax.clipping`).
     axis_name: the `pmap`/`shard_map` axis name on several devices.
+    weights: None (eta_t = t + 1, the analysis') or a `[T]` schedule
+      eta_0..eta_{T-1} (`srg_weights`, e.g. paper 001's `e^(lambda t)`),
+      used by the recursion and the coupling alike ('srg' only).
+    outside_theory: what to do with a schedule breaking
+      `eta_t^2 <= 4 eta_{0:t}` (`validate_weights`): 'refuse' (default),
+      'warn' or 'allow'.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` with `AcceleratedSrgdState`;
     call `update(None, state, params, batch=batch, batch_mask=None)`.
 
   Raises:
-    ValueError: on invalid beta, radius, gradient or mechanism, or initial
-      params outside the ball.
+    ValueError: on invalid beta, radius, gradient, mechanism or weights,
+      or initial params outside the ball.
   """
   num_steps = checks.positive_int(num_steps, 'num_steps')
+  if weights is not None:
+    if gradient != 'srg':
+      raise ValueError("weights are for gradient='srg' (the independent "
+                       'variant has no recursion to weight)')
+    weights = validate_weights(weights, num_steps,
+                               outside_theory=outside_theory)
   if gradient == 'srg':
     estimator = srg_gradient(
         loss_fn, l2_clip=l2_clip, noise_multiplier=noise_multiplier,
         num_steps=None if mechanism is not None else num_steps, key=key,
         mechanism=mechanism, neighboring_relation=neighboring_relation,
         normalize_by=normalize_by, microbatch_size=microbatch_size,
-                                   clipping_method=clipping_method,
-        axis_name=axis_name)
+        clipping_method=clipping_method, axis_name=axis_name,
+        weights=weights, outside_theory='allow')
     if mechanism is not None and mechanism.num_steps != num_steps:
       raise ValueError(f'num_steps={num_steps} disagrees with the mechanism '
                        f'({mechanism.num_steps} steps)')
@@ -533,7 +714,8 @@ def accelerated_dp_srgd(
   else:
     raise ValueError(
         f"gradient must be 'srg' or 'independent', got {gradient!r}")
-  return nesterov_coupling(estimator, beta=beta, radius=radius)
+  return nesterov_coupling(estimator, beta=beta, radius=radius,
+                           weights=weights, outside_theory='allow')
 
 
 def final_params(state: Any) -> PyTree:
@@ -593,7 +775,7 @@ def unaccelerated_dp_srg(
     key: estimators.KeyLike = None,
     mechanism: Optional[noise.NoiseMechanism] = None,
     neighboring_relation: neighboring.NeighboringRelation = (
-        neighboring.NeighboringRelation.ADD_OR_REMOVE),
+        neighboring.NeighboringRelation.ZERO_OUT),
     normalize_by: Optional[float] = None,
     microbatch_size: Optional[int] = None,
     clipping_method: str = 'auto',
@@ -622,7 +804,10 @@ def unaccelerated_dp_srg(
       (`dpsco_jax.keys`); an int seed makes the noise known to anyone
       who knows the seed. Never give one key to two runs.
     mechanism: prefix-release mechanism (default `srg_mechanism(T)`).
-    neighboring_relation: the relation the noise is calibrated for.
+    neighboring_relation: the relation the noise is calibrated for; default
+      ZERO_OUT, the papers' (000/001): a fixed batch order's accounting
+      assumes it, since adding or removing an example would move every
+      later example to another batch (same sensitivity as add/remove).
     normalize_by: public batch size B (required with a padding mask).
     microbatch_size: optional cap on per-example differences held at once.
     clipping_method: 'auto' (default: ghost norms when the loss qualifies,
@@ -696,7 +881,7 @@ def dp_srg_memf(
     check_order: bool = True,
     storage: str = 'buffer',
     neighboring_relation: neighboring.NeighboringRelation = (
-        neighboring.NeighboringRelation.ADD_OR_REMOVE),
+        neighboring.NeighboringRelation.ZERO_OUT),
     normalize_by: Optional[float] = None,
     microbatch_size: Optional[int] = None,
     clipping_method: str = 'auto',
@@ -749,7 +934,10 @@ def dp_srg_memf(
     check_order: verify the fixed batch order from `example_ids`
       (`batching.fixed_order_guard`).
     storage: how the MF noise is streamed (`noise.matrix_factorization`).
-    neighboring_relation: the relation the noise is calibrated for.
+    neighboring_relation: the relation the noise is calibrated for; default
+      ZERO_OUT, the papers' (000/001): a fixed batch order's accounting
+      assumes it, since adding or removing an example would move every
+      later example to another batch (same sensitivity as add/remove).
     normalize_by: public batch size (required with a padding mask).
     microbatch_size: optional cap on per-example differences held at once.
     clipping_method: 'auto' (default: ghost norms when the loss qualifies,

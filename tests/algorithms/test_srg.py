@@ -6,6 +6,7 @@ sequences), sharing no code path with the library's normalized recursions.
 """
 
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -582,3 +583,109 @@ def test_bad_preset_arguments_raise():
 def test_final_params_needs_the_algorithm_state():
   with pytest.raises(ValueError, match='AcceleratedSrgdState'):
     srg.final_params((optax.EmptyState(),))
+
+
+# ------------------------------------------------- Algorithm 1's {eta_t}
+
+
+def _run_accelerated(weights, num_steps=5, beta=4.0, radius=None, clip=0.7,
+                     noise_multiplier=0.5, **kwargs):
+  batches, _ = batches_and_iterates(num_steps, seed=4)
+  params, _ = make_problem(dim=DIM, classes=CLASSES)
+  tx = srg.accelerated_dp_srgd(loss_fn, l2_clip=clip,
+                               noise_multiplier=noise_multiplier,
+                               num_steps=num_steps, beta=beta, radius=radius,
+                               key=11, weights=weights, **kwargs)
+  state = tx.init(params)
+  step = jax.jit(lambda s, p, b: tx.update(None, s, p, batch=b))
+  points, states = [], []
+  for batch in batches:
+    points.append(params)
+    updates, state = step(state, params, batch)
+    params = optax.apply_updates(params, updates)
+    states.append(state)
+  return points, states, batches
+
+
+def test_the_linear_schedule_as_weights_is_the_default_bit_for_bit():
+  with warnings.catch_warnings():
+    warnings.simplefilter('ignore', dpsco_jax.keys.KeyReuseWarning)
+    default_points, default_states, _ = _run_accelerated(None)
+    points, states, _ = _run_accelerated(srg.srg_weights(5))
+  for a, b in zip(default_points, points):
+    np.testing.assert_array_equal(flat(a), flat(b))
+  for a, b in zip(default_states, states):
+    np.testing.assert_array_equal(flat(a.y), flat(b.y))
+    np.testing.assert_array_equal(flat(a.z), flat(b.z))
+    np.testing.assert_array_equal(flat(a.estimator.grad),
+                                  flat(b.estimator.grad))
+
+
+def test_a_general_schedule_follows_algorithm_1_written_out():
+  """eta_t = sqrt(t + 1) (inside the theory) against a float64 reference of
+  Algorithm 1 with that schedule: Delta_t, G_t / eta_t, the z step eta_t /
+  beta and tau_{t+1} = eta_{t+1} / eta_{0:t+1}."""
+  num_steps, beta, radius = 5, 3.0, 2.0
+  eta = np.sqrt(np.arange(1, num_steps + 1, dtype=np.float64))
+  points, states, batches = _run_accelerated(
+      eta, num_steps=num_steps, beta=beta, radius=radius, clip=1e9,
+      noise_multiplier=0.0)
+
+  def proj(v):
+    norm = np.linalg.norm(v)
+    return v if norm <= radius else v * radius / norm
+
+  def mean_grad(x_tree, batch):
+    return np.mean([example_grad(x_tree, batch, i) for i in range(BATCH)], 0)
+
+  prefix = 0.0
+  z = flat(points[0])
+  for t in range(num_steps):
+    # The run's own query points are the reference's inputs; the reference
+    # recomputes every output from them and Algorithm 1.
+    prefix = prefix + eta[t] * mean_grad(points[t], batches[t])
+    if t:
+      prefix = prefix - eta[t - 1] * mean_grad(points[t - 1], batches[t])
+    grad = prefix / eta[t]
+    np.testing.assert_allclose(flat(states[t].estimator.grad), grad,
+                               rtol=1e-4, atol=1e-5)
+    z = proj(z - eta[t] / beta * grad)
+    y = proj(flat(points[t]) - grad / beta)
+    np.testing.assert_allclose(flat(states[t].z), z, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(flat(states[t].y), y, rtol=1e-4, atol=1e-5)
+    if t + 1 < num_steps:
+      tau = eta[t + 1] / np.sum(eta[:t + 2])
+      np.testing.assert_allclose(flat(points[t + 1]), (1 - tau) * y + tau * z,
+                                 rtol=1e-4, atol=1e-5)
+  # The schedule differs from t + 1, so the default would not pass.
+  assert not np.allclose(eta, np.arange(1, num_steps + 1))
+
+
+def test_weight_schedules_are_validated():
+  exponential = srg.srg_weights(50, 'exponential', rate=0.5)
+  with pytest.raises(ValueError, match=r'fails at t = 5 .*outside_theory'):
+    srg.validate_weights(exponential, 50)
+  with pytest.warns(srg.ScheduleOutsideTheoryWarning, match='t = 5'):
+    srg.validate_weights(exponential, 50, outside_theory='warn')
+  np.testing.assert_array_equal(
+      srg.validate_weights(exponential, 50, outside_theory='allow'),
+      exponential)
+  with pytest.raises(ValueError, match='overflow float32'):
+    srg.validate_weights(srg.srg_weights(200, 'exponential', rate=0.5), 200,
+                         outside_theory='allow')
+  with pytest.raises(ValueError, match='non-decreasing'):
+    srg.validate_weights([1.0, 3.0, 2.0], 3)
+  with pytest.raises(ValueError, match='T = 4 values'):
+    srg.validate_weights([1.0, 2.0, 3.0], 4)
+  with pytest.raises(ValueError, match='finite and positive'):
+    srg.validate_weights([0.0, 1.0], 2)
+  with pytest.raises(ValueError, match="gradient='srg'"):
+    srg.accelerated_dp_srgd(loss_fn, l2_clip=1.0, noise_multiplier=1.0,
+                            num_steps=3, beta=1.0, radius=None, key=0,
+                            gradient='independent', weights=[1.0, 2.0, 3.0])
+  # Paper 001's e^(lambda t) runs when asked to, with the warning.
+  with pytest.warns(srg.ScheduleOutsideTheoryWarning):
+    _, states, _ = _run_accelerated(srg.srg_weights(5, 'exponential',
+                                                    rate=2.0),
+                                    outside_theory='warn')
+  assert np.all(np.isfinite(flat(states[-1].y)))
