@@ -327,8 +327,13 @@ def tune_and_run(algorithm: str, config: ml_collections.ConfigDict,
         config.delta, target_epsilon=config.epsilon, method='zcdp')
   logging.info('%s: test accuracy %.4f +- %.4f over %d seeds (eps %s)',
                algorithm, mean, half, len(test), setup.epsilon)
+  searched = dict(grid, **({'decay': list(decays)}
+                            if algorithm.startswith('srg') else {}))
+  picked = dict(point, **({'decay': decay}
+                          if algorithm.startswith('srg') else {}))
   return {'algorithm': algorithm, 'learning_rate': point['learning_rate'],
           'clip': point['clip'],
+          'grid_edge': sweeps.edge_report(picked, searched),
           'decay': decay if algorithm.startswith('srg') else '',
           'noise_multiplier': setup.noise_multiplier,
           'epsilon_spent': setup.epsilon if setup.epsilon is not None else '',
@@ -346,8 +351,9 @@ def format_results(config: ml_collections.ConfigDict,
       f'({config.epsilon}, {config.delta})-DP via zCDP; batch '
       f'{config.batch_size}; hyperparameters tuned on a validation part of '
       'the training split; mean test accuracy with 95% interval.', '',
-      '| algorithm | test accuracy (%) | lr | clip | c | noise multiplier |',
-      '|---|---|---|---|---|---|']
+      '| algorithm | test accuracy (%) | lr | clip | c | noise multiplier | '
+      'pick on a grid edge |',
+      '|---|---|---|---|---|---|---|']
   for r in results:
     noise_multiplier = (f'{r["noise_multiplier"]:.3f}'
                         if r['algorithm'] != 'nonprivate' else '-')
@@ -356,7 +362,7 @@ def format_results(config: ml_collections.ConfigDict,
     lines.append(
         f'| {r["algorithm"]} | {100 * r["mean_test_accuracy"]:.3f} +- '
         f'{100 * r["ci95"]:.3f} | {r["learning_rate"]:g} | {clip} | '
-        f'{decay} | {noise_multiplier} |')
+        f'{decay} | {noise_multiplier} | {r["grid_edge"] or "no"} |')
   paired = paired_differences({r['algorithm']: r['runs'] for r in results})
   if len(paired) > 2:
     lines += [''] + paired
@@ -430,7 +436,14 @@ def run(config: ml_collections.ConfigDict, output_dir: str
 
   Returns:
     One result dict per algorithm.
+
+  Raises:
+    ValueError: for fewer than 2 seeds (the results are means with a 95%
+      interval, which one seed does not have).
   """
+  if int(config.num_seeds) < 2:
+    raise ValueError('num_seeds must be at least 2: the results report a '
+                     f'95% interval over seeds, got {config.num_seeds}')
   os.makedirs(output_dir, exist_ok=True)
   start = time.time()
   data = load_data(config)

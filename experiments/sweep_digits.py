@@ -289,9 +289,11 @@ def run(config: ml_collections.ConfigDict, output_dir: str) -> Dict[str, Any]:
                                         'epsilon': epsilon})
     top = sweeps.best(summary)
     centre = summary[len(summary) // 2]
-    for selection, row in (('best of grid (on test)', top),
-                           ('grid centre', centre)):
-      pu_rows.append({'selection': selection, **row})
+    top_edge = sweeps.edge_report(
+        {axis: top[axis] for axis in grid}, grid) or 'no'
+    for selection, row, edge in (('best of grid (on test)', top, top_edge),
+                                 ('grid centre', centre, '')):
+      pu_rows.append({'selection': selection, **row, 'grid_edge': edge})
     if epsilon == float(config.epsilon):
       rows += summary
       table_result = result
@@ -324,7 +326,7 @@ def run(config: ml_collections.ConfigDict, output_dir: str) -> Dict[str, Any]:
              'interval for the mean.\n\n')
   pu_table = sweeps.format_table(
       pu_rows, ['selection', 'epsilon', 'learning_rate', 'clip', 'mean', 'ci',
-                'n'])
+                'n', 'grid_edge'])
   with open(os.path.join(output_dir, 'summary.md'), 'w') as f:
     f.write(heading + table + '\n## Privacy-utility\n\n' + pu_table)
 

@@ -461,6 +461,41 @@ def grid_edge(grid: Sequence[float], picked: float) -> str:
   return ''
 
 
+def edge_report(point: Mapping[str, float],
+                grid: Mapping[str, Sequence[float]]) -> str:
+  """Which axes of a multi-axis grid a picked point sits on the edge of.
+
+  Every reported optimum carries this, so no table hides a pick that may
+  lie outside the grid searched (`grid_edge` per axis; axes with one value
+  are not searched and never flagged).
+
+  Example:
+    >>> edge_report({'learning_rate': 1.0, 'clip': 0.5},
+    ...             {'learning_rate': [0.1, 1.0], 'clip': [0.5, 1, 2]})
+    'learning_rate upper'
+
+  Args:
+    point: the picked value of each axis.
+    grid: the values searched on each axis (the keys of `point`).
+
+  Returns:
+    '' when no axis is on an edge, else '<axis> lower|upper' entries joined
+    by ', '.
+
+  Raises:
+    ValueError: if an axis of `grid` is missing from `point`, or a picked
+      value is not on its axis.
+  """
+  flags = []
+  for axis, values in grid.items():
+    if axis not in point:
+      raise ValueError(f'the picked point has no value for axis {axis!r}')
+    edge = grid_edge(values, point[axis])
+    if edge:
+      flags.append(f'{axis} {edge}')
+  return ', '.join(flags)
+
+
 class PatienceResult(NamedTuple):
   """The outcome of `descending_step_size_selection`.
 

@@ -45,6 +45,21 @@ def test_end_to_end_writes_the_table(tmp_path):
   assert entry['accounting_method'] == 'zcdp'
   text = (tmp_path / 'results.md').read_text()
   assert 'srg_true' in text and '+-' in text
+  # One value per axis searched: no pick can be on an edge, and the table
+  # says so.
+  assert by_name['srg_true']['grid_edge'] == ''
+  assert 'pick on a grid edge' in text
+
+
+def test_a_pick_on_a_grid_edge_is_flagged(tmp_path):
+  config = tiny_config()
+  config.learning_rates = (0.25, 0.5)   # two values: any pick is an edge
+  config.algorithms = ('srg_true',)
+  config.num_seeds = 2
+  (result,) = srg_memf.run(config, str(tmp_path))
+  assert result['grid_edge'] in ('learning_rate lower',
+                                 'learning_rate upper')
+  assert result['grid_edge'] in (tmp_path / 'results.md').read_text()
 
 
 def test_scanned_run_equals_the_library_steps_one_by_one():
@@ -82,6 +97,13 @@ def test_scanned_run_equals_the_library_steps_one_by_one():
       float(test), float(srg_memf.accuracy(params, data.test_x, data.test_y)),
       atol=1.5 / len(data.test_y))
   assert float(val) > 0.1
+
+
+def test_one_seed_is_refused_before_any_work(tmp_path):
+  config = tiny_config()
+  config.num_seeds = 1
+  with pytest.raises(ValueError, match='num_seeds must be at least 2'):
+    srg_memf.run(config, str(tmp_path))
 
 
 def test_validation_split_is_refused_when_it_eats_the_data():

@@ -57,6 +57,11 @@ def test_writes_tables_plots_and_record(finished):
                                       'num_epochs': 1, 'steps_per_epoch': 6}
   assert record['config']['num_seeds'] == 2
   assert out['rows'][0]['epsilon_spent'] == privacy['epsilon_spent']
+  # Two learning rates: the best of the grid is on an edge, and flagged.
+  utility = outputs.read_csv(os.path.join(output_dir, 'privacy_utility.csv'))
+  best = [r for r in utility if r['selection'].startswith('best')]
+  assert best and all(r['grid_edge'].startswith('learning_rate ')
+                      for r in best)
 
 
 def test_accuracies_are_meaningful(finished):

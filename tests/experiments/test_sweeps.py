@@ -275,3 +275,18 @@ def test_descending_search_reports_when_every_rate_fails_and_refuses_bad_input()
     sweeps.descending_step_size_selection([0.5], [[1.0], [1.0]])
   with pytest.raises(ValueError, match='patience must be'):
     sweeps.descending_step_size_selection([0.5], [[1.0]], patience=0)
+
+
+def test_edge_report_names_each_axis_on_an_edge():
+  grid = {'learning_rate': [0.1, 0.3, 1.0], 'clip': [0.5, 1.0, 2.0],
+          'decay': [0.1]}
+  assert sweeps.edge_report({'learning_rate': 0.3, 'clip': 1.0,
+                             'decay': 0.1}, grid) == ''
+  assert sweeps.edge_report({'learning_rate': 1.0, 'clip': 0.5,
+                             'decay': 0.1}, grid) == (
+                                 'learning_rate upper, clip lower')
+  with pytest.raises(ValueError, match="no value for axis 'clip'"):
+    sweeps.edge_report({'learning_rate': 0.3, 'decay': 0.1}, grid)
+  with pytest.raises(ValueError, match='not a value of the grid'):
+    sweeps.edge_report({'learning_rate': 0.2, 'clip': 1.0, 'decay': 0.1},
+                       grid)
