@@ -53,7 +53,12 @@ def get_config() -> ml_collections.ConfigDict:
   # Seeds each grid point is tuned on (validation split).
   config.tuning_seeds = 3
   # Seeds the picked hyperparameters are reported on (test split).
-  config.num_seeds = 20
+  config.num_seeds = 50
+  # Times an axis is extended past a pick on its edge (0: never).
+  config.grid_extensions = 3
+  # Final runs train on the whole training split (validation part
+  # included), with the strategy and noise made for that size.
+  config.final_on_full_train = True
   # Algorithms: DP-MEMF and DP-SRG-MEMF with the ones or true workload, and the non-private reference.
   config.algorithms = ('dpmemf_ones', 'dpmemf_true', 'srg_ones', 'srg_true',
                        'nonprivate')

@@ -17,9 +17,12 @@ sensitivity under `FixedOrder(k, b)`, converted with
 Protocol (honest tuning): the official training split is cut into a
 training part and a validation part (`config.validation_size` examples,
 seeded). Learning rate, clip and c are tuned on the validation part with
-`config.tuning_seeds` seeds; the chosen setting then runs with
-`config.num_seeds` fresh seeds and the mean TEST accuracy is reported with a
-95% Student-t interval. Tuning on validation data is still not private
+`config.tuning_seeds` seeds; while the pick sits on the edge of an axis, that
+axis is extended past it (`config.grid_extensions` times at most) and a
+pick still on an edge is flagged in the results. The chosen setting then
+runs with `config.num_seeds` fresh seeds, on the whole training split
+(`config.final_on_full_train`: strategy and noise made for that size), and
+the mean TEST accuracy is reported with a 95% Student-t interval. Tuning on validation data is still not private
 (the selection itself leaks a little about the training data); the test
 split is never looked at before the final runs. Each seed draws its own
 public batch order (fixed across epochs) and its own noise.
@@ -292,30 +295,66 @@ def tune_and_run(algorithm: str, config: ml_collections.ConfigDict,
   Returns:
     A dict with the chosen setting, the tuning table and the final runs.
   """
-  decays = config.decays if algorithm.startswith('srg') else (0.0,)
-  grid = {'learning_rate': list(config.learning_rates),
-          'clip': list(config.clips) if algorithm != 'nonprivate' else [1.0]}
+  srg = algorithm.startswith('srg')
+  axes = {'learning_rate': sorted(float(v) for v in config.learning_rates),
+          'clip': (sorted(float(v) for v in config.clips)
+                   if algorithm != 'nonprivate' else [1.0]),
+          'decay': (sorted(float(v) for v in config.decays) if srg
+                    else [0.0])}
   tuning_seeds = [10_000 + s for s in range(config.tuning_seeds)]
   num_train = int(data.train_y.shape[0])
-  tuning_rows, best = [], None
+  scores: Dict[Tuple[float, float, float], float] = {}
+  setups: Dict[float, Setup] = {}
   start = time.time()
-  for decay in decays:
-    setup = make_setup(algorithm, config, num_train, decay)
-    result = run_many(setup, decay, config.momentum, num_classes, grid,
-                      tuning_seeds, data, f'{algorithm} tuning c={decay:.3g}')
-    for g in range(result.num_points):
-      point = result.point(g)
-      mean = float(result.metrics['val_accuracy'][g].mean())
-      tuning_rows.append(dict(algorithm=algorithm, decay=decay,
-                              val_accuracy=mean, **point))
-      if best is None or mean > best[0]:
-        best = (mean, point, decay, setup)
-  val_mean, point, decay, setup = best
+  # Tune; while the pick sits on the edge of an axis searched, extend that
+  # axis past it (up to `grid_extensions` times) and tune the new points.
+  for extension in range(int(config.grid_extensions) + 1):
+    for decay in axes['decay']:
+      grid = {'learning_rate': axes['learning_rate'], 'clip': axes['clip']}
+      if all((lr, clip, decay) in scores for lr in grid['learning_rate']
+             for clip in grid['clip']):
+        continue
+      if decay not in setups:
+        setups[decay] = make_setup(algorithm, config, num_train, decay)
+      result = run_many(setups[decay], decay, config.momentum, num_classes,
+                        grid, tuning_seeds, data,
+                        f'{algorithm} tuning c={decay:.3g}')
+      for g in range(result.num_points):
+        point = result.point(g)
+        scores[(float(point['learning_rate']), float(point['clip']),
+                decay)] = float(result.metrics['val_accuracy'][g].mean())
+    best_lr, best_clip, best_decay = max(scores, key=scores.get)
+    picked = {'learning_rate': best_lr, 'clip': best_clip,
+              'decay': best_decay}
+    edges = {axis: sweeps.grid_edge(values, picked[axis])
+             for axis, values in axes.items()}
+    if not any(edges.values()) or extension == int(config.grid_extensions):
+      break
+    axes = {axis: (sweeps.extend_axis(values, edges[axis]) if edges[axis]
+                   else values) for axis, values in axes.items()}
+  tuning_rows = [dict(algorithm=algorithm, decay=decay, val_accuracy=score,
+                      learning_rate=lr, clip=clip)
+                 for (lr, clip, decay), score in sorted(scores.items())]
+  point = {'learning_rate': best_lr, 'clip': best_clip}
+  decay = best_decay
   logging.info('%s: tuned in %.0f s: %s, c %g (val %.4f)', algorithm,
-               time.time() - start, point, decay, val_mean)
+               time.time() - start, point, decay, scores[(best_lr, best_clip,
+                                                          best_decay)])
+  final_data = data
+  if config.final_on_full_train:
+    # The chosen setting trains on the whole official training split (the
+    # validation part included): its strategy and noise are made for that
+    # n, so the epsilon reported is the one this run spends.
+    final_data = data._replace(
+        train_x=jnp.concatenate([data.train_x, data.val_x]),
+        train_y=jnp.concatenate([data.train_y, data.val_y]))
+    setup = make_setup(algorithm, config, int(final_data.train_y.shape[0]),
+                       decay)
+  else:
+    setup = setups[decay]
   final = run_many(setup, decay, config.momentum, num_classes,
                    {k: [v] for k, v in point.items()},
-                   range(config.num_seeds), data, f'{algorithm} final')
+                   range(config.num_seeds), final_data, f'{algorithm} final')
   test = final.metrics['test_accuracy'][0]
   mean, _, _, half = sweeps.mean_and_interval(test)
   privacy = None
@@ -327,13 +366,13 @@ def tune_and_run(algorithm: str, config: ml_collections.ConfigDict,
         config.delta, target_epsilon=config.epsilon, method='zcdp')
   logging.info('%s: test accuracy %.4f +- %.4f over %d seeds (eps %s)',
                algorithm, mean, half, len(test), setup.epsilon)
-  searched = dict(grid, **({'decay': list(decays)}
-                            if algorithm.startswith('srg') else {}))
-  picked = dict(point, **({'decay': decay}
-                          if algorithm.startswith('srg') else {}))
   return {'algorithm': algorithm, 'learning_rate': point['learning_rate'],
           'clip': point['clip'],
-          'grid_edge': sweeps.edge_report(picked, searched),
+          'grid_edge': sweeps.edge_report(picked, axes),
+          'grid_searched': '; '.join(
+              f'{axis} ' + ' '.join(f'{v:.4g}' for v in values)
+              for axis, values in axes.items() if len(values) > 1),
+          'num_train_final': int(final_data.train_y.shape[0]),
           'decay': decay if algorithm.startswith('srg') else '',
           'noise_multiplier': setup.noise_multiplier,
           'epsilon_spent': setup.epsilon if setup.epsilon is not None else '',

@@ -56,10 +56,33 @@ def test_a_pick_on_a_grid_edge_is_flagged(tmp_path):
   config.learning_rates = (0.25, 0.5)   # two values: any pick is an edge
   config.algorithms = ('srg_true',)
   config.num_seeds = 2
+  config.grid_extensions = 0
   (result,) = srg_memf.run(config, str(tmp_path))
   assert result['grid_edge'] in ('learning_rate lower',
                                  'learning_rate upper')
   assert result['grid_edge'] in (tmp_path / 'results.md').read_text()
+
+
+def test_an_edge_pick_extends_its_axis_and_final_runs_use_all_training_data(
+    tmp_path):
+  config = tiny_config()
+  config.learning_rates = (0.25, 0.5)
+  config.algorithms = ('dpmemf_true',)
+  config.num_seeds = 2
+  config.grid_extensions = 1
+  (result,) = srg_memf.run(config, str(tmp_path))
+  tried = sorted({row['learning_rate'] for row in result['tuning']})
+  # One extension past whichever edge the first pick was on.
+  assert tried in ([0.125, 0.25, 0.5], [0.25, 0.5, 1.0])
+  assert result['grid_searched'].startswith('learning_rate ')
+  assert len(result['grid_searched'].split()) == 4   # axis name + 3 values
+  train, _ = srg_memf.datasets.load(config.dataset,
+                                    **dict(config.data_kwargs))
+  assert result['num_train_final'] == len(train['y'])
+  config.final_on_full_train = False
+  config.grid_extensions = 0
+  (result,) = srg_memf.run(config, str(tmp_path / 'part'))
+  assert result['num_train_final'] == len(train['y']) - config.validation_size
 
 
 def test_scanned_run_equals_the_library_steps_one_by_one():
