@@ -282,6 +282,21 @@ def run_many(setup: Setup, decay: float, momentum: float, num_classes: int,
   return sweeps.run_sweep(train_fn, grid, seeds, data=data, name=name)
 
 
+def _extend(axis: str, values: List[float], edge: str) -> List[float]:
+  """`values` extended past `edge` (unchanged when not on an edge).
+
+  The decay c lives in [0, 1] (c = eta_{t-1} / eta_t): past its upper
+  edge it stops at 1, and a pick at c = 1 is on the edge of the domain,
+  not of the grid (it stays flagged).
+  """
+  if not edge:
+    return values
+  extended = sweeps.extend_axis(values, edge)
+  if axis == 'decay':
+    extended = sorted({min(1.0, v) for v in extended})
+  return extended
+
+
 def tune_and_run(algorithm: str, config: ml_collections.ConfigDict,
                  data: Data, num_classes: int) -> Dict[str, Any]:
   """Tunes on validation, then runs the chosen setting with fresh seeds.
@@ -328,10 +343,11 @@ def tune_and_run(algorithm: str, config: ml_collections.ConfigDict,
               'decay': best_decay}
     edges = {axis: sweeps.grid_edge(values, picked[axis])
              for axis, values in axes.items()}
-    if not any(edges.values()) or extension == int(config.grid_extensions):
+    extended = {axis: _extend(axis, values, edges[axis])
+                for axis, values in axes.items()}
+    if extended == axes or extension == int(config.grid_extensions):
       break
-    axes = {axis: (sweeps.extend_axis(values, edges[axis]) if edges[axis]
-                   else values) for axis, values in axes.items()}
+    axes = extended
   tuning_rows = [dict(algorithm=algorithm, decay=decay, val_accuracy=score,
                       learning_rate=lr, clip=clip)
                  for (lr, clip, decay), score in sorted(scores.items())]

@@ -150,3 +150,13 @@ def test_paired_differences_are_per_seed():
       {'srg_true': [0.80, 0.82, 0.81], 'dpmemf_true': [0.79, 0.80, 0.80]})
   assert len(lines) == 3  # header, rule, the one pair present
   assert lines[2].startswith('| srg_true - dpmemf_true | +1.333 +- ')
+
+
+def test_the_decay_axis_stops_at_one():
+  # c = eta_{t-1} / eta_t is at most 1: extending past the upper edge caps
+  # there, and a pick at 1 cannot be extended further.
+  assert srg_memf._extend('decay', [0.2, 0.6], 'upper') == [0.2, 0.6, 1.0]
+  assert srg_memf._extend('decay', [0.5, 1.0], 'upper') == [0.5, 1.0]
+  assert srg_memf._extend('decay', [0.1, 0.3], 'lower') == pytest.approx(
+      [0.1 / 3, 0.1, 0.3])
+  assert srg_memf._extend('clip', [1.0, 3.0], '') == [1.0, 3.0]
