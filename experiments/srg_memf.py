@@ -285,16 +285,15 @@ def run_many(setup: Setup, decay: float, momentum: float, num_classes: int,
 def _extend(axis: str, values: List[float], edge: str) -> List[float]:
   """`values` extended past `edge` (unchanged when not on an edge).
 
-  The decay c lives in [0, 1] (c = eta_{t-1} / eta_t): past its upper
-  edge it stops at 1, and a pick at c = 1 is on the edge of the domain,
-  not of the grid (it stays flagged).
+  The decay c lives in [0, 1) (c = eta_{t-1} / eta_t, and the decay
+  workload's L needs c < 1): past its upper edge the new value is halfway
+  from the largest to 1, so the axis approaches 1 without reaching it.
   """
   if not edge:
     return values
-  extended = sweeps.extend_axis(values, edge)
-  if axis == 'decay':
-    extended = sorted({min(1.0, v) for v in extended})
-  return extended
+  if axis == 'decay' and edge == 'upper':
+    return sorted(values) + [(max(values) + 1.0) / 2.0]
+  return sweeps.extend_axis(values, edge)
 
 
 def tune_and_run(algorithm: str, config: ml_collections.ConfigDict,
