@@ -583,22 +583,24 @@ def tree(
     tree_index, i = local_position(state.step)
     ctz = _trailing_zeros(i)
     old = state.buffers
-    # Levels 0..ctz(i) complete at step i. A node's left child is the level's
-    # previous value (still in `old`); its right child completed just now.
-    right_child = _zeros(template)
-    buffers = old
-    for level in range(num_levels):
-      def complete(right, lv=level):
-        fresh = node(state.key, tree_index, lv, i >> lv, template)
-        if lv == 0:
-          return fresh
-        return jax.tree_util.tree_map(
-            lambda n, left, r: n + 0.5 * (left[lv - 1] + r), fresh, old, right)
-      right_child = jax.lax.cond(level <= ctz, complete, lambda r: r,
-                                 right_child)
-      buffers = jax.tree_util.tree_map(
-          lambda b, v, lv=level: b.at[lv].set(jnp.where(lv <= ctz, v, b[lv])),
-          buffers, right_child)
+    # Levels 0..ctz(i) complete at step i, lowest first, one loop trip each
+    # (see `prefix_node` for why not one conditional per level). A node's
+    # left child is the level below's previous value (still in `old`); its
+    # right child is the node completed in the trip before.
+    def complete(level, carry):
+      right, buffers = carry
+      fresh = node(state.key, tree_index, level, i >> level, template)
+      below = jnp.maximum(level - 1, 0)
+      value = jax.tree_util.tree_map(
+          lambda n, left, r: jnp.where(level == 0, n,
+                                       n + 0.5 * (left[below] + r)),
+          fresh, old, right)
+      buffers = jax.tree_util.tree_map(lambda b, v: b.at[level].set(v),
+                                       buffers, value)
+      return value, buffers
+
+    _, buffers = jax.lax.fori_loop(0, ctz + 1, complete,
+                                   (_zeros(template), old))
     after = honaker_prefix(buffers, i)
     if release == 'prefix':
       return after, buffers
