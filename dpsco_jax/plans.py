@@ -948,11 +948,9 @@ def diff2_gd(
   Returns:
     A `Plan` (no sampler, no ledger: see `Plan`).
   """
-  if output not in ('last', 'random_iterate'):
-    raise ValueError(
-        f"output must be 'last' or 'random_iterate', got {output!r}")
   _target(epsilon, noise_multipliers, delta)
   num_rounds = checks.positive_int(num_rounds, 'num_rounds')
+  selector = diff2.output_selector(output, num_rounds, output_key)
   restart_interval = checks.positive_int(restart_interval, 'restart_interval')
   method = method or 'pld'
   if noise_multipliers is None:
@@ -971,10 +969,8 @@ def diff2_gd(
       rounds, restart_interval, z, delta, method=method)
   return Plan(
       algorithm='diff2_gd' if restart_interval > 1 else 'dp_gd',
-      transformation=optax.chain(
-          *(() if output == 'last' else
-            (diff2.random_output_iterate(num_rounds, output_key),)),
-          private, optax.sgd(learning_rate)),
+      transformation=optax.chain(*selector, private,
+                                 optax.sgd(learning_rate)),
       private_transformation=private, batches=None,
       mechanism=diff2.diff2_mechanism(num_rounds), noise_multiplier=z,
       participation=None,

@@ -356,6 +356,34 @@ def random_output_iterate(num_rounds: int,
   return optax.GradientTransformation(init_fn, update_fn)
 
 
+def output_selector(output: str, num_rounds: int,
+                    key: estimators.KeyLike = None
+                    ) -> tuple[optax.GradientTransformation, ...]:
+  """The transformations to chain first for DIFF2's `output` option.
+
+  Example:
+    >>> tx = optax.chain(*output_selector('random_iterate', 2000, key=1),
+    ...                  diff2_estimator(...), optax.sgd(0.125))
+
+  Args:
+    output: 'last' (nothing to keep: the iterates are the output) or
+      'random_iterate' (Algorithm 1's `x_{t_hat}`).
+    num_rounds: R.
+    key: key or seed of t_hat (None: fresh).
+
+  Returns:
+    `()` or `(random_output_iterate(num_rounds, key),)`.
+
+  Raises:
+    ValueError: for another `output`.
+  """
+  if output not in ('last', 'random_iterate'):
+    raise ValueError(
+        f"output must be 'last' or 'random_iterate', got {output!r}")
+  return (() if output == 'last' else
+          (random_output_iterate(num_rounds, key),))
+
+
 def selected_iterate(state: Any) -> PyTree:
   """`x_{t_hat}` from the state of a chain holding `random_output_iterate`.
 
@@ -664,13 +692,8 @@ def diff2_gd(
   References:
     Murata & Suzuki (2023), Algorithms 1 and 3, Proposition 4.1, Theorem 4.3.
   """
-  if output not in ('last', 'random_iterate'):
-    raise ValueError(
-        f"output must be 'last' or 'random_iterate', got {output!r}")
-  selector = (() if output == 'last' else
-              (random_output_iterate(num_rounds, output_key),))
   return optax.chain(
-      *selector,
+      *output_selector(output, num_rounds, output_key),
       diff2_estimator(
           loss_fn, grad_clip=grad_clip, diff_clip_factor=diff_clip_factor,
           restart_interval=restart_interval, num_rounds=num_rounds,

@@ -320,19 +320,16 @@ def srg_gradient(
   mechanism = _prefix_mechanism(mechanism, num_steps)
   schedule = _weights_constants(weights, mechanism.num_steps, outside_theory)
 
-  def etas(step):
-    # (eta_t, eta_{t-1}); eta_t = t + 1 unless a schedule is given.
+  def coefficients(step):
+    # (eta_t, eta_{t-1}) of eta_t grad f(x_t, d) - eta_{t-1} grad
+    # f(x_{t-1}, d); eta_t = t + 1 unless a schedule is given.
     if schedule is None:
       return step + 1.0, step
     eta, previous, _ = schedule.at(step.astype(jnp.int32))
     return eta, previous
 
-  def coefficients(step):
-    # eta_t grad f(x_t, d) - eta_{t-1} grad f(x_{t-1}, d).
-    return etas(step)
-
   def recursion(step, grad, total, divisor, noise_state, stddev):
-    eta, previous = etas(step)
+    eta, previous = coefficients(step)
     # Clean normalized prefix sum G_t / eta_t; the noise is on G_t, i.e.
     # stddev * xi_t / (B eta_t) on the normalized value, never fed back.
     grad = jax.tree_util.tree_map(
