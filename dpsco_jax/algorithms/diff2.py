@@ -398,9 +398,15 @@ def selected_iterate(state: Any) -> PyTree:
 
   Raises:
     ValueError: if no `RandomIterateState` is found, or the selected round
-      has not been reached yet (the run is not finished).
+      has not been reached yet (the run is not finished; under `jax.jit`
+      the refusal is raised when the step runs, `guards.refuse`).
   """
   state = checks.find_state(state, RandomIterateState, 'random_output_iterate')
+  if isinstance(state.count, jax.core.Tracer):
+    # Inside jit / vmap: the same refusal, at run time.
+    return guards.refuse(state.count <= state.selected, state.iterate,
+                         'the selected round has not been reached: finish '
+                         'the run first')
   if int(state.count) <= int(state.selected):
     raise ValueError(
         f'the selected round {int(state.selected)} has not been reached '

@@ -622,8 +622,13 @@ def test_random_output_round_is_uniform_and_read_only_once_reached():
     _, state = tx.update(params, state, params)
   with pytest.raises(ValueError, match='has not been reached'):
     diff2.selected_iterate(state)
+  # Under jit the same refusal comes when the program runs.
+  read = jax.jit(diff2.selected_iterate)
+  with pytest.raises(Exception, match='has not been reached'):
+    jax.block_until_ready(read(state))
   _, state = tx.update(params, state, params)
-  diff2.selected_iterate(state)
+  np.testing.assert_array_equal(flat(read(state)),
+                                flat(diff2.selected_iterate(state)))
   with pytest.raises(ValueError, match='expected one RandomIterateState'):
     diff2.selected_iterate((optax.EmptyState(),))
   with pytest.raises(ValueError, match="output must be 'last' or"):

@@ -2,12 +2,14 @@
 
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from configs import diff2_tabular as diff2_config
 from experiments import diff2_tabular
+from experiments import outputs
 from experiments import tabular_data
 
 SHARED = os.path.join(os.path.dirname(__file__), '..', '..', '..', 'shared',
@@ -86,29 +88,119 @@ def test_preprocessing_and_iid_clients():
   np.testing.assert_array_equal(dealt, np.sort(train['y']))
 
 
-def test_rejection_rule():
-  assert diff2_tabular.rejected(np.array([1.0, np.nan]))
-  assert diff2_tabular.rejected(np.array([1.0, 0.5] + [0.6] * 5))
-  assert not diff2_tabular.rejected(np.array([1.0, 0.5, 0.52, 0.4, 0.3]))
-
-
-def test_tiny_run_of_every_algorithm():
+def tiny_config(**overrides):
   config = diff2_config.get_config()
-  config.num_rounds, config.eval_every, config.seeds = 4, 2, (0, 1)
-  config.synthetic_examples, config.num_clients = 300, 3
-  data = diff2_tabular.seeded_data('synthetic', config)
-  params, clients, tests, keys, sizes, dim = data
-  assert dim == config.synthetic_dim and sizes.sum() == 240
-  z = diff2_tabular.grid('diff2_gd', 3.0, config)[0]['noise_multipliers']
-  for algorithm, hyper in (('gd', {}), ('diff2_gd', {
-      'grad_clip': 1.0, 'diff_clip_factor': 3.0, 'restart_interval': 2,
-      'noise_multipliers': z})):
-    metrics = np.asarray(diff2_tabular.make_runner(algorithm, hyper, config)(
-        jnp.asarray([0.1, 0.05]), params, clients, tests, keys))
-    assert metrics.shape == (2, 2, 3, 3)
-    assert np.all(np.isfinite(metrics))
-    if algorithm == 'gd':  # noiseless descent lowers the train loss
-      assert np.all(metrics[:, :, -1, 0] < metrics[:, :, 0, 0])
+  config.num_rounds, config.eval_every, config.chunk_checks = 24, 4, 2
+  config.synthetic_examples, config.num_clients = 400, 3
+  config.tuning_seeds, config.eval_seeds = (0,), (1, 2)
+  config.grad_clips, config.diff_clip_factors = (1.0, 10.0), (1.0,)
+  config.restart_fractions = (0.25,)
+  config.learning_rates = (64.0, 0.25)
+  config.epsilons = (3.0,)
+  config.update(overrides)
+  return config
+
+
+def test_search_batches_resume_exactly_where_runs_stop():
+  """A lane's curve from the chunked, compacted search equals one straight
+  run with the same key: leaving the batch (the other lanes blow up at
+  rate 64) does not disturb the runs that stay."""
+  config = tiny_config(patience=1000)   # only a blow-up stops a run
+  data = diff2_tabular.seeded_data('synthetic', config, (0, 3))
+  points = diff2_tabular.grid_points('diff2_gd', config)
+  rates = (64.0, 0.25)
+  interval = diff2_tabular.interval_of('diff2_gd', points[0], config)
+  z = diff2_tabular.noise_multipliers('diff2_gd', interval, 3.0, config)
+  engine = diff2_tabular._engine('diff2_gd', interval, z, config, data)
+  lanes = [diff2_tabular.Lane(s, i, r) for s in (0, 1) for i in (0, 1)
+           for r in (0, 1)]
+  outcome = diff2_tabular._wave(engine, lanes, 'diff2_gd', points, rates,
+                                data, config)
+  verdicts = [v for v, _, _ in outcome]
+  assert verdicts.count('completed') == 4
+  assert all(v == 'nan' for v, _, _ in outcome[0::2])
+  for lane, (verdict, stop, curve) in zip(lanes, outcome):
+    if verdict != 'completed':
+      assert stop >= 0 and len(curve) == stop + 2
+      continue
+    key = jax.random.fold_in(jax.random.fold_in(data.keys[lane.seed],
+                                                lane.point), lane.rate)
+    c1, c2 = diff2_tabular._clips('diff2_gd', points[lane.point])
+    take = lambda tree: jax.tree_util.tree_map(
+        lambda a: a[lane.seed:lane.seed + 1], tree)
+    straight, _ = engine.full_run(
+        jnp.asarray([rates[lane.rate]]), jnp.asarray([c1]),
+        jnp.asarray([c2]), take(data.params), take(data.clients),
+        take(data.test), key[None], key[None])
+    np.testing.assert_allclose(curve, np.asarray(straight)[0], rtol=1e-5)
+
+
+def test_search_retries_smaller_rates_and_the_guard_skips_unstable_ones():
+  config = tiny_config(learning_rates=(64.0, 0.25, 0.0625), patience=1000)
+  data = diff2_tabular.seeded_data('synthetic', config, (0,))
+  results = diff2_tabular.search('diff2_gd', 3.0, data, config)
+  assert len(results) == 2
+  for result in results:
+    first = result.trail[0]
+    assert first[0] == 64.0 and first[1] == "nan"
+    assert result.learning_rate == 0.25 and result.trail[-1] == (
+        0.25, 'completed', -1)
+    assert result.curve.shape == (24 // 4 + 1, 3)
+  # With the guard, rates above Theorem 4.3's bound are never run.
+  config.step_size_guard = 'skip'
+  z = diff2_tabular.noise_multipliers('diff2_gd', 6, 3.0, config)
+  point = results[0].point
+  bound = diff2_tabular.stability('diff2_gd', point, 1.0, z, data,
+                                  config).step_size_bound
+  config.learning_rates = (2 * bound, bound / 2)
+  guarded = diff2_tabular.search('diff2_gd', 3.0, data, config)
+  for result in guarded:
+    assert result.trail[0] == (2 * bound, 'skipped', -1)
+    assert result.trail[1][0] == bound / 2
+
+
+def test_pick_takes_each_criterion_minimum_and_skips_failed_points():
+  curve = lambda train, grad: np.array([[train, grad, 0.0]])
+  results = [
+      diff2_tabular.SearchResult(0, {'grad_clip': 1.0}, 0.5, (),
+                                 curve(0.2, 0.01)),
+      diff2_tabular.SearchResult(0, {'grad_clip': 3.0}, 0.25, (),
+                                 curve(0.1, 0.05)),
+      diff2_tabular.SearchResult(0, {'grad_clip': 10.0}, None, (), None)]
+  assert diff2_tabular.pick(results, 'train_loss').point == {'grad_clip': 3.0}
+  assert diff2_tabular.pick(results, 'test_loss').learning_rate == 0.25
+  chosen = diff2_tabular.pick(results, 'grad_norm_sq')
+  assert chosen.point == {'grad_clip': 1.0} and chosen.tuning_minimum == 0.01
+
+
+def test_tiny_run_writes_flagged_picks_and_paired_tests(tmp_path):
+  config = tiny_config()
+  rows = diff2_tabular.run(config, str(tmp_path))
+  assert {r['algorithm'] for r in rows} == {'gd', 'dp_gd', 'diff2_gd'}
+  private = [r for r in rows if r['algorithm'] != 'gd']
+  for row in private:
+    # Both rates are edges of a two-rate grid: every pick is flagged.
+    edge = {64.0: 'learning_rate upper', 0.25: 'learning_rate lower'}
+    assert edge[row['learning_rate']] in row['grid_edge']
+    assert 0.0 <= row['p_min'] <= 1.0
+    assert np.isfinite(row['random_iterate_mean'])
+  searched = outputs.read_csv(str(tmp_path / 'search.csv'))
+  assert len(searched) == 1 + 2 + 2     # one seed: GD, 2 DP-GD, 2 DIFF2
+  assert all(r['trail'].startswith('64:') for r in searched)
+  for name in ('summary.md', 'curves.csv', 'synthetic_eps3.png',
+               'runs_synthetic_eps3.npz', 'run_record.json'):
+    assert (tmp_path / name).exists(), name
+
+
+def test_the_config_is_checked_before_any_work():
+  with pytest.raises(ValueError, match='both tuning and evaluation'):
+    diff2_tabular.validate(tiny_config(eval_seeds=(0, 1)))
+  with pytest.raises(ValueError, match='multiple of eval_every'):
+    diff2_tabular.validate(tiny_config(num_rounds=25))
+  with pytest.raises(ValueError, match='step_size_guard'):
+    diff2_tabular.validate(tiny_config(step_size_guard='warn'))
+  with pytest.raises(ValueError, match='at least 2'):
+    diff2_tabular.validate(tiny_config(eval_seeds=(1,)))
 
 
 def test_public_bounds_compute_nothing_from_the_data():
@@ -146,6 +238,7 @@ def test_the_run_record_lists_what_every_grid_point_spends():
   config = diff2_config.get_config()
   config.num_rounds, config.epsilons = 40, (3.0,)
   config.restart_fractions = (0.1, 0.25)
+  config.grad_clips, config.diff_clip_factors = (1.0, 3.0), (1.0, 3.0)
   entries = diff2_tabular.privacy_entries(config)
   names = [e['name'] for e in entries]
   assert names == ['dp_gd, epsilon 3, T = 1', 'diff2_gd, epsilon 3, T = 4',
