@@ -10,17 +10,22 @@ sizes, a 2-point grid, 2 + 2 seeds) to a smoke run of a minute or two.
 Problem: least squares with features uniform on the sphere of radius
 sqrt(p) (bounded, E[x x^T] = I), label noise 0.5, p = 20, constraint set
 the l2 ball of radius R = 1; the population minimizer w* has norm 0.5
-('inside') or 2 ('outside', constrained optimum w* / 2).
+('inside') or 2 ('outside', constrained optimum w* / 2); 'anisotropic' is
+'outside' with E[x x^T] of condition number 100 (same mean eigenvalue).
 
 Privacy: (epsilon, delta) = (1, n^-1.1) for every method, one pass in a
 fixed public order (`accounting.single_epoch(T)`), add-or-remove (zero-out)
 neighbours, PLD accounting.
 
 Grids: SGD-type methods sweep the learning rate, SRG-type methods the
-scaling beta (step 1 / beta), all of them the clip norm. The accelerated
-methods' beta grid is relative to `T^{3/2}` (the stochastic accelerated
-methods' beta grows like sigma T^{3/2} / R), so one relative grid serves
-every (n, B); a pilot at n = 10^4 put the best beta at 0.03-1 T^{3/2}.
+scaling beta (step 1 / beta), all of them the clip norm; an axis whose pick
+sits on its edge is extended (up to `grid_extensions` times) and a pick
+still on an edge is flagged. The accelerated methods' beta grid is relative
+to `T^{3/2}` (the stochastic accelerated methods' beta grows like
+sigma T^{3/2} / R), so one relative grid serves every (n, B).
+`unaccelerated_srg_4_3` fixes beta at the §4.3 sketch's `M sqrt(n) / B`
+and tunes only the clip; `srgd_preset` runs `srgd_preset('constrained')`
+with the papers' GDP calibration, untuned, at its own B = floor(sqrt(n)).
 """
 
 import ml_collections
@@ -37,19 +42,22 @@ def get_config() -> ml_collections.ConfigDict:
   config.radius = 1.0
   # Standard deviation of the label noise.
   config.noise_std = 0.5
-  # Cases: the optimum w* inside the ball and outside it.
-  config.cases = ('inside', 'outside')
+  # Cases: the optimum w* inside the ball, outside it, and outside it with anisotropic features.
+  config.cases = ('inside', 'outside', 'anisotropic')
   # ||w*|| of each case (same order as `cases`).
-  config.optimum_norms = (0.5, 2.0)
+  config.optimum_norms = (0.5, 2.0, 2.0)
+  # Condition number of E[x x^T] of each case (1: isotropic).
+  config.condition_numbers = (1.0, 1.0, 100.0)
   # Data set sizes n (one pass each).
   config.num_examples = (10_000, 100_000, 1_000_000)
-  # B = round(c * n^e) for (c, e) below: n^{1/4}, sqrt(n)/4, sqrt(n),
-  # 4 sqrt(n), n^{3/4}. The 'headline' batch is sqrt(n) (index 2) and the
-  # 'small' one n^{1/4} (index 0).
-  config.batch_rules = ((1.0, 0.25), (0.25, 0.5), (1.0, 0.5), (4.0, 0.5),
-                        (1.0, 0.75))
+  # B = round(c * n^e) for (c, e) below: n^{1/4}, sqrt(n), 4 sqrt(n). The
+  # 'headline' batch is sqrt(n) (index 1) and the 'small' one n^{1/4}
+  # (index 0).
+  config.batch_rules = ((1.0, 0.25), (1.0, 0.5), (4.0, 0.5))
+  # Larger n run only the headline batch size.
+  config.all_batch_sizes_up_to = 100_000
   # Index in batch_rules of the headline batch size.
-  config.headline_rule = 2
+  config.headline_rule = 1
   # Index in batch_rules of the small batch size.
   config.small_rule = 0
   # Privacy target of every run.
@@ -57,8 +65,8 @@ def get_config() -> ml_collections.ConfigDict:
   # delta = n^-delta_exponent.
   config.delta_exponent = 1.1
   # Methods compared (Algorithm 1, its ablations, DP-SGD, DP-FTRL).
-  config.methods = ('srgd', 'srgd_independent', 'unaccelerated_srg', 'dpsgd',
-                    'dpftrl')
+  config.methods = ('srgd', 'srgd_preset', 'unaccelerated_srg',
+                    'unaccelerated_srg_4_3', 'dpsgd', 'dpftrl')
   # Learning-rate grid of DP-SGD and DP-FTRL.
   config.learning_rates = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0)
   # beta grid of unaccelerated SRG.
@@ -66,7 +74,9 @@ def get_config() -> ml_collections.ConfigDict:
   # beta / T^1.5 grid of the two accelerated methods.
   config.accelerated_relative_betas = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
   # Clip grid (per-example gradient or difference).
-  config.clips = (1.0, 4.0)
+  config.clips = (1.0, 4.0, 16.0, 64.0)
+  # Times an axis whose pick is on its edge is extended past it.
+  config.grid_extensions = 3
   # Seeds hyperparameters are picked on (their mean excess risk); they are
   # reported on `eval_seeds`, fresh data and noise, so that the reported
   # numbers carry no selection bias.
@@ -84,12 +94,14 @@ def quick(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   config = config.copy_and_resolve_references()
   config.num_examples = (2_000, 20_000)
   config.batch_rules = ((1.0, 0.25), (1.0, 0.5))
+  config.all_batch_sizes_up_to = 2_000
   config.headline_rule = 1
   config.small_rule = 0
   config.learning_rates = (0.1, 0.3)
   config.srg_betas = (3.0, 10.0)
   config.accelerated_relative_betas = (0.1, 0.3)
   config.clips = (2.0,)
+  config.grid_extensions = 1
   config.tune_seeds = (0, 1)
   config.eval_seeds = (100, 101)
   return config

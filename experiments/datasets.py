@@ -503,13 +503,15 @@ def _softplus_excess(t: float) -> float:
 class ConvexProblem:
   """A synthetic convex problem with a planted, known population optimum.
 
-  The features are isotropic, `E[x x^T] = I_d` (`x ~ N(0, I_d)`, or `x`
-  uniform on the sphere of radius `sqrt(d)`, so `||x|| = sqrt(d)`), and the
-  model is `w` in R^d (no bias):
+  The features are `x = sqrt(Lambda) u` with `u ~ N(0, I_d)` or `u` uniform
+  on the sphere of radius `sqrt(d)` (bounded, `||u|| = sqrt(d)`), so
+  `E[x x^T] = Lambda = diag(covariance)`: the identity unless a condition
+  number is asked for (linear regression only). The model is `w` in R^d
+  (no bias):
 
   * `linear_regression`: `y = <w*, x> + noise_std * N(0, 1)`, loss
     `0.5 (<w, x> - y)^2`, population risk
-    `F(w) = 0.5 (||w - w*||^2 + noise_std^2)`, exactly;
+    `F(w) = 0.5 ((w - w*)^T Lambda (w - w*) + noise_std^2)`, exactly;
   * `logistic`: `y ~ Bernoulli(sigmoid(<w*, x>))` in {0, 1}, loss
     `log(1 + e^<w, x>) - y <w, x>` (Gaussian features only). By Stein's
     lemma `F(w) = E softplus(||w|| z) - <w, w*> E sigmoid'(||w*|| z)` and
@@ -530,6 +532,7 @@ class ConvexProblem:
     test: a second, independent sample in the same format.
     optimum: `w*`, float64 `[d]`, the unconstrained population minimizer.
     noise_std: the label noise of linear regression (0 for logistic).
+    covariance: the diagonal of `E[x x^T]`, float64 `[d]` (ones: isotropic).
   """
 
   kind: str
@@ -538,6 +541,13 @@ class ConvexProblem:
   test: Split
   optimum: np.ndarray
   noise_std: float
+  covariance: Optional[np.ndarray] = None
+
+  @property
+  def spectrum(self) -> np.ndarray:
+    """The diagonal of `E[x x^T]` (ones when `covariance` is None)."""
+    return (np.ones(self.dim) if self.covariance is None else
+            np.asarray(self.covariance, np.float64))
 
   @property
   def dim(self) -> int:
@@ -596,7 +606,8 @@ class ConvexProblem:
     """
     w = np.asarray(params, np.float64)
     if self.kind == 'linear_regression':
-      return 0.5 * (float(np.sum((w - self.optimum)**2)) + self.noise_std**2)
+      return 0.5 * (float(np.sum(self.spectrum * (w - self.optimum)**2)) +
+                    self.noise_std**2)
     # softplus = relu + log(1 + e^-|t|), and E relu(a z) = a / sqrt(2 pi).
     norm = float(np.linalg.norm(w))
     softplus_mean = norm / math.sqrt(2 * math.pi) + _gaussian_mean(
@@ -619,7 +630,7 @@ class ConvexProblem:
     """
     w = np.asarray(params, np.float64)
     if self.kind == 'linear_regression':
-      return w - self.optimum
+      return self.spectrum * (w - self.optimum)
     slope = lambda v: _gaussian_mean(_sigmoid_slope, float(np.linalg.norm(v)))
     return w * slope(w) - self.optimum * slope(self.optimum)
 
@@ -631,12 +642,16 @@ class ConvexProblem:
   def constrained_optimum(self, radius: float) -> np.ndarray:
     """The minimizer of the population risk over the ball `||w|| <= radius`.
 
-    It is `w*` if `||w*|| <= radius`, else `radius * w* / ||w*||`: the
-    features' law is rotation invariant, so `grad F` at a multiple of `w*`
-    is parallel to `w*`, and `F` along the ray of `w*` is convex with its
-    minimum at `w*`, so decreasing before it; that gradient therefore
-    points into the ball at `radius * w* / ||w*||` (the KKT condition of
-    this convex problem).
+    It is `w*` if `||w*|| <= radius`. Otherwise, with isotropic features,
+    `radius * w* / ||w*||`: the features' law is rotation invariant, so
+    `grad F` at a multiple of `w*` is parallel to `w*`, and `F` along the
+    ray of `w*` is convex with its minimum at `w*`, so decreasing before it;
+    that gradient therefore points into the ball at `radius * w* / ||w*||`
+    (the KKT condition of this convex problem). With a diagonal covariance
+    `Lambda` (linear regression) the KKT condition `Lambda (w - w*) + mu w
+    = 0`, `||w|| = radius`, gives `w = Lambda w* / (Lambda + mu)` with the
+    one `mu > 0` at which its norm is `radius` (the norm falls strictly in
+    `mu`; found by bisection to float64 precision).
 
     Example:
       >>> w_ball = problem.constrained_optimum(1.0)
@@ -656,13 +671,27 @@ class ConvexProblem:
     norm = float(np.linalg.norm(self.optimum))
     if norm <= radius:
       return self.optimum.copy()
-    return self.optimum * (radius / norm)
+    spectrum = self.spectrum
+    if np.all(spectrum == spectrum[0]):
+      return self.optimum * (radius / norm)
+    at = lambda mu: spectrum * self.optimum / (spectrum + mu)
+    low, high = 0.0, float(np.max(spectrum)) * norm / radius
+    for _ in range(200):   # ||at(high)|| <= radius: bisect down to ulps
+      middle = 0.5 * (low + high)
+      if middle in (low, high):
+        break
+      if np.linalg.norm(at(middle)) > radius:
+        low = middle
+      else:
+        high = middle
+    return at(high)
 
 
 def synthetic_convex(kind: str = 'linear_regression', num_train: int = 10000,
                      num_test: int = 10000, dim: int = 10,
                      optimum_norm: float = 1.0, noise_std: float = 0.5,
                      features: str = 'gaussian',
+                     condition_number: float = 1.0,
                      seed: int = 0) -> ConvexProblem:
   """Least squares or logistic regression with a planted model `w*`.
 
@@ -688,6 +717,11 @@ def synthetic_convex(kind: str = 'linear_regression', num_train: int = 10000,
       whose labels are random already).
     features: `'gaussian'` (`x ~ N(0, I_d)`) or `'sphere'` (uniform on the
       sphere of radius `sqrt(d)`, bounded features; linear regression only).
+    condition_number: kappa >= 1 of `E[x x^T]` (linear regression only):
+      its diagonal falls geometrically from its largest to its smallest
+      value, their ratio kappa, with mean 1 (so `E||x||^2 = d` as in the
+      isotropic case). With 'sphere' features every `||x||` is at most
+      `sqrt(d max(Lambda))`.
     seed: the seed of `w*` and of both samples.
 
   Returns:
@@ -704,6 +738,11 @@ def synthetic_convex(kind: str = 'linear_regression', num_train: int = 10000,
   if kind == 'logistic' and features != 'gaussian':
     raise ValueError("logistic needs features='gaussian': its population "
                      'risk is exact only for Gaussian features')
+  if not condition_number >= 1.0:
+    raise ValueError(f'condition_number must be >= 1, got {condition_number}')
+  if kind == 'logistic' and condition_number != 1.0:
+    raise ValueError('logistic needs condition_number=1: its population risk '
+                     'is exact only for isotropic Gaussian features')
   if dim < 1 or num_train < 1 or num_test < 0 or optimum_norm < 0:
     raise ValueError('need dim >= 1, num_train >= 1, num_test >= 0 and '
                      f'optimum_norm >= 0; got {dim}, {num_train}, {num_test}, '
@@ -711,11 +750,17 @@ def synthetic_convex(kind: str = 'linear_regression', num_train: int = 10000,
   rng = np.random.default_rng(seed)
   direction = rng.normal(size=dim)
   optimum = direction / np.linalg.norm(direction) * optimum_norm
+  covariance = None
+  if condition_number != 1.0:
+    decay = condition_number ** (-np.arange(dim) / max(dim - 1, 1))
+    covariance = decay / np.mean(decay)
 
   def sample(n: int) -> Split:
     x = rng.normal(size=(n, dim))
     if features == 'sphere':
       x *= math.sqrt(dim) / np.linalg.norm(x, axis=1, keepdims=True)
+    if covariance is not None:
+      x *= np.sqrt(covariance)
     margin = x @ optimum
     if kind == 'linear_regression':
       y = (margin + noise_std * rng.normal(size=n)).astype(np.float32)
@@ -726,7 +771,8 @@ def synthetic_convex(kind: str = 'linear_regression', num_train: int = 10000,
   train, test = sample(num_train), sample(num_test)
   return ConvexProblem(
       kind=kind, features=features, train=train, test=test, optimum=optimum,
-      noise_std=float(noise_std) if kind == 'linear_regression' else 0.0)
+      noise_std=float(noise_std) if kind == 'linear_regression' else 0.0,
+      covariance=covariance)
 
 
 # ------------------------------------------------------------------ Registry.

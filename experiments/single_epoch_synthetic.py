@@ -59,7 +59,6 @@ mean excess risk on the tuning seeds), `excess_vs_batch.png`,
 `excess_vs_n.png` and `run_record.json`.
 """
 
-import csv
 import dataclasses
 import functools
 import math
@@ -88,18 +87,31 @@ from dpsco_jax.algorithms import srg
 from experiments import cli
 from experiments import datasets
 from experiments import outputs
+from experiments import sweeps
 
 LABELS = {
     'srgd': 'Accelerated-DP-SRGD',
+    'srgd_preset': "Accelerated-DP-SRGD, srgd_preset('constrained')",
     'srgd_independent': 'Accelerated, independent gradients',
     'unaccelerated_srg': 'Unaccelerated DP-SRG',
+    'unaccelerated_srg_4_3': 'Unaccelerated DP-SRG, §4.3 step B/sqrt(n)',
     'dpsgd': 'DP-SGD (projected)',
     'dpftrl': 'DP-FTRL (tree, projected)',
 }
 # Which hyperparameter each method sweeps besides the clip norm.
-HYPER = {'srgd': 'beta', 'srgd_independent': 'beta',
-         'unaccelerated_srg': 'beta', 'dpsgd': 'lr', 'dpftrl': 'lr'}
-ACCELERATED = ('srgd', 'srgd_independent')
+HYPER = {'srgd': 'beta', 'srgd_preset': 'beta', 'srgd_independent': 'beta',
+         'unaccelerated_srg': 'beta', 'unaccelerated_srg_4_3': 'beta',
+         'dpsgd': 'lr', 'dpftrl': 'lr'}
+ACCELERATED = ('srgd', 'srgd_preset', 'srgd_independent')
+# Methods that run another's transformation with parameters set by a rule.
+BASE = {'srgd_preset': 'srgd', 'unaccelerated_srg_4_3': 'unaccelerated_srg'}
+
+
+def base(method: str) -> str:
+  """The transformation `method` runs (itself unless it is a parameter rule)."""
+  if method not in LABELS:
+    raise ValueError(f'unknown method {method!r}; choose from {sorted(LABELS)}')
+  return BASE.get(method, method)
 
 
 def mechanism(method: str, num_steps: int) -> noise.NoiseMechanism:
@@ -112,6 +124,7 @@ def mechanism(method: str, num_steps: int) -> noise.NoiseMechanism:
   Returns:
     The mechanism the transformation builds (and the accountant sees).
   """
+  method = base(method)
   if method in ('srgd', 'unaccelerated_srg'):
     return srg.srg_mechanism(num_steps)
   if method in ('srgd_independent', 'dpsgd'):
@@ -181,6 +194,7 @@ def transformation(method: str, loss: Callable[..., jax.Array], *,
   Returns:
     An `optax.GradientTransformationExtraArgs` (call with `batch=`).
   """
+  method = base(method)
   if HYPER[method] == 'beta':
     scale = 1.0 / hyper
     scaled_loss = lambda w, example: scale * loss(w, example)
@@ -284,6 +298,7 @@ def train_python_loop(method: str, loss: Callable[..., jax.Array],
   """
   common = dict(l2_clip=clip, noise_multiplier=multiplier,
                 num_steps=num_steps, key=key)
+  method = base(method)
   if method == 'srgd':
     tx = srg.accelerated_dp_srgd(loss, beta=hyper, radius=radius, **common)
   elif method == 'srgd_independent':
@@ -312,39 +327,54 @@ def train_python_loop(method: str, loss: Callable[..., jax.Array],
 
 @dataclasses.dataclass
 class Data:
-  """Per data seed: the features and each case's targets and optima.
+  """Per data seed: the features of each feature law and each case's targets.
+
+  Cases with the same condition number share their features (the same
+  seed draws the same features and label noise; only ||w*|| differs).
 
   Attributes:
-    x: float32 `[seeds, n, p]` (shared by the cases: the same seed draws the
-      same features and label noise, only ||w*|| differs).
+    x: float32 `[seeds, kinds, n, p]`, one slice per distinct condition
+      number.
     y: float32 `[seeds, cases, n]`.
+    kinds: per case, its index into `x`'s second axis.
     problems: `problems[s][c]`, the `ConvexProblem` (closed-form risk).
   """
 
   x: np.ndarray
   y: np.ndarray
+  kinds: List[int]
   problems: List[List[datasets.ConvexProblem]]
 
 
 def make_data(num_examples: int, seeds: Sequence[int],
               config: ml_collections.ConfigDict) -> Data:
-  """Draws one training sample per seed (both cases) with no test split."""
+  """Draws one training sample per seed (every case) with no test split."""
+  conditions = list(config.condition_numbers)
+  distinct = sorted(set(conditions), key=conditions.index)
+  kinds = [distinct.index(c) for c in conditions]
   xs, ys, problems = [], [], []
   for seed in seeds:
     per_case = [datasets.synthetic_convex(
         'linear_regression', num_train=num_examples, num_test=0,
         dim=config.dim, optimum_norm=norm, noise_std=config.noise_std,
-        features='sphere', seed=seed) for norm in config.optimum_norms]
-    for problem in per_case[1:]:
-      # Sharing x across cases saves memory; it relies on the generator
-      # drawing the features independently of ||w*||.
-      if not np.array_equal(problem.train['x'], per_case[0].train['x']):
-        raise AssertionError('cases with one seed must share the features')
-    xs.append(per_case[0].train['x'])
+        features='sphere', condition_number=condition, seed=seed)
+                for norm, condition in zip(config.optimum_norms, conditions)]
+    features = []
+    for kind in range(len(distinct)):
+      first = per_case[kinds.index(kind)].train['x']
+      for case, problem in enumerate(per_case):
+        # Sharing x saves memory; it relies on the generator drawing the
+        # features independently of ||w*||.
+        if kinds[case] == kind and not np.array_equal(problem.train['x'],
+                                                      first):
+          raise AssertionError('cases with one seed and one condition '
+                               'number must share the features')
+      features.append(first)
+    xs.append(np.stack(features))
     ys.append(np.stack([p.train['y'] for p in per_case]))
     problems.append([dataclasses.replace(p, train={}, test={})
                      for p in per_case])
-  return Data(x=np.stack(xs), y=np.stack(ys), problems=problems)
+  return Data(x=np.stack(xs), y=np.stack(ys), kinds=kinds, problems=problems)
 
 
 def excess_risk(problem: datasets.ConvexProblem, w: np.ndarray,
@@ -358,20 +388,20 @@ def excess_risk(problem: datasets.ConvexProblem, w: np.ndarray,
 
 def make_runner(method: str, batch_size: int, num_steps: int,
                 multiplier: float, radius: float, loss: Callable[..., Any]):
-  """Jitted `(x, y, slots, cases, hypers, clips, keys) -> outputs [runs, p]`.
+  """Jitted `(x, y, slots, cases, kinds, hypers, clips, keys) -> [runs, p]`.
 
-  Vmapped over a flat list of runs; run r trains on `x[slots[r]]`,
+  Vmapped over a flat list of runs; run r trains on `x[slots[r], kinds[r]]`,
   `y[slots[r], cases[r]]`. One compilation per (method, n, B) and run-list
   length.
   """
 
-  def one(x, y, slot, case, hyper, clip, key):
-    return train(method, loss, x[slot], y[slot, case],
+  def one(x, y, slot, case, kind, hyper, clip, key):
+    return train(method, loss, x[slot, kind], y[slot, case],
                  batch_size=batch_size, num_steps=num_steps,
                  multiplier=multiplier, hyper=hyper, clip=clip,
                  radius=radius, key=key)
 
-  return jax.jit(jax.vmap(one, in_axes=(None, None, 0, 0, 0, 0, 0)))
+  return jax.jit(jax.vmap(one, in_axes=(None, None, 0, 0, 0, 0, 0, 0)))
 
 
 def run_list(runner, data: Data, runs: List[Dict[str, Any]], chunk: int,
@@ -390,6 +420,8 @@ def run_list(runner, data: Data, runs: List[Dict[str, Any]], chunk: int,
         jnp.asarray([key_base + r['seed'] for r in part], jnp.uint32))
     out = runner(x, y, jnp.asarray([r['slot'] for r in part], jnp.int32),
                  jnp.asarray([r['case'] for r in part], jnp.int32),
+                 jnp.asarray([data.kinds[r['case']] for r in part],
+                             jnp.int32),
                  jnp.asarray([r['hyper'] for r in part], jnp.float32),
                  jnp.asarray([r['clip'] for r in part], jnp.float32),
                  keys)
@@ -404,13 +436,64 @@ def batch_sizes(num_examples: int, rules: Sequence[Tuple[float, float]]
 
 
 def hyper_grid(method: str, num_steps: int,
-               config: ml_collections.ConfigDict) -> List[float]:
-  """The swept learning rates or betas of `method` at T steps."""
+               config: ml_collections.ConfigDict, *, num_examples: int = 0,
+               batch_size: int = 1,
+               problem: Optional[datasets.ConvexProblem] = None
+               ) -> List[float]:
+  """The learning rates or betas `method` starts its search from at T steps.
+
+  `unaccelerated_srg_4_3` has one beta, the §4.3 sketch's
+  (`section_4_3_beta`, which needs `num_examples`, `batch_size` and
+  `problem`).
+  """
+  if method == 'unaccelerated_srg_4_3':
+    return [section_4_3_beta(num_examples, batch_size, problem)]
   if method in ACCELERATED:
     return [r * num_steps ** 1.5 for r in config.accelerated_relative_betas]
   if method == 'unaccelerated_srg':
     return list(config.srg_betas)
   return list(config.learning_rates)
+
+
+def section_4_3_beta(num_examples: int, batch_size: int,
+                     problem: datasets.ConvexProblem) -> float:
+  """Papers 000/001 §4.3's step `1/beta = B / (M sqrt(n))`.
+
+  The sketch takes L = R = M = 1 and `1/beta = B / sqrt(n)`; here M is the
+  population smoothness `max(E[x x^T])` (1 for the isotropic cases), so the
+  step is the sketch's in the problem's own scale.
+  """
+  smoothness = float(np.max(problem.spectrum))
+  return smoothness * math.sqrt(num_examples) / batch_size
+
+
+def preset_constants(problem: datasets.ConvexProblem,
+                     config: ml_collections.ConfigDict) -> Tuple[float, float]:
+  """The (L, M) given to `srgd_preset`: per-example bounds on the ball.
+
+  With `||x|| <= x_max = sqrt(d max(Lambda))` (sphere features) and
+  `|y| <= ||w*|| x_max + 3 sigma` (the label noise cut at 3 sigma: a 0.27%
+  tail, which the clip bounds like any other example, so privacy does not
+  rest on it), the gradient `(<w, x> - y) x` on `||w|| <= R` has norm at
+  most `L = x_max ((R + ||w*||) x_max + 3 sigma)`, and the Hessian `x x^T`
+  norm at most `M = x_max^2`.
+  """
+  x_max = math.sqrt(config.dim * float(np.max(problem.spectrum)))
+  lipschitz = x_max * ((config.radius + float(np.linalg.norm(
+      problem.optimum))) * x_max + 3.0 * config.noise_std)
+  return lipschitz, x_max ** 2
+
+
+def preset(num_examples: int, problem: datasets.ConvexProblem,
+           config: ml_collections.ConfigDict) -> srg.SrgdParameters:
+  """`srgd_preset('constrained')` (paper 000 Thm 5.12) with the papers'
+  GDP calibration (`method='gdp_paper'`) for one case."""
+  lipschitz, smoothness = preset_constants(problem, config)
+  return srg.srgd_preset(
+      'constrained', num_examples=num_examples, epsilon=config.epsilon,
+      delta=num_examples ** -config.delta_exponent, lipschitz=lipschitz,
+      smoothness=smoothness, radius=config.radius, dimension=config.dim,
+      method='gdp_paper')
 
 
 def t_interval(values: np.ndarray) -> Tuple[float, float]:
@@ -427,65 +510,92 @@ def t_interval(values: np.ndarray) -> Tuple[float, float]:
 def run_cell(method: str, num_examples: int, batch_size: int,
              tune: Data, evaluate: Data, config: ml_collections.ConfigDict,
              tuning_rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-  """Tunes and evaluates one (method, n, B) for both cases.
+  """Tunes and evaluates one (method, n, B) for every case.
+
+  Each case searches its own grid of (learning rate or beta) x clip on the
+  tuning seeds, extending an axis whose pick sits on its edge
+  (`sweeps.search_with_extension`, up to `config.grid_extensions` times);
+  the pick is run on the evaluation seeds. `srgd_preset` is not tuned: it
+  runs the preset's B, T, beta, clip and noise.
 
   Returns one result row per case; appends every grid point's tuning mean
   to `tuning_rows`.
   """
-  num_steps = num_examples // batch_size
   delta = num_examples ** -config.delta_exponent
-  multiplier = noise_multiplier(method, num_steps, config.epsilon, delta)
-  spent = epsilon_spent(method, num_steps, multiplier, delta)
+  cases = range(len(config.cases))
   loss = tune.problems[0][0].loss  # the same loss for every seed and case
+  hyper_name = HYPER[method]
+  start = time.perf_counter()
+  chosen = {}
+  if method == 'srgd_preset':
+    presets = [preset(num_examples, evaluate.problems[0][k], config)
+               for k in cases]
+    batch_size, num_steps = presets[0].batch_size, presets[0].num_steps
+    multiplier = presets[0].noise_multiplier  # depends on T, eps, delta only
+    for k in cases:
+      chosen[k] = ({hyper_name: presets[k].beta, 'clip': presets[k].l2_clip},
+                   '')
+  else:
+    num_steps = num_examples // batch_size
+    multiplier = noise_multiplier(method, num_steps, config.epsilon, delta)
+  spent = epsilon_spent(method, num_steps, multiplier, delta)
   runner = make_runner(method, batch_size, num_steps, multiplier,
                        config.radius, loss)
   chunk = max(1, config.examples_per_call // batch_size)
-  grid = [(h, c) for h in hyper_grid(method, num_steps, config)
-          for c in config.clips]
-  cases = range(len(config.cases))
-  start = time.perf_counter()
-  runs = [{'slot': s, 'case': k, 'hyper': h, 'clip': c, 'seed': seed,
-           'point': g}
-          for g, (h, c) in enumerate(grid) for k in cases
-          for s, seed in enumerate(config.tune_seeds)]
-  chunk = min(chunk, len(runs))
-  outputs = run_list(runner, tune, runs, chunk, key_base=10_000)
-  risks = np.array([excess_risk(tune.problems[r['slot']][r['case']], w,
-                                config.radius)
-                    for r, w in zip(runs, outputs)])
-  chosen = {}
-  for k in cases:
-    means = []
-    for g, (h, c) in enumerate(grid):
-      mask = [r['case'] == k and r['point'] == g for r in runs]
-      mean = float(np.mean(risks[mask]))
-      means.append(mean if np.isfinite(mean) else math.inf)
+  for k in cases if method != 'srgd_preset' else ():
+
+    def score_points(points, k=k):
+      runs = [{'slot': s, 'case': k, 'hyper': p[hyper_name],
+               'clip': p['clip'], 'seed': seed, 'point': i}
+              for i, p in enumerate(points)
+              for s, seed in enumerate(config.tune_seeds)]
+      out = run_list(runner, tune, runs, min(chunk, len(runs)),
+                     key_base=10_000)
+      risks = np.array([excess_risk(tune.problems[r['slot']][k], w,
+                                    config.radius)
+                        for r, w in zip(runs, out)])
+      means = []
+      for i in range(len(points)):
+        mean = float(np.mean(risks[[r['point'] == i for r in runs]]))
+        means.append(mean if np.isfinite(mean) else math.inf)
+      return means
+
+    grid = {hyper_name: hyper_grid(method, num_steps, config,
+                                   num_examples=num_examples,
+                                   batch_size=batch_size,
+                                   problem=tune.problems[0][k]),
+            'clip': list(config.clips)}
+    picked, searched, scores = sweeps.search_with_extension(
+        grid, score_points=score_points, extensions=config.grid_extensions)
+    for values, mean in scores.items():
+      point = dict(zip(searched, values))
       tuning_rows.append({'method': method, 'n': num_examples,
                           'batch_size': batch_size, 'case': config.cases[k],
-                          HYPER[method]: h, 'clip': c,
-                          'tune_mean_excess': mean})
-    best = int(np.argmin(means))
-    chosen[k] = (grid[best], _on_edge(grid, best))
-  eval_runs = [{'slot': s, 'case': k, 'hyper': chosen[k][0][0],
-                'clip': chosen[k][0][1], 'seed': seed}
+                          hyper_name: point[hyper_name],
+                          'clip': point['clip'], 'tune_mean_excess': mean})
+    chosen[k] = (picked, sweeps.edge_report(picked, searched))
+  eval_runs = [{'slot': s, 'case': k, 'hyper': chosen[k][0][hyper_name],
+                'clip': chosen[k][0]['clip'], 'seed': seed}
                for k in cases for s, seed in enumerate(config.eval_seeds)]
-  outputs = run_list(runner, evaluate, eval_runs, chunk, key_base=20_000)
+  outputs_eval = run_list(runner, evaluate, eval_runs,
+                          min(chunk, len(eval_runs)), key_base=20_000)
   risks_eval = np.array([
       excess_risk(evaluate.problems[r['slot']][r['case']], w, config.radius)
-      for r, w in zip(eval_runs, outputs)])
+      for r, w in zip(eval_runs, outputs_eval)])
   seconds = time.perf_counter() - start
   rows = []
   for k in cases:
     values = risks_eval[[r['case'] == k for r in eval_runs]]
     mean, half = t_interval(values)
-    (h, c), edge = chosen[k]
+    point, edge = chosen[k]
     rows.append({
         'method': method, 'label': LABELS[method], 'n': num_examples,
         'batch_size': batch_size, 'num_steps': num_steps,
         'case': config.cases[k], 'epsilon_target': config.epsilon,
         'delta': delta, 'noise_multiplier': multiplier,
-        'epsilon_spent': spent, 'hyper_name': HYPER[method],
-        'hyper': h, 'clip': c, 'chosen_on_grid_edge': edge,
+        'epsilon_spent': spent, 'hyper_name': hyper_name,
+        'hyper': point[hyper_name], 'clip': point['clip'],
+        'grid_edge': edge, 'chosen_on_grid_edge': bool(edge),
         'excess_mean': mean, 'excess_ci95': half,
         'excess_median': float(np.median(values)),
         'eval_seeds': len(values), 'seconds': seconds})
@@ -494,12 +604,6 @@ def run_cell(method: str, num_examples: int, batch_size: int,
                ', '.join(f"{r['case']} {r['excess_mean']:.3g}"
                          f"+-{r['excess_ci95']:.2g}" for r in rows), seconds)
   return rows
-
-
-def _on_edge(grid: List[Tuple[float, float]], best: int) -> bool:
-  """Whether the chosen learning rate / beta is the grid's extreme one."""
-  hypers = sorted({h for h, _ in grid})
-  return grid[best][0] in (hypers[0], hypers[-1])
 
 
 def fmt(mean: float, half: float) -> str:
@@ -519,7 +623,9 @@ def markdown(rows: List[Dict[str, Any]], config: ml_collections.ConfigDict
       f"n^-{config.delta_exponent:g}, one pass. Hyperparameters were "
       f"selected on {len(config.tune_seeds)} other seeds by the population "
       'risk: NOT a private selection (its privacy cost is not accounted). '
-      '`*`: the chosen lr / beta is at the edge of its grid.', '']
+      'Each grid axis (lr or beta, and clip) was extended past an edge pick '
+      f'up to {config.grid_extensions} times; `*`: a pick still on an edge '
+      '(`grid_edge` in results.csv says which).', '']
   for case in config.cases:
     lines += [f'### {case}', '',
               '| method | B | ' + ' | '.join(f'n = {n:,}' for n in ns) + ' |',
@@ -620,16 +726,6 @@ def plot(rows: List[Dict[str, Any]], config: ml_collections.ConfigDict,
   plt.close(figure)
 
 
-def write_csv(path: str, rows: List[Dict[str, Any]]) -> None:
-  if not rows:
-    return
-  columns = list(dict.fromkeys(k for row in rows for k in row))
-  with open(path, 'w', newline='') as f:
-    writer = csv.DictWriter(f, fieldnames=columns)
-    writer.writeheader()
-    writer.writerows(rows)
-
-
 def run(config: ml_collections.ConfigDict, output_dir: str,
         command: Optional[str] = None) -> List[Dict[str, Any]]:
   """The whole experiment; writes the outputs and returns the result rows.
@@ -653,13 +749,19 @@ def run(config: ml_collections.ConfigDict, output_dir: str,
   for n in config.num_examples:
     tune = make_data(n, config.tune_seeds, config)
     evaluate = make_data(n, config.eval_seeds, config)
-    for b in batch_sizes(n, config.batch_rules):
+    sizes = batch_sizes(n, config.batch_rules)
+    headline = sizes[config.headline_rule]
+    if n > config.all_batch_sizes_up_to:
+      sizes = [headline]
+    for b in sizes:
       for method in config.methods:
+        if method == 'srgd_preset' and b != headline:
+          continue   # the preset sets its own B <= sqrt(n)
         rows += run_cell(method, n, b, tune, evaluate, config, tuning_rows)
-        write_csv(os.path.join(output_dir, 'results.csv'), rows)
+        outputs.write_csv(os.path.join(output_dir, 'results.csv'), rows)
     del tune, evaluate
     # Complete outputs after every n, so a partial run is usable.
-    write_csv(os.path.join(output_dir, 'tuning.csv'), tuning_rows)
+    outputs.write_csv(os.path.join(output_dir, 'tuning.csv'), tuning_rows)
     with open(os.path.join(output_dir, 'results.md'), 'w') as f:
       f.write(markdown(rows, config))
     plot(rows, config, output_dir)

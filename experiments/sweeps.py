@@ -693,7 +693,8 @@ def extend_axis(axis: Sequence[float], edge: str) -> list[float]:
 
 def search_with_extension(
     grid: Mapping[str, Sequence[float]],
-    score: Callable[..., float], *, extensions: int
+    score: Optional[Callable[..., float]] = None, *, extensions: int,
+    score_points: Optional[Callable[[list], Sequence[float]]] = None,
 ) -> Tuple[dict, dict, dict]:
   """Minimizes `score(**point)` over a grid, extending axes past edge picks.
 
@@ -712,17 +713,32 @@ def search_with_extension(
     score: `score(**point) -> float` (lower is better; inf for a point
       that cannot run).
     extensions: the most times the grid is extended.
+    score_points: instead of `score`, `score_points([point, ...]) ->
+      scores` for all the new points of a round at once (runs vmapped
+      together).
 
   Returns:
     `(picked point, final grid, {values tuple: score})`.
+
+  Raises:
+    ValueError: unless exactly one of `score` and `score_points` is given.
   """
+  if (score is None) == (score_points is None):
+    raise ValueError('give exactly one of score and score_points')
+  if score_points is None:
+    score_points = lambda points: [score(**point) for point in points]
   grid = {axis: sorted(float(v) for v in values)
           for axis, values in grid.items()}
   scores: dict = {}
   for extension in range(extensions + 1):
-    for values in itertools.product(*grid.values()):
-      if values not in scores:
-        scores[values] = float(score(**dict(zip(grid, values))))
+    new = [values for values in itertools.product(*grid.values())
+           if values not in scores]
+    results = list(score_points([dict(zip(grid, v)) for v in new]))
+    if len(results) != len(new):
+      raise ValueError(f'score_points returned {len(results)} scores for '
+                       f'{len(new)} points')
+    for values, value in zip(new, results):
+      scores[values] = float(value)
     best = min(scores, key=scores.get)
     edges = {axis: grid_edge(grid[axis], value)
              for axis, value in zip(grid, best)}

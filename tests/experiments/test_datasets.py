@@ -440,6 +440,52 @@ def test_synthetic_sphere_features_are_bounded_and_isotropic():
   np.testing.assert_allclose(x.T @ x / len(x), np.eye(4), atol=0.03)
 
 
+@pytest.mark.parametrize('features', ['gaussian', 'sphere'])
+def test_anisotropic_regression_has_its_spectrum_and_exact_risk(features):
+  problem = datasets.synthetic_convex(num_train=200000, num_test=0, dim=5,
+                                      optimum_norm=2.0, features=features,
+                                      condition_number=100.0, seed=6)
+  spectrum = problem.spectrum
+  assert spectrum.max() / spectrum.min() == pytest.approx(100.0)
+  assert spectrum.mean() == pytest.approx(1.0)
+  x = problem.train['x'].astype(np.float64)
+  np.testing.assert_allclose(x.T @ x / len(x), np.diag(spectrum),
+                             atol=0.02 * spectrum.max())
+  if features == 'sphere':   # bounded: ||x||^2 <= d max(Lambda)
+    assert np.max(np.sum(x**2, 1)) <= 5 * spectrum.max() * (1 + 1e-6)
+  rng = np.random.default_rng(1)
+  per_example = jax.jit(jax.vmap(problem.loss, (None, 0)))
+  for w in (problem.optimum, problem.optimum + 0.7 * rng.normal(size=5),
+            np.zeros(5)):
+    losses = np.asarray(per_example(jnp.asarray(w, jnp.float32),
+                                    problem.train), np.float64)
+    mean, error = mean_and_error(losses)
+    assert abs(mean - problem.population_risk(w)) < error + 1e-6
+
+
+def test_anisotropic_constrained_optimum_meets_kkt_and_beats_the_ball():
+  problem = datasets.synthetic_convex(num_train=10, dim=4, optimum_norm=2.0,
+                                      condition_number=300.0, seed=7)
+  on_ball = problem.constrained_optimum(0.5)
+  assert np.linalg.norm(on_ball) == pytest.approx(0.5, rel=1e-12)
+  # Not the radial projection any more: the flat directions give way first.
+  assert not np.allclose(on_ball, problem.optimum / 4, atol=1e-3)
+  gradient = problem.population_gradient(on_ball)
+  multiplier = -(gradient @ on_ball) / (on_ball @ on_ball)
+  assert multiplier > 0
+  np.testing.assert_allclose(gradient + multiplier * on_ball, 0, atol=1e-12)
+  best = problem.population_risk(on_ball)
+  rng = np.random.default_rng(0)
+  points = rng.normal(size=(2000, 4))
+  points *= 0.5 * rng.random((2000, 1))**(1 / 4) / np.linalg.norm(
+      points, axis=1, keepdims=True)
+  assert all(problem.population_risk(w) >= best for w in points)
+  with pytest.raises(ValueError, match='condition_number'):
+    datasets.synthetic_convex(condition_number=0.5)
+  with pytest.raises(ValueError, match='isotropic'):
+    datasets.synthetic_convex('logistic', condition_number=10.0)
+
+
 def test_synthetic_is_seeded_and_validates():
   first = datasets.synthetic_convex('logistic', num_train=50, seed=5)
   again = datasets.synthetic_convex('logistic', num_train=50, seed=5)

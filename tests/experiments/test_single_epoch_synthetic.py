@@ -14,7 +14,8 @@ NUM_EXAMPLES, BATCH = 60, 6
 STEPS = NUM_EXAMPLES // BATCH
 EPSILON, DELTA = 1.0, 1e-5
 # A learning rate for the SGD-type methods, beta for the SRG-type ones.
-HYPER = {'srgd': 20.0, 'srgd_independent': 20.0, 'unaccelerated_srg': 5.0,
+HYPER = {'srgd': 20.0, 'srgd_preset': 20.0, 'srgd_independent': 20.0,
+         'unaccelerated_srg': 5.0, 'unaccelerated_srg_4_3': 5.0,
          'dpsgd': 0.1, 'dpftrl': 0.1}
 
 
@@ -33,12 +34,14 @@ def test_scan_runner_equals_python_loop_of_library_updates(method):
   multiplier = 2.0
   runner = experiment.make_runner(method, BATCH, STEPS, multiplier, 1.0,
                                   loss)
-  for case in (0, 1):  # inside (projection idle) and outside (active)
+  # Inside (projection idle), outside (active), anisotropic features.
+  for case in (0, 1, 2):
     runs = [{'slot': 0, 'case': case, 'hyper': HYPER[method], 'clip': 1.5,
              'seed': 7}]
     scanned = experiment.run_list(runner, data, runs, 1, key_base=100)[0]
     looped = experiment.train_python_loop(
-        method, loss, data.x[0], data.y[0, case], batch_size=BATCH,
+        method, loss, data.x[0, data.kinds[case]], data.y[0, case],
+        batch_size=BATCH,
         num_steps=STEPS, multiplier=multiplier, hyper=HYPER[method],
         clip=1.5, radius=1.0, key=jax.random.key(107))
     assert np.linalg.norm(looped) > 1e-3  # the run moved
@@ -96,25 +99,57 @@ def test_tiny_end_to_end_run_writes_the_table(tmp_path):
   config.batch_rules = ((1.0, 0.5),)
   config.headline_rule = 0
   config.small_rule = 0
-  config.methods = ('srgd', 'dpsgd')
-  config.learning_rates = (0.1,)
+  config.methods = ('srgd', 'srgd_preset', 'unaccelerated_srg_4_3', 'dpsgd')
+  config.learning_rates = (1e-6, 1e-5)   # far too small: the pick is extended
   config.accelerated_relative_betas = (0.3,)
   config.clips = (1.0,)
+  config.grid_extensions = 2
   config.tune_seeds = (0,)
   config.eval_seeds = (100, 101)
   rows = experiment.run(config, str(tmp_path))
-  assert len(rows) == 2 * 2  # methods x cases
+  assert len(rows) == 4 * 3  # methods x cases
   for name in ('results.csv', 'results.md', 'tuning.csv',
                'excess_vs_batch.png', 'excess_vs_n.png', 'run_record.json'):
     assert os.path.exists(tmp_path / name), name
   with open(tmp_path / 'results.csv') as f:
     table = list(csv.DictReader(f))
-  assert {r['method'] for r in table} == {'srgd', 'dpsgd'}
+  assert {r['method'] for r in table} == set(config.methods)
   for r in table:
     assert int(r['batch_size']) == 14 and int(r['num_steps']) == 14
     assert float(r['epsilon_spent']) <= 1.0
     assert np.isfinite(float(r['excess_mean']))
     assert float(r['excess_mean']) >= 0
+  problems = experiment.make_data(196, (100,), config).problems[0]
+  for r in rows:
+    k = config.cases.index(r['case'])
+    if r['method'] == 'dpsgd':
+      # 1e-5 was the upper edge: extended twice, the pick still on it.
+      assert r['hyper'] == pytest.approx(1e-3)
+      assert r['grid_edge'] == 'lr upper' and r['chosen_on_grid_edge']
+    if r['method'] == 'unaccelerated_srg_4_3':
+      assert r['hyper'] == pytest.approx(
+          np.max(problems[k].spectrum) * np.sqrt(196) / 14)
+      assert r['grid_edge'] == ''   # one beta, one clip: nothing searched
+    if r['method'] == 'srgd_preset':
+      expected = experiment.preset(196, problems[k], config)
+      assert (r['hyper'], r['clip'], r['noise_multiplier']) == (
+          expected.beta, expected.l2_clip, expected.noise_multiplier)
+  assert rows[-1]['case'] == 'anisotropic'
   text = (tmp_path / 'results.md').read_text()
   assert 'NOT a private selection' in text
   assert 'Accelerated-DP-SRGD' in text
+
+
+def test_preset_constants_bound_every_gradient_on_the_ball():
+  config = experiment_config.get_config()
+  config.dim = 5
+  data = experiment.make_data(20000, (0,), config)
+  for k, problem in enumerate(data.problems[0]):
+    lipschitz, smoothness = experiment.preset_constants(problem, config)
+    x = data.x[0, data.kinds[k]].astype(np.float64)
+    y = data.y[0, k].astype(np.float64)
+    assert np.max(np.sum(x ** 2, 1)) <= smoothness * (1 + 1e-6)
+    w = problem.constrained_optimum(config.radius)
+    norms = np.abs(x @ w - y) * np.linalg.norm(x, axis=1)
+    # Below L except for the label-noise tail beyond 3 sigma.
+    assert np.mean(norms > lipschitz) < 0.003

@@ -65,6 +65,24 @@ def test_a_pick_on_an_edge_extends_that_axis_until_interior():
   limited, limited_grid, _ = sweeps.search_with_extension(
       {'a': [1.0, 2.0, 4.0], 'b': [0.5, 1.0]}, score, extensions=0)
   assert sweeps.grid_edge(limited_grid['a'], limited['a']) == 'upper'
+  # Scoring each round's new points together picks the same, and is asked
+  # for no point twice.
+  rounds = []
+
+  def score_points(points):
+    rounds.append(points)
+    return [score(**point) for point in points]
+
+  batched = sweeps.search_with_extension(
+      {'a': [1.0, 2.0, 4.0], 'b': [0.5, 1.0]}, extensions=5,
+      score_points=score_points)
+  assert batched == (picked, grid, scores)
+  assert len(rounds) == 3 and len(rounds[0]) == 6
+  asked = [tuple(p.values()) for points in rounds for p in points]
+  assert len(asked) == len(set(asked)) == len(scores)
+  with pytest.raises(ValueError, match='exactly one'):
+    sweeps.search_with_extension({'a': [1.0]}, score, extensions=1,
+                                 score_points=score_points)
 
 
 def test_a_tiny_synthetic_study_writes_its_outputs(tmp_path):
