@@ -74,6 +74,7 @@ import jax.numpy as jnp
 import matplotlib
 matplotlib.use('Agg')
 from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
+from matplotlib import ticker  # pylint: disable=g-import-not-at-top
 import ml_collections
 import numpy as np
 import optax
@@ -633,13 +634,17 @@ def markdown(rows: List[Dict[str, Any]], config: ml_collections.ConfigDict
     for method in config.methods:
       for rule_name, rule in (('sqrt(n)', config.headline_rule),
                               ('n^(1/4)', config.small_rule)):
+        if method == 'srgd_preset' and rule != config.headline_rule:
+          continue   # the preset runs only its own B = floor(sqrt(n))
         cells, sizes = [], []
         for n in ns:
           b = batch_sizes(n, config.batch_rules)[rule]
-          match = [r for r in rows if r['n'] == n and r['batch_size'] == b
-                   and r['method'] == method and r['case'] == case]
+          match = [r for r in rows if r['n'] == n and r['method'] == method
+                   and r['case'] == case and (
+                       r['batch_size'] == b or method == 'srgd_preset')]
           if match:
             r = match[0]
+            b = r['batch_size']
             cells.append(fmt(r['excess_mean'], r['excess_ci95']) +
                          ('*' if r['chosen_on_grid_edge'] else ''))
             sizes.append(str(b))
@@ -662,41 +667,72 @@ def markdown(rows: List[Dict[str, Any]], config: ml_collections.ConfigDict
   return '\n'.join(lines) + '\n'
 
 
+def _log_error_bars(rows: List[Dict[str, Any]]) -> np.ndarray:
+  """Asymmetric `yerr` that stays above 0 on a log axis.
+
+  An interval reaching 0 cannot be drawn on a log axis: its lower bar is cut
+  at 5% of the mean (the figures say so); the upper bar is the interval's.
+  """
+  means = np.array([r['excess_mean'] for r in rows], np.float64)
+  halves = np.nan_to_num(np.array([r['excess_ci95'] for r in rows],
+                                  np.float64))
+  return np.stack([np.minimum(halves, 0.95 * means), halves])
+
+
+def _number(value: float) -> str:
+  return f'{value:,.0f}' if value < 1e5 else f'{value:.0e}'.replace('+0', '')
+
+
 def plot(rows: List[Dict[str, Any]], config: ml_collections.ConfigDict,
          output_dir: str) -> None:
-  """Excess risk vs B (per n and case) and vs n at B = sqrt(n)."""
+  """Excess risk vs B (per n and case) and vs n at B = sqrt(n) and n^(1/4).
+
+  One colour per method in both figures, ticks at the B and n values run,
+  one legend below the panels.
+  """
   ns = sorted({r['n'] for r in rows})
   cases = list(config.cases)
+  colors = {m: f'C{i}' for i, m in enumerate(config.methods)}
+  note = ('mean and 95% interval over the evaluation seeds; a lower bar '
+          'reaching 0 is cut at 5% of the mean')
   figure, axes = plt.subplots(len(cases), len(ns),
-                              figsize=(4.5 * len(ns), 3.6 * len(cases)),
+                              figsize=(4.2 * len(ns), 3.2 * len(cases) + 1.2),
                               squeeze=False)
   for i, case in enumerate(cases):
     for j, n in enumerate(ns):
       ax = axes[i][j]
+      used = sorted({r['batch_size'] for r in rows if r['n'] == n})
       for method in config.methods:
         sel = sorted((r for r in rows if r['n'] == n and r['case'] == case
                       and r['method'] == method),
                      key=lambda r: r['batch_size'])
-        if not sel:
-          continue
-        ax.errorbar([r['batch_size'] for r in sel],
-                    [r['excess_mean'] for r in sel],
-                    yerr=[np.nan_to_num(r['excess_ci95']) for r in sel],
-                    marker='o', capsize=2, label=LABELS[method])
+        if sel:
+          ax.errorbar([r['batch_size'] for r in sel],
+                      [r['excess_mean'] for r in sel],
+                      yerr=_log_error_bars(sel), marker='o', capsize=2,
+                      color=colors[method], label=LABELS[method])
       ax.axvline(math.sqrt(n), color='gray', linestyle=':', linewidth=1)
       ax.set_xscale('log')
       ax.set_yscale('log')
+      ax.set_xlim(min(used) / 1.6, max(used) * 1.6)
+      ax.xaxis.set_minor_formatter(ticker.NullFormatter())
+      ticks = [b for k, b in enumerate(used)
+               if k == 0 or b > 1.15 * used[k - 1]]   # no overlapping labels
+      ax.set_xticks(ticks, [str(b) for b in ticks])
       ax.set_xlabel('batch size B (T = n / B)')
       ax.set_ylabel('excess population risk')
-      ax.set_title(f'{case}, n = {n:,}')
-  axes[0][0].legend(fontsize=7)
+      ax.set_title(f'{case}, n = {n:,}', fontsize=10)
+      ax.grid(alpha=0.3)
+  handles, labels = axes[0][0].get_legend_handles_labels()
+  figure.legend(handles, labels, loc='lower center', ncol=3, fontsize=8)
   figure.suptitle(f'one pass, epsilon = {config.epsilon:g}, delta = '
-                  f'n^-{config.delta_exponent:g}; dotted: B = sqrt(n)')
-  figure.tight_layout()
+                  f'n^-{config.delta_exponent:g}; dotted: B = sqrt(n)\n'
+                  f'{note}', fontsize=9)
+  figure.tight_layout(rect=(0, 1.0 / (3.2 * len(cases) + 1.2), 1, 1))
   figure.savefig(os.path.join(output_dir, 'excess_vs_batch.png'), dpi=90)
   plt.close(figure)
 
-  figure, axes = plt.subplots(1, len(cases), figsize=(5.5 * len(cases), 4),
+  figure, axes = plt.subplots(1, len(cases), figsize=(5 * len(cases), 4.6),
                               squeeze=False)
   for i, case in enumerate(cases):
     ax = axes[0][i]
@@ -706,22 +742,31 @@ def plot(rows: List[Dict[str, Any]], config: ml_collections.ConfigDict,
         sel = []
         for n in ns:
           b = batch_sizes(n, config.batch_rules)[rule]
-          sel += [r for r in rows if r['n'] == n and r['batch_size'] == b and
-                  r['method'] == method and r['case'] == case]
+          sel += [r for r in rows if r['n'] == n and r['method'] == method
+                  and r['case'] == case and (
+                      r['batch_size'] == b or (method == 'srgd_preset' and
+                                               rule == config.headline_rule))]
         if not sel:
           continue
         name = 'sqrt(n)' if rule == config.headline_rule else 'n^(1/4)'
         ax.errorbar([r['n'] for r in sel], [r['excess_mean'] for r in sel],
-                    yerr=[np.nan_to_num(r['excess_ci95']) for r in sel],
-                    linestyle=style, marker='o', capsize=2,
+                    yerr=_log_error_bars(sel), linestyle=style, marker='o',
+                    capsize=2, color=colors[method],
                     label=f'{LABELS[method]}, B = {name}')
     ax.set_xscale('log')
     ax.set_yscale('log')
+    ax.set_xlim(min(ns) / 1.6, max(ns) * 1.6)
+    ax.xaxis.set_minor_formatter(ticker.NullFormatter())
+    ax.set_xticks(ns, [_number(n) for n in ns])
     ax.set_xlabel('n')
     ax.set_ylabel('excess population risk')
-    ax.set_title(case)
-  axes[0][0].legend(fontsize=6)
-  figure.tight_layout()
+    ax.set_title(case, fontsize=10)
+    ax.grid(alpha=0.3)
+  handles, labels = axes[0][0].get_legend_handles_labels()
+  figure.legend(handles, labels, loc='lower center', ncol=3, fontsize=8)
+  figure.suptitle('solid: B = sqrt(n), dashed: B = n^(1/4); ' + note,
+                  fontsize=9)
+  figure.tight_layout(rect=(0, 0.2, 1, 1))
   figure.savefig(os.path.join(output_dir, 'excess_vs_n.png'), dpi=90)
   plt.close(figure)
 
