@@ -317,9 +317,9 @@ def run(config: ml_collections.ConfigDict, output_dir: str) -> Dict[str, Any]:
              'std', 'n']
   table = sweeps.format_table(rows, columns)
   os.makedirs(output_dir, exist_ok=True)
-  sweeps.write_csv(os.path.join(output_dir, 'summary.csv'), rows)
-  sweeps.write_csv(os.path.join(output_dir, 'runs.csv'), runs)
-  sweeps.write_csv(os.path.join(output_dir, 'privacy_utility.csv'), pu_rows)
+  outputs.write_csv(os.path.join(output_dir, 'summary.csv'), rows)
+  outputs.write_csv(os.path.join(output_dir, 'runs.csv'), runs)
+  outputs.write_csv(os.path.join(output_dir, 'privacy_utility.csv'), pu_rows)
   heading = (f'# Digits sweep: {config.algorithm}, {len(seeds)} seeds, '
              f'(epsilon={config.epsilon:g}, delta={config.delta:g})\n\n'
              'Final test accuracy, mean over seeds with a 95% Student-t '

@@ -635,19 +635,6 @@ def format_table(rows: Sequence[Row], columns: Optional[Sequence[str]] = None,
   return '\n'.join(lines) + '\n'
 
 
-def write_csv(path: str, rows: Sequence[Row]) -> None:
-  """Writes summary rows (or any rows) to CSV, columns in first-seen order.
-
-  Example:
-    >>> write_csv('results/summary.csv', summarize(result, 'test_accuracy'))
-
-  Args:
-    path: the file; its folder is created if missing.
-    rows: dicts.
-  """
-  outputs.write_csv(path, rows)
-
-
 def per_run_rows(result: SweepResult, metrics: Sequence[str],
                  labels: Optional[Mapping[str, Any]] = None) -> List[Row]:
   """One row per (grid point, seed) with the given scalar metrics.

@@ -189,7 +189,7 @@ def test_summarize_best_and_table(toy_result, tmp_path):
                       'std | n |')
   assert len(lines) == 2 + 6
   path = str(tmp_path / 'summary.csv')
-  sweeps.write_csv(path, rows)
+  outputs.write_csv(path, rows)
   back = outputs.read_csv(path)
   assert [float(r['mean']) for r in back] == pytest.approx(
       [r['mean'] for r in rows])
