@@ -24,6 +24,7 @@ linear axes) to `--output_dir`.
 
 import dataclasses
 import os
+import sys
 import time
 from typing import Any, Callable, Sequence
 
@@ -36,6 +37,7 @@ from dpsco_jax import accounting
 from dpsco_jax import audit
 from dpsco_jax.algorithms import diff2_accounting
 from dpsco_jax.neighboring import NeighboringRelation
+from experiments import outputs
 
 FLAGS = flags.FLAGS
 
@@ -228,6 +230,18 @@ def main(argv: Sequence[str]) -> None:
   audit.plot_roc(bug_reports, os.path.join(FLAGS.output_dir,
                                            'roc_bugs_linear.png'),
                  title='Planted bugs, linear axes', log_scale=False)
+  outputs.write_json(
+      os.path.join(FLAGS.output_dir, 'run_record.json'),
+      outputs.run_record(
+          {'epsilon': FLAGS.epsilon, 'delta': FLAGS.delta,
+           'num_runs': FLAGS.num_runs, 'seed': FLAGS.seed},
+          privacy=[{'name': report.name, 'audit_method': report.method,
+                    'claimed_epsilon': report.claimed_epsilon,
+                    'epsilon_lower_bound': report.epsilon_lower_bound,
+                    'delta': report.delta} for report in details],
+          wall_seconds=time.time() - start,
+          extra={'experiment': 'experiments.audit_report',
+                 'command': ' '.join(sys.argv)}))
   print(table)
   print(f'wrote {FLAGS.output_dir} in {time.time() - start:.0f} s')
 

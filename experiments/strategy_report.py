@@ -18,12 +18,13 @@ Usage:
                                                            # k=6, b=100
   python -m experiments.strategy_report --settings=1x120   # one setting
 
-Writes `strategy_report.csv` and `strategy_report.md` to `--output_dir`.
+Writes `strategy_report.csv`, `strategy_report.md` and `run_record.json` to
+`--output_dir`.
 Strategies are cached on disk (`dpsco_jax.strategies.default_cache_dir`).
 """
 
-import csv
 import os
+import sys
 import time
 from typing import Sequence
 
@@ -34,6 +35,7 @@ from absl import logging
 from dpsco_jax import accounting
 from dpsco_jax import noise
 from dpsco_jax import strategies
+from experiments import outputs
 
 FLAGS = flags.FLAGS
 
@@ -148,23 +150,49 @@ def markdown(rows: list[dict]) -> str:
   return '\n'.join(lines)
 
 
+def run(settings: Sequence[str], bands: Sequence[int], momentum: float,
+        output_dir: str) -> list:
+  """Compares the strategies of every setting; writes the report files.
+
+  Example:
+    >>> rows = run(['1x120'], [2, 8], 0.9, 'results/strategy_report')
+
+  Args:
+    settings: 'EPOCHSxSTEPS' strings, e.g. '6x100'.
+    bands: band widths of the banded strategies.
+    momentum: momentum of the 'true' workload.
+    output_dir: where `strategy_report.csv`, `strategy_report.md` and
+      `run_record.json` go.
+
+  Returns:
+    The rows of the report.
+  """
+  start = time.perf_counter()
+  rows = []
+  for setting in settings:
+    rows.extend(compare(*_parse_setting(setting), list(bands), momentum))
+  outputs.write_csv(os.path.join(output_dir, 'strategy_report.csv'), rows,
+                    columns=HEADER)
+  with open(os.path.join(output_dir, 'strategy_report.md'), 'w') as f:
+    f.write(markdown(rows) + '\n')
+  # No data and no privacy spent: the record keeps the settings and versions.
+  outputs.write_json(
+      os.path.join(output_dir, 'run_record.json'),
+      outputs.run_record(
+          {'settings': list(settings), 'bands': list(bands),
+           'momentum': momentum},
+          wall_seconds=time.perf_counter() - start,
+          extra={'experiment': 'experiments.strategy_report',
+                 'command': ' '.join(sys.argv)}))
+  return rows
+
+
 def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  bands = [int(b) for b in FLAGS.bands]
-  rows = []
-  for setting in FLAGS.settings:
-    rows.extend(compare(*_parse_setting(setting), bands, FLAGS.momentum))
-  os.makedirs(FLAGS.output_dir, exist_ok=True)
-  with open(os.path.join(FLAGS.output_dir, 'strategy_report.csv'), 'w',
-            newline='') as handle:
-    writer = csv.DictWriter(handle, fieldnames=HEADER)
-    writer.writeheader()
-    writer.writerows(rows)
-  table = markdown(rows)
-  with open(os.path.join(FLAGS.output_dir, 'strategy_report.md'), 'w') as f:
-    f.write(table + '\n')
-  print(table)
+  rows = run(FLAGS.settings, [int(b) for b in FLAGS.bands], FLAGS.momentum,
+             FLAGS.output_dir)
+  print(markdown(rows))
 
 
 if __name__ == '__main__':

@@ -1,5 +1,7 @@
 """The strategy comparison report on small settings."""
 
+import json
+
 import pytest
 
 from experiments import strategy_report
@@ -22,3 +24,13 @@ def test_optimized_strategy_wins_on_its_own_workload(num_epochs,
     assert errors['identity (DP-SGD)']['vs_identity'] == 1.0
   table = strategy_report.markdown(rows)
   assert table.count('\n') == len(rows) + 1
+
+
+def test_run_writes_the_report_and_its_record(tmp_path):
+  rows = strategy_report.run(['1x12'], [2], 0.9, str(tmp_path))
+  assert rows and (tmp_path / 'strategy_report.md').exists()
+  header = (tmp_path / 'strategy_report.csv').read_text().split('\n')[0]
+  assert header.split(',') == list(strategy_report.HEADER)
+  record = json.loads((tmp_path / 'run_record.json').read_text())
+  assert record['config']['settings'] == ['1x12']
+  assert record['privacy'] == [] and record['packages']['jax']
