@@ -58,6 +58,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from absl import app
@@ -695,8 +696,16 @@ def plot_cell(path: str, name: str, epsilon: float, curves, summary, config
       if (algorithm, metric) not in curves:
         continue
       values = curves[(algorithm, metric)]
-      lower, median, upper = np.quantile(values, [0.25, 0.5, 0.75], axis=0)
-      (line,) = axes[k].plot(rounds, median, label=algorithm)
+      # Seeds whose run blew up leave the quantiles from where they did.
+      finite = np.where(np.isfinite(values), values, np.nan)
+      diverged = int(np.sum(~np.all(np.isfinite(values), axis=1)))
+      with warnings.catch_warnings():
+        warnings.simplefilter('ignore', RuntimeWarning)   # all-NaN rounds
+        lower, median, upper = np.nanquantile(finite, [0.25, 0.5, 0.75],
+                                              axis=0)
+      label = algorithm + (f' ({diverged}/{len(values)} runs blew up)'
+                           if diverged else '')
+      (line,) = axes[k].plot(rounds, median, label=label)
       axes[k].fill_between(rounds, lower, upper, alpha=0.2, linewidth=0,
                            color=line.get_color())
     p = [r.get('p_min') for r in summary
@@ -714,6 +723,39 @@ def plot_cell(path: str, name: str, epsilon: float, curves, summary, config
   figure.tight_layout()
   figure.savefig(path, dpi=90)
   plt.close(figure)
+
+
+def replot(output_dir: str, config) -> List[str]:
+  """Redraws every figure of a finished run from its saved files.
+
+  Example:
+    >>> replot('results/diff2_tabular', config)   # after changing the plot
+
+  Args:
+    output_dir: a run's output folder (its `runs_*.npz` and `summary.csv`).
+    config: the run's config (its delta, clients, rounds, seeds).
+
+  Returns:
+    The figures written.
+  """
+  summary = outputs.read_csv(os.path.join(output_dir, 'summary.csv'))
+  for row in summary:
+    row['epsilon'] = float(row['epsilon'])
+    row['p_min'] = float(row['p_min']) if row.get('p_min') else None
+  written = []
+  for name in sorted(os.listdir(output_dir)):
+    if not (name.startswith('runs_') and name.endswith('.npz')):
+      continue
+    dataset, eps = name[len('runs_'):-len('.npz')].rsplit('_eps', 1)
+    with np.load(os.path.join(output_dir, name)) as saved:
+      curves = {tuple(key.split('/')): saved[key] for key in saved.files
+                if key.count('/') == 1}
+    cell = [r for r in summary
+            if r['dataset'] == dataset and r['epsilon'] == float(eps)]
+    path = os.path.join(output_dir, f'{dataset}_eps{eps}.png')
+    plot_cell(path, dataset, float(eps), curves, cell, config)
+    written.append(path)
+  return written
 
 
 def markdown_table(rows: List[Dict[str, Any]]) -> str:

@@ -190,6 +190,10 @@ def test_tiny_run_writes_flagged_picks_and_paired_tests(tmp_path):
   for name in ('summary.md', 'curves.csv', 'synthetic_eps3.png',
                'runs_synthetic_eps3.npz', 'run_record.json'):
     assert (tmp_path / name).exists(), name
+  figure = tmp_path / 'synthetic_eps3.png'
+  figure.unlink()
+  assert diff2_tabular.replot(str(tmp_path), config) == [str(figure)]
+  assert figure.stat().st_size > 10_000
 
 
 def test_the_config_is_checked_before_any_work():
