@@ -76,7 +76,7 @@ def get_config() -> ml_collections.ConfigDict:
   # Clip grid (per-example gradient or difference).
   config.clips = (1.0, 4.0, 16.0, 64.0)
   # Times an axis whose pick is on its edge is extended past it.
-  config.grid_extensions = 3
+  config.grid_extensions = 6
   # Seeds hyperparameters are picked on (their mean excess risk); they are
   # reported on `eval_seeds`, fresh data and noise, so that the reported
   # numbers carry no selection bias.

@@ -679,8 +679,6 @@ def _log_error_bars(rows: List[Dict[str, Any]]) -> np.ndarray:
   return np.stack([np.minimum(halves, 0.95 * means), halves])
 
 
-def _number(value: float) -> str:
-  return f'{value:,.0f}' if value < 1e5 else f'{value:.0e}'.replace('+0', '')
 
 
 def plot(rows: List[Dict[str, Any]], config: ml_collections.ConfigDict,
@@ -757,7 +755,7 @@ def plot(rows: List[Dict[str, Any]], config: ml_collections.ConfigDict,
     ax.set_yscale('log')
     ax.set_xlim(min(ns) / 1.6, max(ns) * 1.6)
     ax.xaxis.set_minor_formatter(ticker.NullFormatter())
-    ax.set_xticks(ns, [_number(n) for n in ns])
+    ax.set_xticks(ns, [f'{n:,}' for n in ns])
     ax.set_xlabel('n')
     ax.set_ylabel('excess population risk')
     ax.set_title(case, fontsize=10)
@@ -769,6 +767,32 @@ def plot(rows: List[Dict[str, Any]], config: ml_collections.ConfigDict,
   figure.tight_layout(rect=(0, 0.2, 1, 1))
   figure.savefig(os.path.join(output_dir, 'excess_vs_n.png'), dpi=90)
   plt.close(figure)
+
+
+def replot(output_dir: str, config: ml_collections.ConfigDict) -> None:
+  """Redraws the figures and `results.md` of a finished run from its
+  `results.csv` (e.g. after a change to the plots).
+
+  Example:
+    >>> replot('results/single_epoch_synthetic', config)
+
+  Args:
+    output_dir: the run's output folder.
+    config: the run's config.
+  """
+  if config.quick:
+    config = default_config.quick(config)
+  rows = outputs.read_csv(os.path.join(output_dir, 'results.csv'))
+  for row in rows:
+    for key in ('n', 'batch_size', 'num_steps', 'eval_seeds'):
+      row[key] = int(row[key])
+    for key in ('excess_mean', 'excess_ci95', 'excess_median', 'hyper',
+                'clip', 'noise_multiplier', 'epsilon_spent', 'delta'):
+      row[key] = float(row[key])
+    row['chosen_on_grid_edge'] = row['chosen_on_grid_edge'] == 'True'
+  with open(os.path.join(output_dir, 'results.md'), 'w') as f:
+    f.write(markdown(rows, config))
+  plot(rows, config, output_dir)
 
 
 def run(config: ml_collections.ConfigDict, output_dir: str,

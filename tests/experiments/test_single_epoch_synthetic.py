@@ -138,6 +138,12 @@ def test_tiny_end_to_end_run_writes_the_table(tmp_path):
   text = (tmp_path / 'results.md').read_text()
   assert 'NOT a private selection' in text
   assert 'Accelerated-DP-SRGD' in text
+  # The figures and table redrawn from results.csv are the run's.
+  (tmp_path / 'results.md').unlink()
+  (tmp_path / 'excess_vs_n.png').unlink()
+  experiment.replot(str(tmp_path), config)
+  assert (tmp_path / 'results.md').read_text() == text
+  assert (tmp_path / 'excess_vs_n.png').exists()
 
 
 def test_preset_constants_bound_every_gradient_on_the_ball():
