@@ -840,7 +840,7 @@ def run(config: ml_collections.ConfigDict, output_dir: str) -> List[Dict[str, An
   validate(config)
   os.makedirs(output_dir, exist_ok=True)
   start = time.perf_counter()
-  searched, summary, curve_rows = [], [], []
+  searched, summary, curve_rows, done = [], [], [], []
   rounds = np.arange(0, config.num_rounds + 1, config.eval_every)
   for name in config.datasets:
     tuning = seeded_data(name, config, config.tuning_seeds)
@@ -873,14 +873,24 @@ def run(config: ml_collections.ConfigDict, output_dir: str) -> List[Dict[str, An
       outputs.write_csv(os.path.join(output_dir, 'curves.csv'), curve_rows)
       with open(os.path.join(output_dir, 'summary.md'), 'w') as f:
         f.write(markdown_table(summary))
+      done.append(f'{name} eps {epsilon:g}')
+      write_record(config, output_dir, time.perf_counter() - start, done)
+  logging.info('total wall time %.1f s', time.perf_counter() - start)
+  return summary
+
+
+def write_record(config, output_dir: str, wall_seconds: float,
+                 cells_done: Sequence[str]) -> None:
+  """`run_record.json`: the config, what every grid point spends, versions,
+  and the (data set, epsilon) cells finished so far (a run stopped early
+  says which it finished)."""
   outputs.write_json(
       os.path.join(output_dir, 'run_record.json'),
       outputs.run_record(config, privacy=privacy_entries(config),
-                         wall_seconds=time.perf_counter() - start,
+                         wall_seconds=wall_seconds,
                          extra={'experiment': 'experiments.diff2_tabular',
-                                'command': ' '.join(sys.argv)}))
-  logging.info('total wall time %.1f s', time.perf_counter() - start)
-  return summary
+                                'command': ' '.join(sys.argv),
+                                'cells_done': list(cells_done)}))
 
 
 def main(argv: Sequence[str]) -> None:

@@ -1,5 +1,6 @@
 """The DIFF2 tabular experiment: loaders, preprocessing, clients, one tiny run."""
 
+import json
 import os
 
 import jax
@@ -190,6 +191,8 @@ def test_tiny_run_writes_flagged_picks_and_paired_tests(tmp_path):
   for name in ('summary.md', 'curves.csv', 'synthetic_eps3.png',
                'runs_synthetic_eps3.npz', 'run_record.json'):
     assert (tmp_path / name).exists(), name
+  record = json.loads((tmp_path / 'run_record.json').read_text())
+  assert record['cells_done'] == ['synthetic eps 3']
   figure = tmp_path / 'synthetic_eps3.png'
   figure.unlink()
   assert diff2_tabular.replot(str(tmp_path), config) == [str(figure)]
