@@ -135,6 +135,7 @@ def num_params(dim: int, hidden: int) -> int:
 
 
 def load(name: str, config: ml_collections.ConfigDict):
+  """`(x, y)` of a data set: 'california', 'gas_turbine' or 'synthetic'."""
   if name == 'california':
     return tabular_data.load_california_housing(config.california_path)
   if name == 'gas_turbine':
@@ -189,6 +190,7 @@ def seeded_data(name: str, config: ml_collections.ConfigDict,
 
 
 def restart_interval(fraction: float, num_rounds: int) -> int:
+  """T = max(1, round(fraction R)): the paper's T/R grid as intervals."""
   return max(1, round(fraction * num_rounds))
 
 
@@ -212,6 +214,7 @@ def grid_points(algorithm: str, config) -> List[Dict[str, float]]:
 
 
 def interval_of(algorithm: str, point: Dict[str, float], config) -> int:
+  """The restart interval T of a grid point (1 for DP-GD and GD)."""
   if algorithm == 'diff2_gd':
     return restart_interval(point['restart_fraction'], config.num_rounds)
   return 1
@@ -438,10 +441,27 @@ class SearchResult(NamedTuple):
 
 def search(algorithm: str, epsilon: Optional[float], data: SeedData,
            config) -> List[SearchResult]:
-  """Paper 003's search (App. A) of every grid point on every seed of
-  `data`: the learning rates from the largest down, the first to complete
-  kept. Points are grouped by T (each T has its own noise and compiles
-  once); within a group all points and seeds run as one batch per rate."""
+  """Paper 003's search (App. A) of every grid point on every seed of `data`.
+
+  The learning rates are tried from the largest down and the first to
+  complete is kept. Points are grouped by T (each T has its own noise and
+  compiles once); within a group all points and seeds run as one batch per
+  rate.
+
+  Example:
+    >>> data = seeded_data('california', config, config.tuning_seeds)
+    >>> results = search('diff2_gd', 3.0, data, config)
+    >>> pick(results, 'train_loss')      # the point and rate picked
+
+  Args:
+    algorithm: 'gd', 'dp_gd' or 'diff2_gd'.
+    epsilon: the privacy target (None for 'gd').
+    data: the seeds to search on.
+    config: the experiment's config.
+
+  Returns:
+    One `SearchResult` per (seed, grid point).
+  """
   points = grid_points(algorithm, config)
   rates = sorted((float(r) for r in config.learning_rates), reverse=True)
   groups: Dict[int, List[int]] = {}
@@ -836,7 +856,14 @@ def validate(config) -> None:
 
 
 def run(config: ml_collections.ConfigDict, output_dir: str) -> List[Dict[str, Any]]:
-  """The whole experiment; writes its files and returns the summary rows."""
+  """The whole experiment; writes its files and returns the summary rows.
+
+  Example:
+    >>> rows = run(configs.diff2_tabular.get_config(), 'results/diff2')
+
+  Raises:
+    ValueError: for a config the protocol cannot run (`validate`).
+  """
   validate(config)
   os.makedirs(output_dir, exist_ok=True)
   start = time.perf_counter()

@@ -463,6 +463,9 @@ def section_4_3_beta(num_examples: int, batch_size: int,
   The sketch takes L = R = M = 1 and `1/beta = B / sqrt(n)`; here M is the
   population smoothness `max(E[x x^T])` (1 for the isotropic cases), so the
   step is the sketch's in the problem's own scale.
+
+  Example:
+    >>> section_4_3_beta(10**4, 100, problem)   # 1.0 for isotropic features
   """
   smoothness = float(np.max(problem.spectrum))
   return smoothness * math.sqrt(num_examples) / batch_size
@@ -478,6 +481,9 @@ def preset_constants(problem: datasets.ConvexProblem,
   rest on it), the gradient `(<w, x> - y) x` on `||w|| <= R` has norm at
   most `L = x_max ((R + ||w*||) x_max + 3 sigma)`, and the Hessian `x x^T`
   norm at most `M = x_max^2`.
+
+  Example:
+    >>> lipschitz, smoothness = preset_constants(problem, config)
   """
   x_max = math.sqrt(config.dim * float(np.max(problem.spectrum)))
   lipschitz = x_max * ((config.radius + float(np.linalg.norm(
@@ -488,7 +494,11 @@ def preset_constants(problem: datasets.ConvexProblem,
 def preset(num_examples: int, problem: datasets.ConvexProblem,
            config: ml_collections.ConfigDict) -> srg.SrgdParameters:
   """`srgd_preset('constrained')` (paper 000 Thm 5.12) with the papers'
-  GDP calibration (`method='gdp_paper'`) for one case."""
+  GDP calibration (`method='gdp_paper'`) for one case.
+
+  Example:
+    >>> preset(10**5, problem, config).beta   # with preset_constants' L, M
+  """
   lipschitz, smoothness = preset_constants(problem, config)
   return srg.srgd_preset(
       'constrained', num_examples=num_examples, epsilon=config.epsilon,

@@ -694,6 +694,8 @@ def search_with_extension(
     >>> picked, grid, scores = search_with_extension(
     ...     {'learning_rate': [0.1, 1.0]}, lambda learning_rate: ...,
     ...     extensions=2)
+    >>> search_with_extension(grid, extensions=2,      # one vmapped call
+    ...                       score_points=lambda points: run_all(points))
 
   Args:
     grid: axis name -> values (positive: extensions are geometric).
