@@ -99,6 +99,7 @@ from dpsco_jax.algorithms import diff2_accounting
 from dpsco_jax.algorithms.user_level import user_level_dpsgd
 from dpsco_jax.algorithms.user_level import user_level_dpsgd_mechanism
 from dpsco_jax.algorithms.diff2 import bvr_keys
+from dpsco_jax.algorithms.diff2 import bvr_output_draws
 from dpsco_jax.algorithms.diff2 import Diff2BvrState
 from dpsco_jax.algorithms.diff2 import diff2_bvr_local_sgd
 from dpsco_jax.algorithms.diff2 import diff2_estimator
@@ -182,6 +183,7 @@ __all__ = (
     'user_level_dpsgd',
     'user_level_dpsgd_mechanism',
     'bvr_keys',
+    'bvr_output_draws',
     'Diff2BvrState',
     'diff2_bvr_local_sgd',
     'diff2_estimator',

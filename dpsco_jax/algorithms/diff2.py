@@ -141,11 +141,15 @@ class Diff2BvrState(NamedTuple):
     local_noise: the noise state of the local steps. SECRET.
     sampling_key: key of the local minibatch sampling. SECRET: amplification
       by subsampling holds only while the minibatches stay hidden.
+    output: with `output='random_iterate'`, Algorithm 1's output kept so
+      far (`x_{k_hat - 1}` of round `t_hat`, read with `selected_iterate`);
+      None otherwise.
   """
 
   server: Diff2State
   local_noise: noise_lib.NoiseState
   sampling_key: jax.Array
+  output: Optional['RandomIterateState'] = None
 
 
 def paper_sigma(noise_multiplier: float, min_client_size: int,
@@ -377,11 +381,15 @@ def output_selector(output: str, num_rounds: int,
   Raises:
     ValueError: for another `output`.
   """
+  return (() if _validate_output(output) == 'last' else
+          (random_output_iterate(num_rounds, key),))
+
+
+def _validate_output(output: str) -> str:
   if output not in ('last', 'random_iterate'):
     raise ValueError(
         f"output must be 'last' or 'random_iterate', got {output!r}")
-  return (() if output == 'last' else
-          (random_output_iterate(num_rounds, key),))
+  return output
 
 
 def selected_iterate(state: Any) -> PyTree:
@@ -789,6 +797,33 @@ def bvr_keys(key: estimators.KeyLike) -> tuple[jax.Array, jax.Array,
   return server, local, sampling
 
 
+def bvr_output_draws(output_key: estimators.KeyLike, num_rounds: int,
+                     local_steps: int) -> tuple[jax.Array, jax.Array]:
+  """`(t_hat, k_hat)` of DIFF2-BVR-L-SGD's output, both from `output_key`.
+
+  `t_hat` is uniform on `[0, R)` (the round) and `k_hat` uniform on
+  `{1, ..., K}` (the local iterate `x_{k_hat - 1}` of that round); neither
+  depends on the data.
+
+  Example:
+    >>> t_hat, k_hat = bvr_output_draws(7, num_rounds=500, local_steps=5)
+
+  Args:
+    output_key: PRNG key or int seed.
+    num_rounds: R.
+    local_steps: K.
+
+  Returns:
+    Two int32 scalars.
+  """
+  round_key, step_key = jax.random.split(keys.as_key(output_key))
+  return (jax.random.randint(round_key, (), 0,
+                             checks.positive_int(num_rounds, 'num_rounds'),
+                             jnp.int32),
+          jax.random.randint(step_key, (), 1, checks.positive_int(
+              local_steps, 'local_steps') + 1, jnp.int32))
+
+
 def diff2_bvr_local_sgd(
     loss_fn: LossFn,
     *,
@@ -807,6 +842,8 @@ def diff2_bvr_local_sgd(
     microbatch_size: Optional[int] = None,
     clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
+    output: str = 'last',
+    output_key: estimators.KeyLike = None,
 ) -> optax.GradientTransformationExtraArgs:
   """DIFF2-BVR-L-SGD (paper 003, Alg. 1 with the BVR-L-SGD routine, Alg. 4).
 
@@ -824,8 +861,14 @@ def diff2_bvr_local_sgd(
   and only the active client's result is kept (a select, then a cross-client
   sum), so the computation has no data-dependent control flow.
 
-  Not implemented: the randomly chosen output iterate `x_{k^-1}` (the
-  paper's utility device; plot the iterates instead).
+  `output='random_iterate'` also keeps the output the paper's utility bound
+  (Theorem 5.3) is about: `t_hat` uniform on `[0, R)` drawn at init, and in
+  round `t_hat` the local iterate `x_{k_hat - 1}` with `k_hat` uniform on
+  `{1, ..., K}` (`x_0 = x_t`; the paper's Algorithm 4 line 12, the iterate
+  its analysis averages over, where line 13 prints `x_{k_hat}`; notes
+  §2.6), of the active client. Both draws come from `output_key`
+  (`bvr_output_draws`), not from the data. Read it with
+  `selected_iterate(state)`.
 
   Example:
     >>> tx = diff2_bvr_local_sgd(
@@ -858,14 +901,18 @@ def diff2_bvr_local_sgd(
       else per-example gradients, announced once), 'ghost' or 'vmap'
       (`dpsco_jax.clipping`).
     axis_name: the client axis, None for one client.
+    output: 'last' (the iterates only) or 'random_iterate' (also keep
+      Algorithm 1's output, above).
+    output_key: key or seed of t_hat and k_hat with 'random_iterate'
+      (None: fresh).
 
   Returns:
     An `optax.GradientTransformationExtraArgs`; call
     `update(None, state, params, batch=local_data, batch_mask=None)`.
 
   Raises:
-    ValueError: as `diff2_estimator`, and for a bad K, b or `C_3`; at update,
-      a client with fewer than b real rows.
+    ValueError: as `diff2_estimator`, and for a bad K, b, `C_3` or
+      `output`; at update, a client with fewer than b real rows.
 
   References:
     Murata & Suzuki (2023), Algorithm 4, Proposition E.2, Theorem 5.3.
@@ -893,13 +940,33 @@ def diff2_bvr_local_sgd(
   local_mechanism = (noise_lib.gaussian(num_rounds * num_local)
                      if num_local else None)
   learning_rate = float(learning_rate)
+  keep_output = _validate_output(output) == 'random_iterate'
+  if keep_output:
+    t_hat, k_hat = bvr_output_draws(
+        keys.fresh_key() if output_key is None else output_key, num_rounds,
+        num_local + 1)
 
   def init_fn(params):
     local_noise = (local_mechanism.init(params, local_key) if num_local else
                    noise_lib.NoiseState(key=local_key,
                                         step=jnp.zeros((), jnp.int32)))
+    kept = None
+    if keep_output:
+      kept = RandomIterateState(count=jnp.zeros([], jnp.int32),
+                                selected=t_hat, iterate=params)
     return Diff2BvrState(server=server.init(params), local_noise=local_noise,
-                         sampling_key=sampling_key)
+                         sampling_key=sampling_key, output=kept)
+
+  def keep(state, params, x_out):
+    """Algorithm 1's output after this round (None without the option)."""
+    if not keep_output:
+      return None
+    kept = state.output
+    here = kept.count == kept.selected
+    iterate = jax.tree_util.tree_map(
+        lambda x, p, old: jnp.where(here, x.astype(p.dtype), old), x_out,
+        params, kept.iterate)
+    return RandomIterateState(kept.count + 1, kept.selected, iterate)
 
   def update_fn(updates, state, params=None, *, batch=None, batch_mask=None,
                 **extra_args):
@@ -914,9 +981,9 @@ def diff2_bvr_local_sgd(
     # x_1 = x_t - lr v_t, written as optax.sgd writes it, so that K = 1 is
     # exactly DIFF2-GD.
     first = jax.tree_util.tree_map(lambda g: -learning_rate * g, v)
-    if not num_local:
+    if not num_local:   # K = 1: k_hat = 1, the output is x_t itself
       return estimators.cast_like(first, params), state._replace(
-          server=server_state)
+          server=server_state, output=keep(state, params, params))
     local_size = _local_size(batch, batch_mask)
     smallest = jax.lax.pmin(local_size, axis_name) if axis_name else local_size
     size = clipping.batch_size_of(batch)
@@ -931,7 +998,11 @@ def diff2_bvr_local_sgd(
     v = parallel.per_device(v, axis_name)
 
     def step(carry, k):
-      x_cur, x_prev, v_prev, displacement, noise_state = carry
+      x_cur, x_prev, v_prev, displacement, noise_state, x_out = carry
+      # x_cur is x_{k-1}: the output when k = k_hat (kept in round t_hat).
+      if keep_output:
+        x_out = jax.tree_util.tree_map(
+            lambda a, b: jnp.where(k == k_hat, a, b), x_cur, x_out)
       movement, inverse = _movement(x_cur, x_prev)
       # b uniform real rows without replacement: the b smallest of i.i.d.
       # uniforms, padding rows pushed past every real row.
@@ -949,23 +1020,26 @@ def diff2_bvr_local_sgd(
       x_next = jax.tree_util.tree_map(jnp.add, x_cur, step_update)
       displacement = jax.tree_util.tree_map(jnp.add, displacement,
                                             step_update)
-      return (x_next, x_cur, v_k, displacement, noise_state), None
+      return (x_next, x_cur, v_k, displacement, noise_state, x_out), None
 
-    carry = (x_first, x_start, v, first, state.local_noise)
-    (_, _, _, displacement, local_noise), _ = jax.lax.scan(
+    carry = (x_first, x_start, v, first, state.local_noise, x_start)
+    (_, _, _, displacement, local_noise, x_out), _ = jax.lax.scan(
         step, carry, jnp.arange(2, num_local + 2))
     if axis_name is None:
       total = displacement
     else:
       active = (count + 1) % parallel.axis_size(axis_name)
       is_active = jax.lax.axis_index(axis_name) == active
-      total = parallel.psum(jax.tree_util.tree_map(
-          lambda u: jnp.where(is_active, u, jnp.zeros_like(u)), displacement),
-          axis_name)
+      from_active = lambda tree: parallel.psum(jax.tree_util.tree_map(
+          lambda u: jnp.where(is_active, u, jnp.zeros_like(u)), tree),
+                                               axis_name)
+      total = from_active(displacement)
+      if keep_output:
+        x_out = from_active(x_out)
     total = guards.refuse(smallest < local_batch_size, total,
                           _SMALL_CLIENT_MESSAGE)
     return estimators.cast_like(total, params), Diff2BvrState(
         server=server_state, local_noise=local_noise,
-        sampling_key=state.sampling_key)
+        sampling_key=state.sampling_key, output=keep(state, params, x_out))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -382,12 +382,12 @@ def test_bvr_noiseless_full_minibatch_is_local_sarah_on_the_round_robin_client()
   params = make_params()
   clients, batch, mask = make_clients(sizes)
   lr, steps, rounds = 0.1, 3, 3
-  got, _ = run_vmapped(diff2.diff2_bvr_local_sgd(
+  make = lambda **output: diff2.diff2_bvr_local_sgd(
       loss_fn, learning_rate=lr, grad_clip=1e6, diff_clip_factor=1e6,
       restart_interval=2, num_rounds=rounds,
       noise_multipliers=Diff2NoiseMultipliers(0, 0, 0), key=1,
-      local_steps=steps, local_batch_size=6, axis_name=AXIS), params, batch,
-      mask, rounds)
+      local_steps=steps, local_batch_size=6, axis_name=AXIS, **output)
+  got, _ = run_vmapped(make(), params, batch, mask, rounds)
   _, unravel = ravel_pytree(params)
 
   def local_grad(x, c):
@@ -395,18 +395,40 @@ def test_bvr_noiseless_full_minibatch_is_local_sarah_on_the_round_robin_client()
                               c['y']))
   global_grad = lambda x: np.mean([local_grad(x, c) for c in clients], 0)
   x, x_prev, v = flat(params), None, None
+  local_iterates = []   # per round: x_0 = x_t, x_1, ..., x_{K-1}
   for t in range(rounds):
     v = global_grad(x) if t % 2 == 0 else (
         global_grad(x) - global_grad(x_prev) + v)
     start = x
     active = clients[(t + 1) % len(clients)]
     x_prev_local, x_local, v_local = x, x - lr * v, v
+    local_iterates.append([x, x_local])
     for _ in range(steps - 1):
       v_local = (local_grad(x_local, active) - local_grad(x_prev_local, active)
                  + v_local)
       x_prev_local, x_local = x_local, x_local - lr * v_local
+      local_iterates[-1].append(x_local)
+    local_iterates[-1].pop()   # x_K is the next round's x, not an output
     x_prev, x = start, x_local
     np.testing.assert_allclose(flat(got[t]), x, rtol=1e-4, atol=1e-5)
+  # Algorithm 1's output: x_{k_hat - 1} of round t_hat, k_hat on {1..K}.
+  seen = set()
+  for output_key in (0, 1, 3, 7):   # they draw k_hat = 2, 1, 3, 2
+    trajectory, state = run_vmapped(
+        make(output='random_iterate', output_key=output_key), params, batch,
+        mask, rounds)
+    for a, b in zip(got, trajectory):   # the option only watches
+      np.testing.assert_array_equal(flat(a), flat(b))
+    t_hat, k_hat = (int(d) for d in diff2.bvr_output_draws(
+        output_key, rounds, steps))
+    assert int(state.output.selected) == t_hat
+    np.testing.assert_allclose(flat(diff2.selected_iterate(state)),
+                               local_iterates[t_hat][k_hat - 1], rtol=1e-4,
+                               atol=1e-5)
+    seen.add((t_hat, k_hat))
+  assert {k for _, k in seen} == {1, 2, 3} and len({t for t, _ in seen}) > 1
+  with pytest.raises(ValueError, match='expected one RandomIterateState'):
+    diff2.selected_iterate(run_vmapped(make(), params, batch, mask, 1)[1])
 
 
 def zero_loss(params, example):
