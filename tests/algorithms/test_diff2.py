@@ -300,9 +300,13 @@ def test_eight_devices_equal_eight_vmapped_clients(algorithm):
   params = make_params()
   _, batch, mask = make_clients(sizes)
   rounds = 4  # restarts at 0 and 3, difference rounds 1 and 2
-  vmap_traj, _ = run_vmapped(make_tx(algorithm), params, batch, mask, rounds)
+  # Algorithm 1's output is kept too (for BVR key 3 draws k_hat = 3, the
+  # active client's deepest local iterate): it must agree across devices.
+  options = dict(num_rounds=rounds, output='random_iterate', output_key=3)
+  vmap_traj, vmap_state = run_vmapped(make_tx(algorithm, **options), params,
+                                      batch, mask, rounds)
 
-  tx = make_tx(algorithm)
+  tx = make_tx(algorithm, **options)
   pmap_traj = []
   if algorithm == 'gd':  # pmap and shard_map share the code; spare a compile
     state, x = replicate(tx.init(params), 8), replicate(params, 8)
@@ -332,6 +336,12 @@ def test_eight_devices_equal_eight_vmapped_clients(algorithm):
     np.testing.assert_allclose(flat(shard_traj[t]), flat(vmap_traj[t]),
                                rtol=1e-5, atol=1e-6)
   assert np.linalg.norm(flat(vmap_traj[-1]) - flat(params)) > 0.05
+  kept = flat(diff2.selected_iterate(vmap_state))
+  np.testing.assert_allclose(flat(diff2.selected_iterate(state)), kept,
+                             rtol=1e-5, atol=1e-6)
+  if algorithm == 'bvr':   # a local iterate, not one of the round's x_t
+    assert min(np.linalg.norm(kept - flat(x)) for x in [params] + vmap_traj
+               ) > 1e-4
 
 
 def test_padding_does_not_change_per_client_means():
