@@ -907,16 +907,28 @@ def run(config: ml_collections.ConfigDict, output_dir: str) -> List[Dict[str, An
 
 
 def write_record(config, output_dir: str, wall_seconds: float,
-                 cells_done: Sequence[str]) -> None:
+                 cells_done: Sequence[str],
+                 command: Optional[str] = None) -> None:
   """`run_record.json`: the config, what every grid point spends, versions,
   and the (data set, epsilon) cells finished so far (a run stopped early
-  says which it finished)."""
+  says which it finished).
+
+  Example:
+    >>> write_record(config, 'results/diff2', 812.0, ['california eps 3'])
+
+  Args:
+    config: the run's config.
+    output_dir: the run's output folder.
+    wall_seconds: the run's wall time so far.
+    cells_done: the cells finished, e.g. 'california eps 3'.
+    command: the command line (default: this process's).
+  """
   outputs.write_json(
       os.path.join(output_dir, 'run_record.json'),
       outputs.run_record(config, privacy=privacy_entries(config),
                          wall_seconds=wall_seconds,
                          extra={'experiment': 'experiments.diff2_tabular',
-                                'command': ' '.join(sys.argv),
+                                'command': command or ' '.join(sys.argv),
                                 'cells_done': list(cells_done)}))
 
 
