@@ -8,7 +8,8 @@ T = sqrt(n) plain steps and the unaccelerated SRG needs B = O(1) (notes
 
 Problem (`datasets.synthetic_convex`): least squares, features uniform on
 the sphere of radius sqrt(p) (bounded), a planted w*, the l2 ball of radius
-R as constraint set, with w* inside it or outside it. The excess population
+R as constraint set, with w* inside it or outside it, and an anisotropic
+case (`condition_number`, E[x x^T] = diag(Lambda)). The excess population
 risk `F(w) - F(w_C)` (w_C the constrained optimum) is exact in closed form.
 
 Methods (each one pass, each example used once, (epsilon, delta)-DP with
@@ -19,7 +20,11 @@ for exactly the mechanism it runs and `accounting.single_epoch(T)`):
   `final_params(state)` = y_T;
 * `srgd_independent`: the same with `gradient='independent'` (000 Thm
   5.13: clipped minibatch gradients, i.i.d. Gaussian noise);
+* `srgd_preset`: `accelerated_dp_srgd` with every parameter from
+  `srgd_preset('constrained', method='gdp_paper')` (untuned; `preset`);
 * `unaccelerated_srg`: `unaccelerated_dp_srg` (000/001 §4.3);
+* `unaccelerated_srg_4_3`: the same at the sketch's step
+  `1/beta = B / (M sqrt(n))` (`section_4_3_beta`), only the clip tuned;
 * `dpsgd`: `dpsgd` -> `optax.sgd(lr)` -> `srg.projection(R)`;
 * `dpftrl`: `dpftrl` (tree residual noise) -> `optax.sgd(lr)` ->
   `srg.projection(R)`: DP-FTRL with a projection after every step (the
@@ -43,9 +48,11 @@ test_single_epoch_synthetic.py` checks it against a plain Python loop of
 `tx.update` at the original beta.
 
 Selection. For every (method, n, B, case), each grid point runs on the
-`tune_seeds`; the point with the smallest mean excess risk is re-run on the
-`eval_seeds` (fresh data and noise), whose mean and 95% Student-t interval
-are reported. Selecting by the population risk is NOT a private
+`tune_seeds`; an axis whose best point sits on its edge is extended past it
+(up to `grid_extensions` times, `sweeps.search_with_extension`; a pick
+still on an edge is flagged in `grid_edge`); the point with the smallest
+mean excess risk is re-run on the `eval_seeds` (fresh data and noise),
+whose mean and 95% Student-t interval are reported. Selecting by the population risk is NOT a private
 hyperparameter selection (the privacy cost of tuning is not accounted).
 
     python -m experiments.single_epoch_synthetic \
