@@ -475,11 +475,8 @@ def search(algorithm: str, epsilon: Optional[float], data: SeedData,
   for interval, indices in groups.items():
     z = noise_multipliers(algorithm, interval, epsilon, config)
     engine = _engine(algorithm, interval, z, config, data)
-    lanes = [Lane(s, i, 0) for s in range(len(data.seeds)) for i in indices
-             if not _guarded(algorithm, points[i], rates[0], z, data, config)]
-    lanes += _skip_guarded(algorithm, points, indices, rates, z, data,
-                           config, trails, found)
-    lanes = [lane for lane in lanes if lane.rate < len(rates)]
+    lanes = _first_lanes(algorithm, points, indices, rates, z, data, config,
+                         trails, found)
     while lanes:
       follow = []
       for lane, (verdict, stop, curve) in zip(
@@ -495,35 +492,32 @@ def search(algorithm: str, epsilon: Optional[float], data: SeedData,
           found[key] = (None, None)
       lanes = follow
       progress.update(len(found))
-  return [SearchResult(data.seeds[s], points[i], *(
-      (found[(s, i)][0], tuple(trails[(s, i)]), found[(s, i)][1])
-      if (s, i) in found else (None, tuple(trails[(s, i)]), None)))
-          for (s, i) in sorted(trails)]
+  results = []
+  for s, i in sorted(trails):
+    rate, curve = found.get((s, i), (None, None))
+    results.append(SearchResult(data.seeds[s], points[i], rate,
+                                tuple(trails[(s, i)]), curve))
+  return results
 
 
-def _guarded(algorithm, point, rate, z, data, config) -> bool:
-  """Whether `step_size_guard='skip'` leaves `rate` out at `point`."""
-  return (config.step_size_guard == 'skip' and not stability(
-      algorithm, point, rate, z, data, config).holds)
-
-
-def _skip_guarded(algorithm, points, indices, rates, z, data, config, trails,
-                  found) -> List[Lane]:
-  """With the guard, each point starts at its largest rate within the
-  bound (the rates above it are recorded as 'skipped')."""
+def _first_lanes(algorithm, points, indices, rates, z, data, config, trails,
+                 found) -> List[Lane]:
+  """The first lane of every (seed, point): its largest rate, or with
+  `step_size_guard='skip'` its largest rate within Theorem 4.3's bound (the
+  rates above it are recorded as 'skipped'; a point with none is done)."""
   lanes = []
   for s in range(len(data.seeds)):
     for i in indices:
-      if not _guarded(algorithm, points[i], rates[0], z, data, config):
-        continue
       k = 0
-      while k < len(rates) and _guarded(algorithm, points[i], rates[k], z,
-                                        data, config):
+      while (k < len(rates) and config.step_size_guard == 'skip' and
+             not stability(algorithm, points[i], rates[k], z, data,
+                           config).holds):
         trails[(s, i)].append((rates[k], 'skipped', -1))
         k += 1
-      if k == len(rates):
+      if k < len(rates):
+        lanes.append(Lane(s, i, k))
+      else:
         found[(s, i)] = (None, None)
-      lanes.append(Lane(s, i, k))
   return lanes
 
 
