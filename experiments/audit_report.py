@@ -24,7 +24,6 @@ linear axes) to `--output_dir`.
 
 import dataclasses
 import os
-import sys
 import time
 from typing import Any, Callable, Sequence
 
@@ -240,8 +239,7 @@ def main(argv: Sequence[str]) -> None:
                     'epsilon_lower_bound': report.epsilon_lower_bound,
                     'delta': report.delta} for report in details],
           wall_seconds=time.time() - start,
-          extra={'experiment': 'experiments.audit_report',
-                 'command': ' '.join(sys.argv)}))
+          extra={'experiment': 'experiments.audit_report'}))
   print(table)
   print(f'wrote {FLAGS.output_dir} in {time.time() - start:.0f} s')
 

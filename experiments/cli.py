@@ -23,8 +23,9 @@ import importlib.util
 import os
 import re
 import sys
-from typing import Any
+from typing import Any, Callable, Optional, Sequence
 
+from absl import app
 from absl import flags
 from ml_collections import config_flags
 
@@ -127,7 +128,8 @@ def config_help(path: str, description: str) -> str:
   return '\n'.join(lines)
 
 
-def define_config(path: str, description: str) -> Any:
+def define_config(path: str, description: str,
+                  module: Optional[str] = None) -> Any:
   """Defines `--config` with `path` as default and a help listing its fields.
 
   Example:
@@ -137,6 +139,7 @@ def define_config(path: str, description: str) -> Any:
     path: the config file, relative to the repository root (the directory
       the experiments run from) or absolute.
     description: one line on what the experiment does.
+    module: the program whose --help lists the flag (default: the caller).
 
   Returns:
     The flag holder (`config.value` is the loaded config).
@@ -147,8 +150,44 @@ def define_config(path: str, description: str) -> Any:
           absolute, path))
   # Listed under the calling program in --help (absl shows the main
   # module's flags only, and registered this one under this module).
-  caller = sys._getframe(1).f_globals.get('__name__')  # pylint: disable=protected-access
+  caller = module or sys._getframe(1).f_globals.get('__name__')  # pylint: disable=protected-access
   if caller == '__main__':
     caller = sys.argv[0]
   flags.FLAGS.register_flag_by_module(caller, flags.FLAGS['config'])
   return holder
+
+
+def launch(run: Callable[[Any, str], Any], config_path: str, description: str,
+           output_dir: str,
+           output_help: str = 'Where to write the CSVs, plots and run record.'
+           ) -> None:
+  """Runs an experiment as a program: its flags, then `run(config, output_dir)`.
+
+  Every experiment ends with the same three lines this replaces: define
+  `--config` (`define_config`) and `--output_dir`, refuse stray arguments,
+  call the experiment's `run`. The flags are defined only here, when the
+  experiment runs as a program, so that importing experiments side by side
+  (tests, notebooks) defines no flags.
+
+  Example:
+    >>> if __name__ == '__main__':
+    ...   cli.launch(run, 'configs/quickstart.py', 'Private logistic '
+    ...              'regression on digits', output_dir='results/quickstart')
+
+  Args:
+    run: the experiment, `run(config, output_dir)`.
+    config_path: its default config file (see `define_config`).
+    description: one line on what the experiment does.
+    output_dir: the default of `--output_dir`.
+    output_help: the help of `--output_dir`.
+  """
+  caller = sys._getframe(1).f_globals.get('__name__')  # pylint: disable=protected-access
+  config = define_config(config_path, description, module=caller)
+  output = flags.DEFINE_string('output_dir', output_dir, output_help)
+
+  def main(argv: Sequence[str]) -> None:
+    if len(argv) > 1:
+      raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+    run(config.value, output.value)
+
+  app.run(main)

@@ -56,13 +56,10 @@ epsilon, and `run_record.json`.
 
 import math
 import os
-import sys
 import time
 import warnings
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-from absl import app
-from absl import flags
 from absl import logging
 import jax
 import jax.numpy as jnp
@@ -915,34 +912,18 @@ def write_record(config, output_dir: str, wall_seconds: float,
     output_dir: the run's output folder.
     wall_seconds: the run's wall time so far.
     cells_done: the cells finished, e.g. 'california eps 3'.
-    command: the command line (default: this process's).
+    command: the command line (default: `outputs.command_line()`).
   """
   outputs.write_json(
       os.path.join(output_dir, 'run_record.json'),
       outputs.run_record(config, privacy=privacy_entries(config),
                          wall_seconds=wall_seconds,
                          extra={'experiment': 'experiments.diff2_tabular',
-                                'command': command or ' '.join(sys.argv),
+                                **({'command': command} if command else {}),
                                 'cells_done': list(cells_done)}))
 
 
-def main(argv: Sequence[str]) -> None:
-  if len(argv) > 1:
-    raise app.UsageError('Too many command-line arguments.')
-  run(flags.FLAGS.config, flags.FLAGS.output_dir)
-
-
-def define_flags() -> None:
-  """The command-line flags; defined only when run as a program, so that
-  importing this module next to other experiments defines no flags."""
-  cli.define_config(
-      'configs/diff2_tabular.py',
-      'DIFF2-GD against DP-GD and GD across clients on tabular regression '
-      '(paper 003)')
-  flags.DEFINE_string('output_dir', 'results/diff2_tabular',
-                      'Where to write CSVs and plots.')
-
-
 if __name__ == '__main__':
-  define_flags()
-  app.run(main)
+  cli.launch(run, 'configs/diff2_tabular.py',
+             'DIFF2-GD against DP-GD and GD across clients on tabular '
+             'regression (paper 003)', output_dir='results/diff2_tabular')

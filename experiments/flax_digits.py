@@ -16,10 +16,7 @@ announced by a `GhostClippingFallbackWarning`.
 
 import os
 import time
-from typing import Sequence
 
-from absl import app
-from absl import flags
 from flax import nnx
 import jax
 import ml_collections
@@ -108,20 +105,7 @@ def run(config: ml_collections.ConfigDict, output_dir: str) -> spine.RunResult:
   return result
 
 
-def main(argv: Sequence[str]) -> None:
-  if len(argv) > 1:
-    raise app.UsageError('Too many command-line arguments.')
-  run(flags.FLAGS.config, flags.FLAGS.output_dir)
-
-
-def define_flags() -> None:
-  """The command-line flags (defined only when run as a program)."""
-  cli.define_config('configs/flax_digits.py',
-                    'A flax model on digits, trained privately by one plan')
-  flags.DEFINE_string('output_dir', 'results/flax_digits',
-                      'Where to write the metrics, plot and run record.')
-
-
 if __name__ == '__main__':
-  define_flags()
-  app.run(main)
+  cli.launch(run, 'configs/flax_digits.py',
+             'A flax model on digits, trained privately by one plan',
+             output_dir='results/flax_digits')

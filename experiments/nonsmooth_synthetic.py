@@ -64,8 +64,6 @@ import os
 import time
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
-from absl import app
-from absl import flags
 from absl import logging
 import jax
 import jax.numpy as jnp
@@ -584,22 +582,17 @@ def dimension_title(config) -> str:
           f'{config.seeds} seeds per point')
 
 
-def main(argv: Sequence[str]) -> None:
-  if len(argv) > 1:
-    raise app.UsageError('Too many command-line arguments.')
-  cache_dir = os.path.join(flags.FLAGS.output_dir, '.compilation_cache')
+def run_with_cache(config: ml_collections.ConfigDict, output_dir: str
+                   ) -> list[Row]:
+  """`run` with a persistent compilation cache under `output_dir`, shared by
+  its worker processes (the command line's entry point)."""
+  cache_dir = os.path.join(output_dir, '.compilation_cache')
   enable_compilation_cache(cache_dir)
-  run(flags.FLAGS.config, flags.FLAGS.output_dir, cache_dir)
-
-
-def define_flags() -> None:
-  """The command-line flags (defined only when run as a program)."""
-  cli.define_config('configs/nonsmooth_synthetic.py',
-                    'Private nonsmooth nonconvex optimization (paper 004)')
-  flags.DEFINE_string('output_dir', 'results/nonsmooth_synthetic',
-                      'Where to write the runs, summary, plot and record.')
+  return run(config, output_dir, cache_dir)
 
 
 if __name__ == '__main__':
-  define_flags()
-  app.run(main)
+  cli.launch(run_with_cache, 'configs/nonsmooth_synthetic.py',
+             'Private nonsmooth nonconvex optimization (paper 004)',
+             output_dir='results/nonsmooth_synthetic',
+             output_help='Where to write the runs, summary, plot and record.')

@@ -25,6 +25,8 @@ import json
 import math
 import os
 import platform
+import shlex
+import sys
 import time
 from typing import (Any, Dict, Iterable, List, Mapping, NamedTuple, Optional,
                     Sequence)
@@ -481,6 +483,28 @@ def package_versions(
   return versions
 
 
+def command_line() -> str:
+  """This process's command line, as a user would type it to run it again.
+
+  A program started with `python -m experiments.NAME ...` is given back in
+  that form (not as the path of the module's file), its arguments quoted
+  for a POSIX shell.
+
+  Example:
+    >>> command_line()   # under `python -m experiments.quickstart --x=1`
+    'python -m experiments.quickstart --x=1'
+
+  Returns:
+    The command line.
+  """
+  main = sys.modules.get('__main__')
+  module = getattr(getattr(main, '__spec__', None), 'name', None)
+  if module and module != '__main__':
+    return shlex.join(['python', '-m', module.removesuffix('.__main__')]
+                      + sys.argv[1:])
+  return shlex.join(sys.argv)
+
+
 def run_record(config: Any, *, privacy: Sequence[Mapping[str, Any]] = (),
                wall_seconds: Optional[float] = None,
                extra: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
@@ -498,13 +522,14 @@ def run_record(config: Any, *, privacy: Sequence[Mapping[str, Any]] = (),
     extra: anything else worth keeping (JSON-able after `_jsonable`).
 
   Returns:
-    A JSON-able dict with keys 'config', 'privacy', 'wall_seconds',
-    'packages', 'platform', 'devices', 'created' (UTC, ISO 8601) and those
-    of `extra`.
+    A JSON-able dict with keys 'created' (UTC, ISO 8601), 'command'
+    (`command_line()` unless `extra` gives one), 'config', 'privacy',
+    'wall_seconds', 'packages', 'platform', 'devices' and those of `extra`.
   """
   import jax  # pylint: disable=g-import-not-at-top
   record = {
       'created': datetime.datetime.now(datetime.timezone.utc).isoformat(),
+      'command': command_line(),
       'config': config_to_dict(config),
       'privacy': [_jsonable(dict(entry)) for entry in privacy],
       'wall_seconds': wall_seconds,

@@ -25,10 +25,8 @@ import math
 import os
 import time
 import zlib
-from typing import Any, Sequence
+from typing import Any
 
-from absl import app
-from absl import flags
 from absl import logging
 from flax import nnx
 import jax
@@ -165,22 +163,7 @@ def run(config: ml_collections.ConfigDict, output_dir: str) -> list[Row]:
   return summary
 
 
-def main(argv: Sequence[str]) -> None:
-  if len(argv) > 1:
-    raise app.UsageError('Too many command-line arguments.')
-  run(flags.FLAGS.config, flags.FLAGS.output_dir)
-
-
-def define_flags() -> None:
-  """The command-line flags; defined only when run as a program, so that
-  importing this module next to other experiments defines no flags."""
-  cli.define_config(
-      'configs/quickstart.py',
-      'Private logistic regression on digits: DP-SGD, DP-FTRL, DP-MEMF against SGD')
-  flags.DEFINE_string('output_dir', 'results/quickstart',
-                      'Where to write CSVs, the plot and the run record.')
-
-
 if __name__ == '__main__':
-  define_flags()
-  app.run(main)
+  cli.launch(run, 'configs/quickstart.py',
+             'Private logistic regression on digits: DP-SGD, DP-FTRL, DP-MEMF '
+             'against SGD', output_dir='results/quickstart')

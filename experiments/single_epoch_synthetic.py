@@ -73,8 +73,6 @@ import os
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from absl import app
-from absl import flags
 from absl import logging
 import jax
 import jax.numpy as jnp
@@ -812,8 +810,8 @@ def replot(output_dir: str, config: ml_collections.ConfigDict) -> None:
   plot(rows, config, output_dir)
 
 
-def run(config: ml_collections.ConfigDict, output_dir: str,
-        command: Optional[str] = None) -> List[Dict[str, Any]]:
+def run(config: ml_collections.ConfigDict, output_dir: str
+        ) -> List[Dict[str, Any]]:
   """The whole experiment; writes the outputs and returns the result rows.
 
   Example:
@@ -822,7 +820,6 @@ def run(config: ml_collections.ConfigDict, output_dir: str,
   Args:
     config: see `configs/single_epoch_synthetic.py`.
     output_dir: where to write.
-    command: the command line, recorded in `run_record.json`.
 
   Returns:
     One dict per (method, n, B, case).
@@ -865,31 +862,14 @@ def run(config: ml_collections.ConfigDict, output_dir: str,
       os.path.join(output_dir, 'run_record.json'),
       outputs.run_record(config, privacy=privacy, wall_seconds=wall_seconds,
                          extra={'experiment':
-                                'experiments.single_epoch_synthetic',
-                                'command': command}))
+                                'experiments.single_epoch_synthetic'}))
   logging.info('total wall time %.1f s', wall_seconds)
   return rows
 
 
-def main(argv: Sequence[str]) -> None:
-  if len(argv) > 1:
-    raise app.UsageError('Too many command-line arguments.')
-  import sys  # pylint: disable=g-import-not-at-top
-  logging.set_verbosity(logging.INFO)
-  run(flags.FLAGS.config, flags.FLAGS.output_dir,
-      command='python -m experiments.single_epoch_synthetic ' +
-      ' '.join(sys.argv[1:]))
-
-
-def define_flags() -> None:
-  """The command-line flags; defined only when run as a program."""
-  cli.define_config(
-      'configs/single_epoch_synthetic.py',
-      'Single-epoch private linear regression: Accelerated-DP-SRGD and its ablations (papers 000/001)')
-  flags.DEFINE_string('output_dir', 'results/single_epoch_synthetic',
-                      'Where to write the tables and plots.')
-
-
 if __name__ == '__main__':
-  define_flags()
-  app.run(main)
+  cli.launch(run, 'configs/single_epoch_synthetic.py',
+             'Single-epoch private linear regression: Accelerated-DP-SRGD and '
+             'its ablations (papers 000/001)',
+             output_dir='results/single_epoch_synthetic',
+             output_help='Where to write the tables and plots.')

@@ -44,8 +44,6 @@ import os
 import time
 from typing import Any, Dict, List, NamedTuple, Sequence, Tuple
 
-from absl import app
-from absl import flags
 from absl import logging
 import jax
 import jax.numpy as jnp
@@ -529,15 +527,7 @@ def run(config: ml_collections.ConfigDict, output_dir: str
   return results
 
 
-def main(argv: Sequence[str]) -> None:
-  del argv
-  run(_CONFIG.value, _OUTPUT_DIR.value)
-
-
 if __name__ == '__main__':
-  _CONFIG = cli.define_config(
-      'configs/srg_memf_digits.py',
-      'DP-SRG-MEMF against DP-MEMF (paper 001 section 5); other configs: configs/srg_memf_*.py')
-  _OUTPUT_DIR = flags.DEFINE_string('output_dir', 'results/srg_memf',
-                                    'Where to write the results.')
-  app.run(main)
+  cli.launch(run, 'configs/srg_memf_digits.py',
+             'DP-SRG-MEMF against DP-MEMF (paper 001 section 5); other '
+             'configs: configs/srg_memf_*.py', output_dir='results/srg_memf')

@@ -24,7 +24,6 @@ Strategies are cached on disk (`dpsco_jax.strategies.default_cache_dir`).
 """
 
 import os
-import sys
 import time
 from typing import Sequence
 
@@ -182,8 +181,7 @@ def run(settings: Sequence[str], bands: Sequence[int], momentum: float,
           {'settings': list(settings), 'bands': list(bands),
            'momentum': momentum},
           wall_seconds=time.perf_counter() - start,
-          extra={'experiment': 'experiments.strategy_report',
-                 'command': ' '.join(sys.argv)}))
+          extra={'experiment': 'experiments.strategy_report'}))
   return rows
 
 

@@ -37,10 +37,8 @@ hyperparameter search itself is not accounted.
 
 import os
 import time
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, Optional
 
-from absl import app
-from absl import flags
 from absl import logging
 import jax
 import jax.numpy as jnp
@@ -386,22 +384,7 @@ def run(config: ml_collections.ConfigDict, output_dir: str) -> Dict[str, Any]:
           'record': record}
 
 
-def main(argv: Sequence[str]) -> None:
-  if len(argv) > 1:
-    raise app.UsageError('Too many command-line arguments.')
-  run(flags.FLAGS.config, flags.FLAGS.output_dir)
-
-
-def define_flags() -> None:
-  """The command-line flags; defined only when run as a program, so that
-  importing this module next to other experiments defines no flags."""
-  cli.define_config(
-      'configs/sweep_digits.py',
-      'A seeds x (learning rate, clip) sweep of private logistic regression on digits')
-  flags.DEFINE_string('output_dir', 'results/sweep_digits',
-                      'Where to write the tables, plots and run record.')
-
-
 if __name__ == '__main__':
-  define_flags()
-  app.run(main)
+  cli.launch(run, 'configs/sweep_digits.py',
+             'A seeds x (learning rate, clip) sweep of private logistic '
+             'regression on digits', output_dir='results/sweep_digits')

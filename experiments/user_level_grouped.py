@@ -31,12 +31,11 @@ import math
 import os
 import time
 import warnings
-from typing import Any, Sequence
+from typing import Any
 
-from absl import app
-from absl import flags
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import optax
 
@@ -115,11 +114,6 @@ def run_accelerated_erm(config, users, epsilon, seed, tau_fraction):
   return out.params
 
 
-def main(argv: Sequence[str]) -> None:
-  del argv
-  run(flags.FLAGS.config, flags.FLAGS.output_dir, *datasets.load_inst_eval())
-
-
 def run(config, output_dir: str, x: np.ndarray, y: np.ndarray,
         students: np.ndarray) -> list[dict]:
   """The study on ratings x, y grouped by `students`; returns the rows."""
@@ -192,14 +186,14 @@ def run(config, output_dir: str, x: np.ndarray, y: np.ndarray,
   return rows
 
 
-def define_flags() -> None:
-  """`--config` (its fields listed by --help) and `--output_dir`."""
-  cli.define_config('configs/user_level_grouped.py',
-                    'Paper 002 on InstEval: user-level DP-SGD against Algorithm 3.')
-  flags.DEFINE_string('output_dir', 'results/grouped',
-                      'Where the CSV, the table and the run record go.')
+def run_inst_eval(config: ml_collections.ConfigDict, output_dir: str
+                  ) -> list[dict]:
+  """`run` on InstEval (`datasets.load_inst_eval`; the command line's entry)."""
+  return run(config, output_dir, *datasets.load_inst_eval())
 
 
 if __name__ == '__main__':
-  define_flags()
-  app.run(main)
+  cli.launch(run_inst_eval, 'configs/user_level_grouped.py',
+             'Paper 002 on InstEval: user-level DP-SGD against Algorithm 3',
+             output_dir='results/grouped',
+             output_help='Where the CSV, the table and the run record go.')

@@ -47,8 +47,6 @@ import time
 import warnings
 from typing import Any, Callable, Sequence
 
-from absl import app
-from absl import flags
 from absl import logging
 import jax
 import jax.numpy as jnp
@@ -258,11 +256,6 @@ def tune(config, method: str, m: int, data_of) -> tuple[dict, dict, list]:
   return picked, grid, rows
 
 
-def main(argv: Sequence[str]) -> None:
-  del argv
-  run(flags.FLAGS.config, flags.FLAGS.output_dir)
-
-
 def run(config: ml_collections.ConfigDict, output_dir: str) -> list[Row]:
   """The whole study; writes the outputs and returns the summary rows."""
   os.makedirs(output_dir, exist_ok=True)
@@ -350,14 +343,9 @@ def plot(config, summary: Sequence[Row], path: str) -> None:
       xticks=list(config.items_per_user))
 
 
-def define_flags() -> None:
-  """`--config` (its fields listed by --help) and `--output_dir`."""
-  cli.define_config('configs/user_level_synthetic.py',
-                    'Paper 002: user-level DP methods over items per user m.')
-  flags.DEFINE_string('output_dir', 'results/user_level',
-                      'Where the CSVs, the table, the plot and the run record are written.')
-
-
 if __name__ == '__main__':
-  define_flags()
-  app.run(main)
+  cli.launch(run, 'configs/user_level_synthetic.py',
+             'Paper 002: user-level DP methods over items per user m',
+             output_dir='results/user_level',
+             output_help='Where the CSVs, the table, the plot and the run '
+             'record are written.')

@@ -18,6 +18,8 @@ EXPERIMENTS = {
     'srg_memf': 'configs/srg_memf_digits.py',
     'flax_digits': 'configs/flax_digits.py',
     'nonsmooth_synthetic': 'configs/nonsmooth_synthetic.py',
+    'user_level_synthetic': 'configs/user_level_synthetic.py',
+    'user_level_grouped': 'configs/user_level_grouped.py',
 }
 CONFIGS = sorted(str(p.relative_to(REPO))
                  for p in (REPO / 'configs').glob('*.py')
@@ -63,3 +65,33 @@ def test_help_of_every_experiment_lists_its_fields():
     for field in cli.config_fields(str(REPO / EXPERIMENTS[name])):
       assert f'{field.name} = ' in help_text, (name, field.name)
       assert ' '.join(field.help.split())[:30] in help_text, (name, field)
+
+
+def _launch(tmp_path, *args):
+  """Runs `cli.launch` as a program whose `run` writes what it was given."""
+  script = ('import sys\n'
+            'from experiments import cli\n'
+            'def run(config, output_dir):\n'
+            '  with open(output_dir, "w") as f:\n'
+            '    f.write(repr((config.epsilon, config.num_epochs)))\n'
+            'cli.launch(run, "configs/quickstart.py", "A test",\n'
+            f'           output_dir={str(tmp_path / "default")!r})\n')
+  env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS='cpu')
+  return subprocess.run([sys.executable, '-c', script, *args], cwd=REPO,
+                        env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_launch_passes_the_config_and_output_dir_and_refuses_strays(
+    tmp_path):
+  out = tmp_path / 'given'
+  done = _launch(tmp_path, '--config.epsilon=3.5', f'--output_dir={out}')
+  assert done.returncode == 0, done.stderr
+  default_epochs = cli._load(str(REPO / 'configs/quickstart.py')).num_epochs
+  assert out.read_text() == repr((3.5, default_epochs))
+  assert not (tmp_path / 'default').exists()
+
+  done = _launch(tmp_path, 'stray')
+  assert done.returncode != 0 and 'unexpected arguments' in done.stderr
+  assert not (tmp_path / 'default').exists()
+  assert _launch(tmp_path).returncode == 0
+  assert (tmp_path / 'default').read_text().startswith('(')

@@ -2,6 +2,8 @@
 
 import json
 import math
+import shlex
+import sys
 
 import dp_accounting
 import ml_collections
@@ -90,6 +92,31 @@ def test_run_record_round_trip(tmp_path, dpsgd_privacy):
   assert back['curve'] == [0, 1, 2]
   assert 'jax' in back['packages'] and 'dp_accounting' in back['packages']
   assert back['devices']
+
+
+def test_command_line_gives_back_a_module_run_as_typed(monkeypatch):
+  class Spec:
+    name = 'experiments.diff2_tabular'
+
+  class Main:
+    __spec__ = Spec
+
+  monkeypatch.setitem(sys.modules, '__main__', Main)
+  monkeypatch.setattr(sys, 'argv', [
+      '/repo/experiments/diff2_tabular.py', "--config.datasets=('gas',)"])
+  command = outputs.command_line()
+  assert command == ("python -m experiments.diff2_tabular "
+                     "'--config.datasets=('\"'\"'gas'\"'\"',)'")
+  assert shlex.split(command)[3] == "--config.datasets=('gas',)"
+  assert outputs.run_record({})['command'] == command
+  assert outputs.run_record({}, extra={'command': 'x'})['command'] == 'x'
+
+  class Script:
+    __spec__ = None
+
+  monkeypatch.setitem(sys.modules, '__main__', Script)
+  monkeypatch.setattr(sys, 'argv', ['run.py', '--a=1'])
+  assert outputs.command_line() == 'run.py --a=1'
 
 
 def test_fixed_order_entry_has_a_gaussian_event():
