@@ -394,45 +394,41 @@ def excess_risk(problem: datasets.ConvexProblem, w: np.ndarray,
 
 def make_runner(method: str, batch_size: int, num_steps: int,
                 multiplier: float, radius: float, loss: Callable[..., Any]):
-  """Jitted `(x, y, slots, cases, kinds, hypers, clips, keys) -> [runs, p]`.
+  """One run `(inputs, x, y) -> w` for `sweeps.run_in_chunks` (`run_list`).
 
-  Vmapped over a flat list of runs; run r trains on `x[slots[r], kinds[r]]`,
-  `y[slots[r], cases[r]]`. One compilation per (method, n, B) and run-list
-  length.
+  `inputs` holds one run's slot, case, kind, hyper, clip and key seed; the
+  run trains on `x[slot, kind]`, `y[slot, case]`. One compilation per
+  (method, n, B) and chunk size.
   """
 
-  def one(x, y, slot, case, kind, hyper, clip, key):
-    return train(method, loss, x[slot, kind], y[slot, case],
-                 batch_size=batch_size, num_steps=num_steps,
-                 multiplier=multiplier, hyper=hyper, clip=clip,
-                 radius=radius, key=key)
+  def one(inputs, x, y):
+    return train(method, loss, x[inputs['slot'], inputs['kind']],
+                 y[inputs['slot'], inputs['case']], batch_size=batch_size,
+                 num_steps=num_steps, multiplier=multiplier,
+                 hyper=inputs['hyper'], clip=inputs['clip'], radius=radius,
+                 key=jax.random.key(inputs['key']))
 
-  return jax.jit(jax.vmap(one, in_axes=(None, None, 0, 0, 0, 0, 0, 0)))
+  return one
 
 
 def run_list(runner, data: Data, runs: List[Dict[str, Any]], chunk: int,
              key_base: int) -> np.ndarray:
-  """Runs `runs` (dicts slot, case, hyper, clip, seed) in fixed-size chunks.
+  """Runs `runs` (dicts slot, case, hyper, clip, seed) in chunks of `chunk`.
 
-  The last chunk is padded by repeating its first run, so every call has
-  the same shapes (one compilation). Returns outputs `[len(runs), p]`.
+  Run r's noise key is `jax.random.key(key_base + seed)`. Returns the
+  outputs `[len(runs), p]`.
   """
-  x, y = jnp.asarray(data.x), jnp.asarray(data.y)
-  outputs = []
-  for start in range(0, len(runs), chunk):
-    part = runs[start:start + chunk]
-    part = part + [part[0]] * (chunk - len(part))
-    keys = jax.vmap(jax.random.key)(
-        jnp.asarray([key_base + r['seed'] for r in part], jnp.uint32))
-    out = runner(x, y, jnp.asarray([r['slot'] for r in part], jnp.int32),
-                 jnp.asarray([r['case'] for r in part], jnp.int32),
-                 jnp.asarray([data.kinds[r['case']] for r in part],
-                             jnp.int32),
-                 jnp.asarray([r['hyper'] for r in part], jnp.float32),
-                 jnp.asarray([r['clip'] for r in part], jnp.float32),
-                 keys)
-    outputs.append(np.asarray(out, np.float64))
-  return np.concatenate(outputs)[:len(runs)]
+  column = lambda values, dtype: np.asarray(values, dtype)
+  per_run = {'slot': column([r['slot'] for r in runs], np.int32),
+             'case': column([r['case'] for r in runs], np.int32),
+             'kind': column([data.kinds[r['case']] for r in runs], np.int32),
+             'hyper': column([r['hyper'] for r in runs], np.float32),
+             'clip': column([r['clip'] for r in runs], np.float32),
+             'key': column([key_base + r['seed'] for r in runs], np.uint32)}
+  done = sweeps.run_in_chunks(runner, per_run, max_parallel=chunk,
+                              shared=(jnp.asarray(data.x),
+                                      jnp.asarray(data.y)), name='runs')
+  return np.asarray(done.outputs, np.float64)
 
 
 def batch_sizes(num_examples: int, rules: Sequence[Tuple[float, float]]

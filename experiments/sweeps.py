@@ -35,6 +35,7 @@ entry of the sweep, up to float reassociation.
 """
 
 import dataclasses
+import functools
 import itertools
 import math
 import time
@@ -255,7 +256,100 @@ def run_sweep(train_fn: TrainFn, grid: Mapping[str, Sequence[float]],
   points = grid_points(checked)
   names = tuple(checked)
   num_points, num_seeds = points.shape[0], seed_array.shape[0]
-  num_runs = num_points * num_seeds
+  # Run r is (point r // num_seeds, seed r % num_seeds).
+  run_points = np.repeat(np.arange(num_points), num_seeds)
+  per_run = ({n: points[run_points, i].astype(dtype)
+              for i, n in enumerate(names)},
+             np.tile(seed_array, num_points).astype(np.int32))
+  done = run_in_chunks(_call_with_seed(train_fn), per_run,
+                       max_parallel=max_parallel,
+                       shared=() if data is None else (data,),
+                       name=f'{name}: {num_points} grid points x {num_seeds} '
+                       'seeds')
+  metrics = {key: values.reshape((num_points, num_seeds) + values.shape[1:])
+             for key, values in done.outputs.items()}
+  return SweepResult(names=names, points=points, seeds=seed_array,
+                     metrics=metrics, compile_seconds=done.compile_seconds,
+                     run_seconds=done.run_seconds, chunk_size=done.chunk_size)
+
+
+@functools.lru_cache(maxsize=16)
+def _call_with_seed(train_fn: TrainFn) -> Callable[..., Any]:
+  """`train_fn(hparams, seed, *shared)` as a function of one input tuple
+  (cached, so the same `train_fn` is the same program: no recompilation)."""
+  return lambda inputs, *shared: train_fn(*inputs, *shared)
+
+
+class ChunkedRuns(NamedTuple):
+  """The outputs of `run_in_chunks`.
+
+  Attributes:
+    outputs: the runs' outputs, each leaf with a leading run axis.
+    compile_seconds: time to compile the chunk program (0 when cached).
+    run_seconds: time to run every chunk.
+    chunk_size: runs per compiled call.
+  """
+
+  outputs: Any
+  compile_seconds: float
+  run_seconds: float
+  chunk_size: int
+
+
+@functools.lru_cache(maxsize=16)
+def _vmapped(one_run: Callable[..., Any], num_shared: int):
+  # Cached per function: the same run function is one jitted program, so a
+  # second call with the same shapes reuses its compilation.
+  return jax.jit(jax.vmap(one_run, in_axes=(0,) + (None,) * num_shared))
+
+
+def run_in_chunks(one_run: Callable[..., Any], per_run: Any, *,
+                  max_parallel: Optional[int] = None,
+                  shared: Sequence[Any] = (), name: str = 'runs'
+                  ) -> ChunkedRuns:
+  """Runs `one_run` on every run of a list as chunks of ONE vmapped program.
+
+  The engine of every vmapped sweep: the runs are cut into chunks of
+  `max_parallel` (the last one padded by repeating the first run; the
+  padding is computed and dropped), and every chunk is one call of
+  `jax.jit(jax.vmap(one_run))`, compiled once for the chunk shape (and
+  reused by later calls with the same `one_run` and shapes). A chunk's runs
+  are spread over the local devices when their number divides it
+  (`run_sharding`); only host copies of the outputs are kept, so device
+  memory stays one chunk's worth.
+
+  Example:
+    >>> def one_run(inputs, data):
+    ...   lr, seed = inputs
+    ...   noise = jax.random.normal(jax.random.key(seed))
+    ...   return {'loss': (lr - data) ** 2 + 0.01 * noise}
+    >>> done = run_in_chunks(one_run, (np.array([0.1, 0.3, 1.0]),
+    ...                                np.array([0, 1, 2], np.int32)),
+    ...                      max_parallel=2, shared=(0.3,))
+    >>> done.outputs['loss'].shape   # (3,)
+
+  Args:
+    one_run: `one_run(inputs, *shared) -> outputs`, a pure function of ONE
+      run, where `inputs` is one run's slice of `per_run`; outputs are
+      arrays of fixed shapes.
+    per_run: a pytree of arrays with a leading axis of one entry per run.
+    max_parallel: most runs per compiled call (None: all at once).
+    shared: arguments every run shares (e.g. the data set), passed to the
+      compiled program rather than baked into it as constants.
+    name: prefix of the progress log lines.
+
+  Returns:
+    `ChunkedRuns`, its outputs with a leading axis of `num_runs` (NumPy).
+
+  Raises:
+    ValueError: for `max_parallel < 1`, no runs, or leaves of `per_run`
+      with different leading sizes.
+  """
+  sizes = {np.shape(leaf)[0] for leaf in jax.tree_util.tree_leaves(per_run)}
+  if len(sizes) != 1 or 0 in sizes:
+    raise ValueError('per_run must hold one entry per run in every leaf (and '
+                     f'at least one run); leading sizes are {sorted(sizes)}')
+  num_runs = sizes.pop()
   if max_parallel is not None and (isinstance(max_parallel, bool) or
                                    int(max_parallel) != max_parallel or
                                    max_parallel < 1):
@@ -264,57 +358,35 @@ def run_sweep(train_fn: TrainFn, grid: Mapping[str, Sequence[float]],
   chunk = num_runs if max_parallel is None else min(int(max_parallel),
                                                     num_runs)
   num_chunks = math.ceil(num_runs / chunk)
-  padded = num_chunks * chunk
-
-  # Run r is (point r // num_seeds, seed r % num_seeds); padding repeats run 0
-  # so that it sees valid hyperparameters.
-  run_points = np.repeat(np.arange(num_points), num_seeds)
-  run_seeds = np.tile(seed_array, num_points)
-  pad = np.zeros(padded - num_runs, dtype=np.int64)
-  run_points = np.concatenate([run_points, run_points[pad]])
-  run_seeds = np.concatenate([run_seeds, run_seeds[pad]])
-  hparams = {n: points[run_points, i].astype(dtype)
-             for i, n in enumerate(names)}
-  run_seeds = run_seeds.astype(np.int32)
-
+  # Padding repeats run 0, so that it sees valid inputs.
+  order = np.concatenate([np.arange(num_runs),
+                          np.zeros(num_chunks * chunk - num_runs, np.int64)])
+  padded = jax.tree_util.tree_map(lambda leaf: np.asarray(leaf)[order],
+                                  per_run)
   sharding = run_sharding(chunk)
 
   def chunk_inputs(c: int):
-    window = slice(c * chunk, (c + 1) * chunk)
-    inputs = ({n: v[window] for n, v in hparams.items()}, run_seeds[window])
-    if sharding is None:
-      return inputs
-    return jax.device_put(inputs, sharding)
+    window = jax.tree_util.tree_map(
+        lambda leaf: leaf[c * chunk:(c + 1) * chunk], padded)
+    return window if sharding is None else jax.device_put(window, sharding)
 
-  if data is None:
-    program = jax.vmap(train_fn)
-    shared = ()
-  else:
-    program = jax.vmap(train_fn, in_axes=(0, 0, None))
-    shared = (data,)
   start = time.perf_counter()
-  compiled = jax.jit(program).lower(*chunk_inputs(0), *shared).compile()
+  compiled = _vmapped(one_run, len(shared)).lower(
+      chunk_inputs(0), *shared).compile()
   compile_seconds = time.perf_counter() - start
-  logging.info('%s: %d grid points x %d seeds = %d runs in %d chunk(s) of %d; '
-               'compiled in %.1f s', name, num_points, num_seeds, num_runs,
-               num_chunks, chunk, compile_seconds)
-
+  logging.info('%s = %d runs in %d chunk(s) of %d; compiled in %.1f s', name,
+               num_runs, num_chunks, chunk, compile_seconds)
   progress = outputs.Progress(name, num_chunks)
   start = time.perf_counter()
   pieces = []
   for c in range(num_chunks):
-    out = jax.block_until_ready(compiled(*chunk_inputs(c), *shared))
-    # Only host copies are kept: device memory stays one chunk's worth.
+    out = jax.block_until_ready(compiled(chunk_inputs(c), *shared))
     pieces.append(jax.tree_util.tree_map(np.asarray, out))
     progress.update(c + 1)
   run_seconds = time.perf_counter() - start
-
-  metrics = {}
-  for key in pieces[0]:
-    values = np.concatenate([p[key] for p in pieces])[:num_runs]
-    metrics[key] = values.reshape((num_points, num_seeds) + values.shape[1:])
-  return SweepResult(names=names, points=points, seeds=seed_array,
-                     metrics=metrics, compile_seconds=compile_seconds,
+  joined = jax.tree_util.tree_map(
+      lambda *leaves: np.concatenate(leaves)[:num_runs], *pieces)
+  return ChunkedRuns(outputs=joined, compile_seconds=compile_seconds,
                      run_seconds=run_seconds, chunk_size=chunk)
 
 

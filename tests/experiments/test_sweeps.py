@@ -290,3 +290,36 @@ def test_edge_report_names_each_axis_on_an_edge():
   with pytest.raises(ValueError, match='not a value of the grid'):
     sweeps.edge_report({'learning_rate': 0.2, 'clip': 1.0, 'decay': 0.1},
                        grid)
+
+
+def _one_run(inputs, offset):
+  key = jax.random.key(inputs['seed'])
+  return {'value': inputs['scale'] * jax.random.normal(key, (3,)) + offset}
+
+
+def test_run_in_chunks_matches_each_run_alone_for_any_chunk():
+  per_run = {'scale': np.array([0.5, 1.0, 2.0, 3.0, 4.0], np.float32),
+             'seed': np.array([4, 1, 3, 3, 0], np.int32)}
+  alone = np.stack([np.asarray(jax.jit(_one_run)(
+      {k: v[r] for k, v in per_run.items()}, 1.5)['value'])
+                    for r in range(5)])
+  for max_parallel in (None, 1, 2, 3, 7):
+    done = sweeps.run_in_chunks(_one_run, per_run, max_parallel=max_parallel,
+                                shared=(1.5,))
+    assert done.outputs['value'].shape == (5, 3)
+    assert done.chunk_size == (5 if max_parallel is None
+                               else min(max_parallel, 5))
+    np.testing.assert_allclose(done.outputs['value'], alone, rtol=1e-6)
+
+
+def test_run_in_chunks_refuses_ragged_or_empty_run_lists():
+  with pytest.raises(ValueError, match='one entry per run'):
+    sweeps.run_in_chunks(_one_run, {'scale': np.ones(3), 'seed': np.ones(2)},
+                         shared=(0.0,))
+  with pytest.raises(ValueError, match='one entry per run'):
+    sweeps.run_in_chunks(_one_run, {'scale': np.ones(0), 'seed': np.ones(0)},
+                         shared=(0.0,))
+  with pytest.raises(ValueError, match='max_parallel'):
+    sweeps.run_in_chunks(_one_run, {'scale': np.ones(2),
+                                    'seed': np.ones(2, np.int32)},
+                         max_parallel=0, shared=(0.0,))
