@@ -41,6 +41,9 @@ The curated public API. Modules, one concern each:
 * `dpsco_jax.ledger`: the run's privacy record (mechanism identity, noise
   multiplier, participation, steps taken), which the loop asks for the
   epsilon spent so far;
+* `dpsco_jax.preprocessing`: feature standardization from public bounds,
+  or from a noisy mean and variance whose release the run's plan and
+  ledger spend with the steps (`releases=`);
 * `dpsco_jax.checkpoint`: checkpoint and resume with a privacy ledger, and
   releases that hold only what is safe to publish;
 * `dpsco_jax.audit`: empirical privacy auditing: canary runs of any
@@ -63,6 +66,7 @@ from dpsco_jax import noise
 from dpsco_jax import outlier_removal
 from dpsco_jax import parallel
 from dpsco_jax import plans
+from dpsco_jax import preprocessing
 from dpsco_jax import smoothing
 from dpsco_jax import strategies
 from dpsco_jax.algorithms import nonsmooth
@@ -70,6 +74,7 @@ from dpsco_jax.algorithms import user_level
 from dpsco_jax.accounting import calibrate_noise_multiplier
 from dpsco_jax.accounting import epsilon_spent
 from dpsco_jax.accounting import FixedOrder
+from dpsco_jax.accounting import GaussianRelease
 from dpsco_jax.accounting import PoissonSampling
 from dpsco_jax.accounting import Shuffled
 from dpsco_jax.accounting import single_epoch
@@ -147,6 +152,7 @@ __all__ = (
     'outlier_removal',
     'parallel',
     'plans',
+    'preprocessing',
     'smoothing',
     'strategies',
     'nonsmooth',
@@ -154,6 +160,7 @@ __all__ = (
     'calibrate_noise_multiplier',
     'epsilon_spent',
     'FixedOrder',
+    'GaussianRelease',
     'PoissonSampling',
     'Shuffled',
     'single_epoch',

@@ -106,6 +106,83 @@ class PoissonSampling:
 Participation = Union[FixedOrder, Shuffled, PoissonSampling]
 
 
+@dataclasses.dataclass(frozen=True)
+class GaussianRelease:
+  """A Gaussian mechanism run once on the training data besides the steps.
+
+  Private preprocessing (`dpsco_jax.preprocessing.dp_standardization`: the
+  features' mean and variance) releases statistics of the same examples
+  the run trains on, so its privacy composes with the run's: every
+  accounting function takes `releases=` and spends them together with the
+  steps (`epsilon_spent`), calibrates the steps' noise to what they leave
+  of the target (`calibrate_noise_multiplier`), and the ledger reports
+  their epsilon from step 0 on.
+
+  A Gaussian mechanism whose noise std is `noise_multiplier` times its l2
+  sensitivity is `GaussianDpEvent(noise_multiplier)`, i.e. mu-GDP with
+  `mu = 1 / noise_multiplier`; several compose to one with
+  `mu^2 = sum 1 / noise_multiplier_i^2` (`releases_mu`).
+
+  Example:
+    >>> release = GaussianRelease('feature mean and variance', 40.0)
+    >>> epsilon_spent(mech, z, participation, 1e-5, releases=[release])
+
+  Attributes:
+    name: what was released, for records.
+    noise_multiplier: the noise std over the release's l2 sensitivity under
+      `neighboring_relation`; finite and > 0.
+    neighboring_relation: the relation its sensitivity was derived for (the
+      value of a `neighboring.NeighboringRelation`); it must be the run's.
+  """
+
+  name: str
+  noise_multiplier: float
+  neighboring_relation: str = neighboring.NeighboringRelation.ADD_OR_REMOVE.value
+
+  def __post_init__(self):
+    value = checks.noise_multiplier(self.noise_multiplier,
+                                    f'noise_multiplier of {self.name!r}')
+    if value == 0.0:
+      raise ValueError(f'the release {self.name!r} has no noise: it is not '
+                       'private (epsilon inf); give it a noise multiplier > 0')
+    object.__setattr__(self, 'noise_multiplier', value)
+    object.__setattr__(self, 'neighboring_relation', neighboring.
+                       NeighboringRelation(self.neighboring_relation).value)
+
+
+def _releases(releases, relation=None) -> tuple:
+  """The releases as a tuple, checked (and against the run's relation)."""
+  releases = tuple(releases or ())
+  for release in releases:
+    if not isinstance(release, GaussianRelease):
+      raise TypeError(f'releases must be GaussianRelease, got {release!r}')
+    if relation is not None and release.neighboring_relation != (
+        neighboring.NeighboringRelation(relation).value):
+      raise ValueError(
+          f'the release {release.name!r} was calibrated for '
+          f'{release.neighboring_relation} neighbours, the run for '
+          f'{neighboring.NeighboringRelation(relation).value}: its sensitivity '
+          'would not be the one accounted; compute it for the run\'s relation')
+  return releases
+
+
+def releases_mu(releases) -> float:
+  """The GDP parameter of the releases together: `sqrt(sum 1 / z_i^2)`.
+
+  Example:
+    >>> releases_mu([GaussianRelease('a', 3.0), GaussianRelease('b', 4.0)])
+    0.4166...
+
+  Args:
+    releases: `GaussianRelease`s.
+
+  Returns:
+    mu (0 for none).
+  """
+  return math.sqrt(sum(release.noise_multiplier ** -2
+                       for release in _releases(releases)))
+
+
 def single_epoch(num_steps: int) -> FixedOrder:
   """Each example in at most one of `num_steps` steps (one pass).
 
@@ -238,16 +315,19 @@ def mechanism_sensitivity(mechanism: noise_lib.NoiseMechanism,
 
 
 def dp_event(mechanism: noise_lib.NoiseMechanism, noise_multiplier: float,
-             participation: Participation) -> dp_accounting.DpEvent:
+             participation: Participation, releases=()
+             ) -> dp_accounting.DpEvent:
   """The `dp_accounting` event of a whole run.
 
   Args:
     mechanism: the noise mechanism used by the run.
     noise_multiplier: node/step noise std over one step's sensitivity.
     participation: how batches were formed.
+    releases: `GaussianRelease`s of the same data besides the steps.
 
   Returns:
-    A `dp_accounting.DpEvent`.
+    A `dp_accounting.DpEvent`: the steps' event, composed after the
+    releases' `GaussianDpEvent`s when there are any.
 
   Raises:
     ValueError: for bad inputs (a negative, NaN or infinite noise
@@ -265,13 +345,20 @@ def dp_event(mechanism: noise_lib.NoiseMechanism, noise_multiplier: float,
         mechanism.num_steps != participation.num_steps):
       raise ValueError('the mechanism and the participation pattern disagree '
                        'on the number of steps')
-    return dp_accounting.SelfComposedDpEvent(
+    event = dp_accounting.SelfComposedDpEvent(
         dp_accounting.PoissonSampledDpEvent(
             participation.sampling_probability,
             dp_accounting.GaussianDpEvent(noise_multiplier)),
         participation.num_steps)
-  sensitivity = mechanism_sensitivity(mechanism, participation)
-  return dp_accounting.GaussianDpEvent(noise_multiplier / sensitivity)
+  else:
+    sensitivity = mechanism_sensitivity(mechanism, participation)
+    event = dp_accounting.GaussianDpEvent(noise_multiplier / sensitivity)
+  releases = _releases(releases)
+  if not releases:
+    return event
+  return dp_accounting.ComposedDpEvent(
+      [dp_accounting.GaussianDpEvent(r.noise_multiplier) for r in releases]
+      + [event])
 
 
 def tree_aggregation_event(noise_multiplier: float, num_steps: int,
@@ -315,6 +402,10 @@ def _accountant(method: str, relation: neighboring.NeighboringRelation,
   if isinstance(event, dp_accounting.SingleEpochTreeAggregationDpEvent):
     return dp_accounting.rdp.RdpAccountant(
         neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_SPECIAL)
+  if isinstance(event, dp_accounting.ComposedDpEvent):
+    # Releases first, the steps' event last (`dp_event`): the steps decide
+    # the relation; a release's Gaussian is the same under each of them.
+    event = event.events[-1]
   amplified = isinstance(event, dp_accounting.SelfComposedDpEvent)
   if amplified and neighboring.NeighboringRelation(relation) is (
       neighboring.NeighboringRelation.REPLACE_ONE):
@@ -445,11 +536,13 @@ def gdp_delta(mu: float, epsilon: float) -> float:
 
 
 def _closed_form_epsilon(method: str, sensitivity: float,
-                         noise_multiplier: float, delta: float) -> float:
-  """epsilon of 'zcdp' or 'gdp_paper' for a run of this sensitivity."""
+                         noise_multiplier: float, delta: float,
+                         release_mu: float = 0.0) -> float:
+  """epsilon of 'zcdp' or 'gdp_paper' for a run of this sensitivity, with
+  releases of GDP parameter `release_mu` (Gaussians compose: mu^2 add)."""
   if noise_multiplier == 0:
     return math.inf
-  mu = sensitivity / noise_multiplier
+  mu = math.hypot(sensitivity / noise_multiplier, release_mu)
   if method == 'zcdp':
     return zcdp_epsilon(mu ** 2 / 2.0, delta)
   return mu * math.sqrt(2.0 * math.log(2.5 / delta))
@@ -464,6 +557,7 @@ def epsilon_spent(
     method: str = 'pld',
     neighboring_relation: neighboring.NeighboringRelation = (
         neighboring.NeighboringRelation.ADD_OR_REMOVE),
+    releases=(),
 ) -> float:
   """The epsilon of a whole run at `delta`.
 
@@ -480,6 +574,8 @@ def epsilon_spent(
     method: 'pld', 'rdp', 'zcdp' or 'gdp_paper' (module docstring).
     neighboring_relation: the relation (matters only under Poisson sampling;
       otherwise it is already in the noise multiplier).
+    releases: `GaussianRelease`s of the same data besides the steps (e.g.
+      private preprocessing), spent together with them.
 
   Returns:
     epsilon. A noise multiplier of 0 (a Gaussian mechanism without noise)
@@ -496,10 +592,12 @@ def epsilon_spent(
   noise_multiplier = checks.noise_multiplier(noise_multiplier)
   validate_epsilon_delta(None, delta)
   _check_method(method, participation)
+  releases = _releases(releases, neighboring_relation)
   if method in ('zcdp', 'gdp_paper'):
     sensitivity = mechanism_sensitivity(mechanism, participation)
-    return _closed_form_epsilon(method, sensitivity, noise_multiplier, delta)
-  event = dp_event(mechanism, noise_multiplier, participation)
+    return _closed_form_epsilon(method, sensitivity, noise_multiplier, delta,
+                                releases_mu(releases))
+  event = dp_event(mechanism, noise_multiplier, participation, releases)
   interval = _PLD_INTERVAL
   if method == 'pld' and noise_multiplier > 0:
     # The PLD's cost grows with the privacy loss it discretizes (12 s at
@@ -509,7 +607,8 @@ def epsilon_spent(
     # 33 nothing changes.
     rdp = epsilon_spent(mechanism, noise_multiplier, participation, delta,
                         method='rdp',
-                        neighboring_relation=neighboring_relation)
+                        neighboring_relation=neighboring_relation,
+                        releases=releases)
     interval = max(_PLD_INTERVAL, _PLD_RELATIVE_INTERVAL * rdp)
   accountant = _accountant(method, neighboring_relation, event, interval)
   with quiet_excluded_orders():
@@ -525,6 +624,7 @@ def calibrate_noise_multiplier(
     method: str = 'pld',
     neighboring_relation: neighboring.NeighboringRelation = (
         neighboring.NeighboringRelation.ADD_OR_REMOVE),
+    releases=(),
 ) -> float:
   """The smallest noise multiplier whose run is (epsilon, delta)-DP.
 
@@ -540,14 +640,29 @@ def calibrate_noise_multiplier(
     delta: target delta in (0, 1).
     method: 'pld', 'rdp', 'zcdp' or 'gdp_paper' (module docstring).
     neighboring_relation: see `epsilon_spent`.
+    releases: `GaussianRelease`s of the same data besides the steps: the
+      steps get what they leave of (epsilon, delta), so the whole run with
+      them is (epsilon, delta)-DP.
 
   Returns:
     The noise multiplier (node/step noise std over one step's sensitivity):
-    finite and > 0, and `epsilon_spent` of it under the same method is at
-    most `epsilon`.
+    finite and > 0, and `epsilon_spent` of it (with the releases) under the
+    same method is at most `epsilon`.
+
+  Raises:
+    ValueError: for bad inputs, or releases that alone spend `epsilon`.
   """
   validate_epsilon_delta(epsilon, delta)
   _check_method(method, participation)
+  releases = _releases(releases, neighboring_relation)
+  if releases:
+    alone = releases_epsilon(releases, delta, method=method)
+    if alone >= epsilon:
+      raise ValueError(
+          f'the releases {[r.name for r in releases]} alone spend epsilon '
+          f'{alone:.4g} (method {method!r}), not less than the target '
+          f'{epsilon}: nothing is left for the steps; give the releases more '
+          'noise or the run a larger epsilon')
   if epsilon > checks.NOMINAL_EPSILON:
     warnings.warn(
         f'calibrating to epsilon = {epsilon:g}: a guarantee of e^{epsilon:g} '
@@ -556,21 +671,24 @@ def calibrate_noise_multiplier(
         stacklevel=2)
   if method in ('zcdp', 'gdp_paper'):
     sensitivity = mechanism_sensitivity(mechanism, participation)
-    if method == 'zcdp':
-      value = sensitivity / math.sqrt(2.0 * zcdp_rho(epsilon, delta))
-    else:
-      value = sensitivity / paper_gdp_mu(epsilon, delta)
+    mu = (math.sqrt(2.0 * zcdp_rho(epsilon, delta)) if method == 'zcdp'
+          else paper_gdp_mu(epsilon, delta))
+    # The steps get the rest of the Gaussian budget: mu^2 = mu_s^2 + mu_r^2.
+    release_mu = releases_mu(releases)
+    value = sensitivity / math.sqrt(mu ** 2 - release_mu ** 2)
     # The closed form inverts `epsilon_spent` exactly on paper, but rounding
     # can leave the multiplier an ulp too small (epsilon 2 + 2e-15 for a
     # target of 2): step up until the guarantee holds, as below.
-    while _closed_form_epsilon(method, sensitivity, value, delta) > epsilon:
+    while _closed_form_epsilon(method, sensitivity, value, delta,
+                               release_mu) > epsilon:
       value = math.nextafter(value, math.inf)
     return value
 
   @functools.lru_cache(maxsize=None)
   def gap(z: float) -> float:
     return epsilon_spent(mechanism, z, participation, delta, method=method,
-                         neighboring_relation=neighboring_relation) - epsilon
+                         neighboring_relation=neighboring_relation,
+                         releases=releases) - epsilon
 
   # Bracket with the cheap RDP accountant first: PLD at a tiny multiplier
   # (huge epsilon) needs enormous memory, and RDP's multiplier is an upper
@@ -580,6 +698,7 @@ def calibrate_noise_multiplier(
     if not isinstance(participation, PoissonSampling):
       with warnings.catch_warnings():  # Announced once, by the outer call.
         warnings.simplefilter('ignore', checks.NoPrivacyWarning)
+        # Without the releases: only a start (the doubling below ends it).
         upper = calibrate_noise_multiplier(mechanism, participation, epsilon,
                                            delta, method='gdp_paper')
     while gap(upper) > 0:
@@ -590,9 +709,20 @@ def calibrate_noise_multiplier(
   else:
     with warnings.catch_warnings():  # Announced once, by the outer call.
       warnings.simplefilter('ignore', checks.NoPrivacyWarning)
-      upper = calibrate_noise_multiplier(
-          mechanism, participation, epsilon, delta, method='rdp',
-          neighboring_relation=neighboring_relation)
+      try:
+        upper = calibrate_noise_multiplier(
+            mechanism, participation, epsilon, delta, method='rdp',
+            neighboring_relation=neighboring_relation, releases=releases)
+      except ValueError:
+        if not releases:
+          raise
+        # The releases leave PLD some budget but RDP none: start without
+        # them (a multiplier too small, doubled below).
+        upper = calibrate_noise_multiplier(
+            mechanism, participation, epsilon, delta, method='rdp',
+            neighboring_relation=neighboring_relation)
+    while gap(upper) > 0:
+      upper *= 2.0
     lower = upper / 2.0
     while gap(lower) <= 0:
       lower /= 2.0
@@ -602,6 +732,40 @@ def calibrate_noise_multiplier(
   while gap(value) > 0:
     value *= 1.0 + 1e-6
   return float(value)
+
+
+def releases_epsilon(releases, delta: float, *, method: str = 'pld'
+                     ) -> float:
+  """The epsilon of `GaussianRelease`s alone (before any step is taken).
+
+  Example:
+    >>> releases_epsilon([GaussianRelease('mean', 20.0)], 1e-5)
+
+  Args:
+    releases: `GaussianRelease`s.
+    delta: target delta.
+    method: accounting method, as for the run they belong to.
+
+  Returns:
+    epsilon (0 for none).
+  """
+  releases = _releases(releases)
+  validate_epsilon_delta(None, delta)
+  _check_method(method, FixedOrder(1, 1))
+  if not releases:
+    return 0.0
+  mu = releases_mu(releases)
+  if method == 'zcdp':
+    return zcdp_epsilon(mu ** 2 / 2.0, delta)
+  if method == 'gdp_paper':
+    return mu * math.sqrt(2.0 * math.log(2.5 / delta))
+  event = dp_accounting.ComposedDpEvent(
+      [dp_accounting.GaussianDpEvent(r.noise_multiplier) for r in releases])
+  accountant = (dp_accounting.pld.PLDAccountant(
+      value_discretization_interval=_PLD_INTERVAL) if method == 'pld'
+                else dp_accounting.rdp.RdpAccountant())
+  with quiet_excluded_orders():
+    return float(accountant.compose(event).get_epsilon(delta))
 
 
 def epsilon_for_gdp(mu: float, delta: float) -> float:

@@ -146,7 +146,8 @@ def _prefix_epsilon(mechanism: noise_lib.NoiseMechanism,
                     noise_multiplier: float,
                     participation: accounting.Participation, delta: float,
                     steps: int, method: str,
-                    relation: neighboring.NeighboringRelation) -> float:
+                    relation: neighboring.NeighboringRelation,
+                    releases=()) -> float:
   """Epsilon of the first `steps` steps of a run (`accounting.epsilon_spent`).
 
   Poisson sampling: the same i.i.d. Gaussian mechanism composed `steps`
@@ -161,7 +162,8 @@ def _prefix_epsilon(mechanism: noise_lib.NoiseMechanism,
     return accounting.epsilon_spent(
         noise_lib.gaussian(steps), noise_multiplier,
         accounting.PoissonSampling(participation.sampling_probability, steps),
-        delta, method=method, neighboring_relation=relation)
+        delta, method=method, neighboring_relation=relation,
+        releases=releases)
   total = participation.num_steps
   if mechanism.num_steps is None:
     encoder, rows = np.eye(total), np.arange(total) < steps
@@ -180,14 +182,15 @@ def _prefix_epsilon(mechanism: noise_lib.NoiseMechanism,
       name=f'{mechanism.name}, first {steps} steps')
   return accounting.epsilon_spent(truncated, noise_multiplier, participation,
                                   delta, method=method,
-                                  neighboring_relation=relation)
+                                  neighboring_relation=relation,
+                                  releases=releases)
 
 
 # Fields that define a run: a resume must agree on all of them.
 _RUN_FIELDS = ('mechanism', 'mechanism_fingerprint', 'release',
                'noise_multiplier', 'participation', 'num_steps', 'delta',
                'target_epsilon', 'method', 'neighboring_relation',
-               'key_fingerprint')
+               'key_fingerprint', 'releases')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,6 +224,9 @@ class PrivacyLedger:
     planned_epsilon: epsilon of the whole planned run.
     target_epsilon: the epsilon the noise was calibrated to, if any.
     steps_consumed: steps run so far.
+    releases: `accounting.GaussianRelease`s of the same data besides the
+      steps (private preprocessing): spent before step 0, composed with
+      every step in the epsilons reported.
   """
 
   mechanism: str
@@ -236,6 +242,7 @@ class PrivacyLedger:
   planned_epsilon: float
   target_epsilon: Optional[float] = None
   steps_consumed: int = 0
+  releases: tuple = ()
 
   @classmethod
   def create(
@@ -250,6 +257,7 @@ class PrivacyLedger:
       method: str = 'pld',
       neighboring_relation: neighboring.NeighboringRelation = (
           neighboring.NeighboringRelation.ADD_OR_REMOVE),
+      releases=(),
   ) -> 'PrivacyLedger':
     """The ledger of a run that has not started (`steps_consumed = 0`).
 
@@ -272,19 +280,22 @@ class PrivacyLedger:
       target_epsilon: the epsilon the noise was calibrated to, if any.
       method: accounting method (`accounting.METHODS`).
       neighboring_relation: the relation the noise was calibrated for.
+      releases: `accounting.GaussianRelease`s of the same data besides the
+        steps (e.g. `preprocessing.dp_standardization(...).release`).
 
     Returns:
       A `PrivacyLedger` with its `planned_epsilon` computed by
-      `accounting.epsilon_spent` for the whole run.
+      `accounting.epsilon_spent` for the whole run, releases included.
 
     Raises:
       ValueError: if the mechanism, participation and delta do not make an
         accountable run, or the planned epsilon exceeds `target_epsilon`.
     """
     relation = neighboring.NeighboringRelation(neighboring_relation)
+    releases = tuple(releases or ())
     planned = accounting.epsilon_spent(
         mechanism, noise_multiplier, participation, delta, method=method,
-        neighboring_relation=relation)
+        neighboring_relation=relation, releases=releases)
     if target_epsilon is not None:
       accounting.validate_epsilon_delta(target_epsilon, delta)
       if planned > float(target_epsilon) * (1.0 + 1e-9):
@@ -304,7 +315,8 @@ class PrivacyLedger:
         key_fingerprint=None if key is None else key_fingerprint(key),
         planned_epsilon=float(planned),
         target_epsilon=(None if target_epsilon is None else
-                        float(target_epsilon)))
+                        float(target_epsilon)),
+        releases=releases)
 
   def advance_to(self, step: int) -> 'PrivacyLedger':
     """This ledger with `steps_consumed = step` (steps are never given back).
@@ -408,7 +420,8 @@ class PrivacyLedger:
       mechanism: the run's noise mechanism, for the exact partial account.
 
     Returns:
-      epsilon: 0 before the first step, `planned_epsilon` after the last.
+      epsilon: the releases' alone before the first step (0 without
+      releases), `planned_epsilon` after the last.
 
     Raises:
       LedgerMismatchError: if `mechanism` is not the run's mechanism.
@@ -419,13 +432,15 @@ class PrivacyLedger:
           f'{mechanism.name} is not the mechanism this ledger accounts for '
           f'({self.mechanism})')
     if self.steps_consumed == 0:
-      return 0.0
+      return accounting.releases_epsilon(self.releases, self.delta,
+                                         method=self.method)
     if mechanism is None or self.steps_consumed == self.num_steps:
       return self.planned_epsilon
     return _prefix_epsilon(
         mechanism, self.noise_multiplier, self.participation, self.delta,
         self.steps_consumed, self.method,
-        neighboring.NeighboringRelation(self.neighboring_relation))
+        neighboring.NeighboringRelation(self.neighboring_relation),
+        self.releases)
 
   def epsilon_at(self, step: int,
                  mechanism: Optional[noise_lib.NoiseMechanism] = None
@@ -509,6 +524,7 @@ class PrivacyLedger:
     """
     value = dataclasses.asdict(self)
     value['participation'] = _participation_to_json(self.participation)
+    value['releases'] = [dataclasses.asdict(r) for r in self.releases]
     return value
 
   @classmethod
@@ -531,6 +547,9 @@ class PrivacyLedger:
     try:
       fields['participation'] = _participation_from_json(
           fields['participation'])
+      # Ledgers written before releases existed had none.
+      fields['releases'] = tuple(accounting.GaussianRelease(**r)
+                                 for r in fields.get('releases', ()))
       return cls(**fields)
     except (KeyError, TypeError) as error:
       raise LedgerMismatchError(

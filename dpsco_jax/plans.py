@@ -43,7 +43,7 @@ spends is computed); exactly one of the two.
 import dataclasses
 import math
 import secrets
-from typing import Any, Callable, Iterator, Mapping, Optional, Union
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import dp_accounting
 import jax
@@ -288,12 +288,13 @@ def _normalize_by(sampler: Sampler) -> float:
 
 
 def _noise_multiplier(mechanism, participation, epsilon, delta,
-                      noise_multiplier, method, relation) -> float:
+                      noise_multiplier, method, relation, releases=()
+                      ) -> float:
   if noise_multiplier is not None:
     return checks.noise_multiplier(noise_multiplier)
   return accounting.calibrate_noise_multiplier(
       mechanism, participation, epsilon, delta, method=method,
-      neighboring_relation=relation)
+      neighboring_relation=relation, releases=releases)
 
 
 def _batched_plan(
@@ -310,10 +311,13 @@ def _batched_plan(
     relation: Relation,
     axis_name: Optional[str],
     hyperparameters: Mapping[str, Any],
+    releases: Sequence[accounting.GaussianRelease] = (),
 ) -> Plan:
   """Calibrates, builds and checks a plan whose batches come from `sampler`.
 
   `build(noise_multiplier, normalize_by)` makes the private transformation.
+  The noise is calibrated to what the `releases` (private preprocessing of
+  the same data) leave of the target, and the ledger spends them too.
   """
   _target(epsilon, noise_multiplier, delta)
   relation = Relation(relation)
@@ -321,8 +325,9 @@ def _batched_plan(
   if mechanism.num_steps != participation.num_steps:
     raise AssertionError('the mechanism and the sampler disagree on the '
                          'number of steps')
+  releases = tuple(releases)
   multiplier = _noise_multiplier(mechanism, participation, epsilon, delta,
-                                 noise_multiplier, method, relation)
+                                 noise_multiplier, method, relation, releases)
   private = build(multiplier, _normalize_by(sampler))
   guard = batching.participation_guard(
       participation, num_examples=sampler.num_examples,
@@ -335,12 +340,14 @@ def _batched_plan(
                      f'got {type(optimizer).__name__}')
   ledger = ledger_lib.PrivacyLedger.create(
       mechanism, multiplier, participation, delta, key=None,
-      target_epsilon=epsilon, method=method, neighboring_relation=relation)
+      target_epsilon=epsilon, method=method, neighboring_relation=relation,
+      releases=releases)
   return Plan(
       algorithm=algorithm, transformation=optax.chain(*parts),
       private_transformation=private, batches=sampler, mechanism=mechanism,
       noise_multiplier=multiplier, participation=participation,
-      event=accounting.dp_event(mechanism, multiplier, participation),
+      event=accounting.dp_event(mechanism, multiplier, participation,
+                                releases),
       ledger=ledger, epsilon=ledger.planned_epsilon,
       target_epsilon=None if epsilon is None else float(epsilon),
       delta=float(delta), method=method, num_steps=participation.num_steps,
@@ -369,6 +376,7 @@ def dpsgd(
     key: estimators.KeyLike = None,
     method: str = 'pld',
     neighboring_relation: Relation = Relation.ADD_OR_REMOVE,
+    releases: Sequence[accounting.GaussianRelease] = (),
     microbatch_size: Optional[int] = None,
     clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
@@ -405,6 +413,10 @@ def dpsgd(
     key: the noise key (None: fresh from OS entropy).
     method: accounting method (`accounting.METHODS`).
     neighboring_relation: the relation the noise is calibrated for.
+    releases: private preprocessing of the same data
+      (`preprocessing.dp_standardization(...).release`): the noise is
+      calibrated to what they leave of `epsilon`, and the ledger and
+      `epsilon_at` spend them from step 0 on.
     microbatch_size: optional cap on per-example gradients held at once.
     clipping_method: 'auto' (default: ghost norms when the loss qualifies,
       else per-example gradients, announced once), 'ghost' or 'vmap'
@@ -427,7 +439,7 @@ def dpsgd(
       mechanism=baselines.dpsgd_mechanism(steps), sampler=sampler,
       optimizer=optimizer, epsilon=epsilon, noise_multiplier=noise_multiplier,
       delta=delta, method=method, relation=neighboring_relation,
-      axis_name=axis_name,
+      axis_name=axis_name, releases=releases,
       hyperparameters={'l2_clip': l2_clip, 'epochs': epochs})
 
 
@@ -458,6 +470,7 @@ def dpftrl(
     key: estimators.KeyLike = None,
     method: str = 'pld',
     neighboring_relation: Relation = Relation.ADD_OR_REMOVE,
+    releases: Sequence[accounting.GaussianRelease] = (),
     microbatch_size: Optional[int] = None,
     clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
@@ -493,6 +506,10 @@ def dpftrl(
     key: the noise key (None: fresh from OS entropy).
     method: accounting method.
     neighboring_relation: the relation the noise is calibrated for.
+    releases: private preprocessing of the same data
+      (`preprocessing.dp_standardization(...).release`): the noise is
+      calibrated to what they leave of `epsilon`, and the ledger and
+      `epsilon_at` spend them from step 0 on.
     microbatch_size: optional cap on per-example gradients held at once.
     clipping_method: 'auto' (default: ghost norms when the loss qualifies,
       else per-example gradients, announced once), 'ghost' or 'vmap'
@@ -519,7 +536,7 @@ def dpftrl(
       mechanism=baselines.dpftrl_mechanism(steps, restart_every, honaker),
       sampler=sampler, optimizer=optimizer, epsilon=epsilon,
       noise_multiplier=noise_multiplier, delta=delta, method=method,
-      relation=neighboring_relation, axis_name=axis_name,
+      relation=neighboring_relation, axis_name=axis_name, releases=releases,
       hyperparameters={'l2_clip': l2_clip, 'epochs': epochs,
                        'restart_every': restart_every, 'honaker': honaker})
 
@@ -566,6 +583,7 @@ def dpmemf(
     key: estimators.KeyLike = None,
     method: str = 'pld',
     neighboring_relation: Relation = Relation.ZERO_OUT,
+    releases: Sequence[accounting.GaussianRelease] = (),
     microbatch_size: Optional[int] = None,
     clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
@@ -602,6 +620,10 @@ def dpmemf(
     neighboring_relation: the relation the noise is calibrated for; default
       ZERO_OUT, the papers' (000/001): a fixed batch order's accounting
       assumes it (same sensitivity as add/remove).
+    releases: private preprocessing of the same data
+      (`preprocessing.dp_standardization(...).release`): the noise is
+      calibrated to what they leave of `epsilon`, and the ledger and
+      `epsilon_at` spend them from step 0 on.
     microbatch_size: optional cap on per-example gradients held at once.
     clipping_method: 'auto' (default: ghost norms when the loss qualifies,
       else per-example gradients, announced once), 'ghost' or 'vmap'
@@ -625,7 +647,7 @@ def dpmemf(
       mechanism=mechanism, sampler=sampler, optimizer=optimizer,
       epsilon=epsilon, noise_multiplier=noise_multiplier, delta=delta,
       method=method, relation=neighboring_relation,
-      axis_name=axis_name,
+      axis_name=axis_name, releases=releases,
       hyperparameters={'l2_clip': l2_clip, 'epochs': epochs,
                        'strategy_given': strategy is not None,
                        'momentum': momentum, 'bands': bands})
@@ -637,7 +659,8 @@ def _single_pass(algorithm: str, loss_fn: LossFn, *, num_examples: int,
                  noise_multiplier: Optional[float], gradient: str,
                  seed: Optional[int], key: estimators.KeyLike, method: str,
                  relation: Relation, microbatch_size: Optional[int],
-                 axis_name: Optional[str], clipping_method: str) -> Plan:
+                 axis_name: Optional[str], clipping_method: str,
+                 releases: Sequence[accounting.GaussianRelease] = ()) -> Plan:
   """The plans of Algorithm 1 and its unaccelerated ablation."""
   sampler = _sampler('fixed', num_examples, batch_size, 1, seed)
   steps = sampler.num_steps
@@ -664,6 +687,7 @@ def _single_pass(algorithm: str, loss_fn: LossFn, *, num_examples: int,
       algorithm, build, mechanism=mechanism, sampler=sampler, optimizer=None,
       epsilon=epsilon, noise_multiplier=noise_multiplier, delta=delta,
       method=method, relation=relation, axis_name=axis_name,
+      releases=releases,
       hyperparameters={'l2_clip': l2_clip, 'beta': beta, 'radius': radius,
                        'gradient': gradient})
 
@@ -684,6 +708,7 @@ def accelerated_dp_srgd(
     key: estimators.KeyLike = None,
     method: str = 'pld',
     neighboring_relation: Relation = Relation.ZERO_OUT,
+    releases: Sequence[accounting.GaussianRelease] = (),
     microbatch_size: Optional[int] = None,
     clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
@@ -718,6 +743,10 @@ def accelerated_dp_srgd(
     neighboring_relation: the relation the noise is calibrated for; default
       ZERO_OUT, the papers' (000/001): a fixed batch order's accounting
       assumes it (same sensitivity as add/remove).
+    releases: private preprocessing of the same data
+      (`preprocessing.dp_standardization(...).release`): the noise is
+      calibrated to what they leave of `epsilon`, and the ledger and
+      `epsilon_at` spend them from step 0 on.
     microbatch_size: optional cap on per-example values held at once.
     clipping_method: 'auto' (default: ghost norms when the loss qualifies,
       else per-example gradients, announced once), 'ghost' or 'vmap'
@@ -732,7 +761,8 @@ def accelerated_dp_srgd(
       batch_size=batch_size, beta=beta, radius=radius, l2_clip=l2_clip,
       delta=delta, epsilon=epsilon, noise_multiplier=noise_multiplier,
       gradient=gradient, seed=seed, key=key, method=method,
-      relation=neighboring_relation, microbatch_size=microbatch_size,
+      relation=neighboring_relation, releases=releases,
+      microbatch_size=microbatch_size,
                                      clipping_method=clipping_method,
       axis_name=axis_name)
 
@@ -752,6 +782,7 @@ def unaccelerated_dp_srg(
     key: estimators.KeyLike = None,
     method: str = 'pld',
     neighboring_relation: Relation = Relation.ZERO_OUT,
+    releases: Sequence[accounting.GaussianRelease] = (),
     microbatch_size: Optional[int] = None,
     clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
@@ -779,6 +810,10 @@ def unaccelerated_dp_srg(
     neighboring_relation: the relation the noise is calibrated for; default
       ZERO_OUT, the papers' (000/001): a fixed batch order's accounting
       assumes it (same sensitivity as add/remove).
+    releases: private preprocessing of the same data
+      (`preprocessing.dp_standardization(...).release`): the noise is
+      calibrated to what they leave of `epsilon`, and the ledger and
+      `epsilon_at` spend them from step 0 on.
     microbatch_size: optional cap on per-example values held at once.
     clipping_method: 'auto' (default: ghost norms when the loss qualifies,
       else per-example gradients, announced once), 'ghost' or 'vmap'
@@ -793,7 +828,8 @@ def unaccelerated_dp_srg(
       batch_size=batch_size, beta=beta, radius=radius, l2_clip=l2_clip,
       delta=delta, epsilon=epsilon, noise_multiplier=noise_multiplier,
       gradient='srg', seed=seed, key=key, method=method,
-      relation=neighboring_relation, microbatch_size=microbatch_size,
+      relation=neighboring_relation, releases=releases,
+      microbatch_size=microbatch_size,
                                      clipping_method=clipping_method,
       axis_name=axis_name)
 
@@ -817,6 +853,7 @@ def dp_srg_memf(
     key: estimators.KeyLike = None,
     method: str = 'pld',
     neighboring_relation: Relation = Relation.ZERO_OUT,
+    releases: Sequence[accounting.GaussianRelease] = (),
     microbatch_size: Optional[int] = None,
     clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
@@ -853,6 +890,10 @@ def dp_srg_memf(
     neighboring_relation: the relation the noise is calibrated for; default
       ZERO_OUT, the papers' (000/001): a fixed batch order's accounting
       assumes it (same sensitivity as add/remove).
+    releases: private preprocessing of the same data
+      (`preprocessing.dp_standardization(...).release`): the noise is
+      calibrated to what they leave of `epsilon`, and the ledger and
+      `epsilon_at` spend them from step 0 on.
     microbatch_size: optional cap on per-example values held at once.
     clipping_method: 'auto' (default: ghost norms when the loss qualifies,
       else per-example gradients, announced once), 'ghost' or 'vmap'
@@ -877,7 +918,7 @@ def dp_srg_memf(
       mechanism=mechanism, sampler=sampler, optimizer=optimizer,
       epsilon=epsilon, noise_multiplier=noise_multiplier, delta=delta,
       method=method, relation=neighboring_relation,
-      axis_name=axis_name,
+      axis_name=axis_name, releases=releases,
       hyperparameters={'l2_clip': l2_clip, 'epochs': epochs, 'decay': decay,
                        'strategy_given': strategy is not None,
                        'momentum': momentum, 'bands': bands})

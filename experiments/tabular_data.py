@@ -15,8 +15,10 @@ Loaders take any path, so users point them at their own copies:
 `load_csv(path, target)` reads a user's own numeric CSV. `prepare(x, y,
 seed)` splits 80/20 at random, then standardizes every attribute and
 divides the target by its largest absolute value with statistics of the
-TRAINING rows only (not privatized, as in the paper), or scales by public
-bounds (`bounds=`, nothing computed from the data); `split_clients` deals the
+TRAINING rows only (not privatized, as in the paper: a release outside the
+run's epsilon), or scales by public bounds (`bounds=`, nothing computed from
+the data); for a private mean and variance whose epsilon the run's plan
+spends, see `dpsco_jax.preprocessing.dp_standardization`. `split_clients` deals the
 training rows into P IID clients of (nearly) equal size, padded to a common
 size with a mask.
 """
