@@ -37,6 +37,7 @@ from dpsco_jax import plans
 from experiments import datasets
 from experiments import models
 from experiments import quickstart
+from experiments import spine
 
 ALGORITHMS = ('dpmemf', 'dpftrl', 'dpsgd')
 
@@ -136,13 +137,11 @@ class Run(NamedTuple):
   """Everything a run needs, rebuilt identically on every (re)start.
 
   Attributes:
-    plan: the run's plan (transformation, sampler, mechanism, ledger).
-    step: the jitted step `(params, opt_state, inputs) -> (params,
-      opt_state)`, `inputs` from `plan.batches_of`.
+    plan: the run's plan (transformation, sampler, mechanism, ledger); the
+      loop that steps it is `spine.run_plan`'s.
   """
 
   plan: plans.Plan
-  step: Callable
 
   @property
   def tx(self) -> optax.GradientTransformation:
@@ -171,7 +170,7 @@ def init_params() -> dict:
 
 
 def build(settings: Settings, num_examples: int) -> Run:
-  """The plan and jitted step of a run.
+  """The plan of a run.
 
   Everything is a function of `settings` (seeds included), so a resumed
   process rebuilds the same run (the checkpoint refuses a different one).
@@ -213,14 +212,7 @@ def build(settings: Settings, num_examples: int) -> Run:
   else:
     plan = plans.dpmemf(loss_fn, batch_size=settings.batch_size,
                         momentum=settings.momentum, **common)
-
-  @jax.jit
-  def step(params, opt_state, inputs):
-    updates, opt_state = plan.transformation.update(None, opt_state, params,
-                                                    **inputs)
-    return optax.apply_updates(params, updates), opt_state
-
-  return Run(plan, step)
+  return Run(plan)
 
 
 def train(settings: Settings, checkpoint_path: str,
@@ -251,43 +243,28 @@ def train(settings: Settings, checkpoint_path: str,
   """
   train_data, test_data = datasets.load_digits()
   run = build(settings, len(train_data['y']))
-  plan, params = run.plan, init_params()
-  restored = checkpoint.restore_or_init(
-      checkpoint_path, params=params, opt_state=plan.init(params),
-      ledger=plan.ledger, sampler=plan.batches)
-  params, opt_state, ledger = (restored.params, restored.opt_state,
-                               restored.ledger)
-  if restored.step:
-    logging.info('%s: resumed from step %d of %d', settings.algorithm,
-                 restored.step, ledger.num_steps)
-  else:
-    logging.info('%s: starting at step 0 of %d (noise multiplier %.4f)',
-                 settings.algorithm, ledger.num_steps,
-                 ledger.noise_multiplier)
-  step = restored.step
-  for step, inputs in enumerate(plan.batches_of(train_data, restored.step),
-                                start=restored.step + 1):
-    params, opt_state = run.step(params, opt_state, inputs)
-    if step % settings.checkpoint_every == 0 or step == ledger.num_steps:
-      ledger = checkpoint.save(
-          checkpoint_path, params=params, opt_state=opt_state, step=step,
-          ledger=ledger, sampler_state=plan.batches)
-      logging.info('%s: checkpoint at step %d of %d', settings.algorithm,
-                   step, ledger.num_steps)
-    if on_step is not None:
-      on_step(step)
-    if step == stop_after:
-      return Result(params, ledger, restored.step, step)
-  predictions = np.argmax(models.linear_logits(params, test_data['x']), -1)
-  accuracy = float(np.mean(predictions == test_data['y']))
+  accuracy = lambda params: {'test_accuracy': float(np.mean(np.argmax(
+      models.linear_logits(params, test_data['x']), -1) == test_data['y']))}
+  result = spine.run_plan(
+      settings.algorithm, run.plan, init_params(), train_data,
+      evaluate=accuracy, eval_every=run.plan.num_steps,
+      checkpoint_dir=checkpoint_path,
+      checkpoint_every=settings.checkpoint_every, on_step=on_step,
+      stop_after=stop_after)
+  done = Result(result.params, result.ledger, result.first_step,
+                result.last_step)
+  if result.last_step < run.plan.num_steps:
+    return done
+  final_accuracy = result.rows[-1]['test_accuracy']
   logging.info('%s: done, test accuracy %.4f, epsilon spent %.4f at delta %g',
-               settings.algorithm, accuracy,
-               ledger.epsilon_spent(plan.mechanism), ledger.delta)
+               settings.algorithm, final_accuracy,
+               result.ledger.epsilon_spent(run.plan.mechanism),
+               result.ledger.delta)
   if release_path is not None:
-    checkpoint.export_release(release_path, params, ledger,
-                              mechanism=plan.mechanism,
-                              metadata={'test_accuracy': accuracy})
-  return Result(params, ledger, restored.step, step)
+    checkpoint.export_release(release_path, result.params, result.ledger,
+                              mechanism=run.plan.mechanism,
+                              metadata={'test_accuracy': final_accuracy})
+  return done
 
 
 def main(argv: Sequence[str]) -> None:

@@ -29,6 +29,7 @@ import optax
 
 from dpsco_jax import checkpoint
 from dpsco_jax import guards
+from dpsco_jax import ledger as ledger_lib
 from dpsco_jax import plans
 from experiments import outputs
 
@@ -46,20 +47,28 @@ class RunResult(NamedTuple):
     opt_state: the final optimizer state (NON-PRIVATE: never publish).
     rows: one metrics row per evaluation.
     wall_seconds: the run's wall time, compilation included.
+    first_step: the step the run started (resumed) at.
+    last_step: the last step run (`num_steps` unless stopped early).
+    ledger: the privacy ledger at `last_step` (with a checkpoint, the one
+      the last save wrote, which a release exports); None for plans without
+      one.
   """
 
   params: PyTree
   opt_state: PyTree
   rows: list[Row]
   wall_seconds: float
+  first_step: int = 0
+  last_step: Optional[int] = None
+  ledger: Optional[ledger_lib.PrivacyLedger] = None
 
 
 def _loop(name: str, num_steps: int, steps_per_epoch: float,
           inputs: Iterable[Mapping[str, Any]], step: Callable, params: PyTree,
           opt_state: PyTree, evaluate: Evaluate, eval_every: int,
           epsilon_at: Callable[[int], float], first_step: int = 0,
-          after_step: Optional[Callable[[int, PyTree, PyTree], None]] = None
-          ) -> RunResult:
+          after_step: Optional[Callable[[int, PyTree, PyTree], None]] = None,
+          stop_after: Optional[int] = None) -> RunResult:
   """The loop: one jitted step per input, evaluations, progress."""
   if eval_every < 1:
     raise ValueError(f'eval_every must be >= 1, got {eval_every}')
@@ -82,16 +91,21 @@ def _loop(name: str, num_steps: int, steps_per_epoch: float,
       record(t)
     if after_step is not None:
       after_step(t, params, opt_state)
-  if t != num_steps:
+    if t == stop_after:
+      break
+  if t != num_steps and t != stop_after:
     raise RuntimeError(f'{name}: the batches ended after {t} of {num_steps} '
                        'steps')
-  return RunResult(params, opt_state, rows, time.perf_counter() - start)
+  return RunResult(params, opt_state, rows, time.perf_counter() - start,
+                   first_step=first_step, last_step=t)
 
 
 def run_plan(name: str, plan: plans.Plan, params: PyTree, data: PyTree, *,
              evaluate: Evaluate, eval_every: int,
              checkpoint_dir: Optional[str] = None,
-             checkpoint_every: int = 100) -> RunResult:
+             checkpoint_every: int = 100,
+             on_step: Optional[Callable[[int], None]] = None,
+             stop_after: Optional[int] = None) -> RunResult:
   """Runs `plan` to its end on `data`, resuming from a checkpoint if any.
 
   With `checkpoint_dir`, the run starts from the checkpoint there when one
@@ -118,6 +132,9 @@ def run_plan(name: str, plan: plans.Plan, params: PyTree, data: PyTree, *,
     eval_every: evaluate every this many steps (and at step 0 and the end).
     checkpoint_dir: where to checkpoint (None: no checkpoints).
     checkpoint_every: steps between checkpoints.
+    on_step: called with each completed step number (after its checkpoint,
+      if one is due).
+    stop_after: return after this step, as an interrupted run would.
 
   Returns:
     The `RunResult` (its rows start at the step the run resumed from).
@@ -139,6 +156,7 @@ def run_plan(name: str, plan: plans.Plan, params: PyTree, data: PyTree, *,
   steps_per_epoch = plan.num_examples / plan.hyperparameters.get(
       'batch_size', plan.num_examples)
   opt_state, first, after_step = plan.init(params), 0, None
+  ledger = [plan.ledger]
   if checkpoint_dir is not None:
     if plan.ledger is None:
       raise ValueError(f'{plan.algorithm} has no privacy ledger: its runs '
@@ -150,7 +168,7 @@ def run_plan(name: str, plan: plans.Plan, params: PyTree, data: PyTree, *,
                                 restored.step)
     ledger = [restored.ledger]
     if first:
-      logging.info('%s: resumed at step %d of %d', name, first,
+      logging.info('%s: resumed from step %d of %d', name, first,
                    plan.num_steps)
 
     def save_when_due(t, params, opt_state):
@@ -158,8 +176,18 @@ def run_plan(name: str, plan: plans.Plan, params: PyTree, data: PyTree, *,
         ledger[0] = checkpoint.save(
             checkpoint_dir, params=params, opt_state=opt_state, step=t,
             ledger=ledger[0], sampler_state=plan.batches)
+        logging.info('%s: checkpoint at step %d of %d', name, t,
+                     plan.num_steps)
 
     after_step = save_when_due
+
+  if on_step is not None:
+    save = after_step
+
+    def after_step(t, params, opt_state):  # pylint: disable=function-redefined
+      if save is not None:
+        save(t, params, opt_state)
+      on_step(t)
 
   if plan.batches is None:
     # Full-batch plans (DIFF2, the multi-pass nonsmooth oracle) read the
@@ -167,9 +195,13 @@ def run_plan(name: str, plan: plans.Plan, params: PyTree, data: PyTree, *,
     inputs = itertools.repeat({'batch': data}, plan.num_steps - first)
   else:
     inputs = plan.batches_of(data, first)
-  return _loop(name, plan.num_steps, steps_per_epoch, inputs, step, params,
-               opt_state, evaluate, eval_every, plan.epsilon_at, first,
-               after_step)
+  result = _loop(name, plan.num_steps, steps_per_epoch, inputs, step, params,
+                 opt_state, evaluate, eval_every, plan.epsilon_at, first,
+                 after_step, stop_after)
+  final = ledger[0]
+  if final is not None and checkpoint_dir is None:
+    final = final.advance_to(result.last_step)
+  return result._replace(ledger=final)
 
 
 def run_optimizer(name: str, optimizer: optax.GradientTransformation,

@@ -102,3 +102,30 @@ def test_a_full_batch_plan_reads_all_the_data_every_step():
   with pytest.raises(ValueError, match='past|capacity|steps'):
     plan.transformation.update(None, result.opt_state, result.params,
                                batch=data)
+
+
+def test_stop_after_and_on_step_and_the_ledger_of_the_steps_run(tmp_path):
+  plan, params, data, evaluate = _setup()
+  seen = []
+  with warnings.catch_warnings():
+    warnings.simplefilter('ignore')
+    stopped = spine.run_plan('dpftrl', plan, params, data, evaluate=evaluate,
+                             eval_every=3, on_step=seen.append, stop_after=4)
+  assert seen == [1, 2, 3, 4]
+  assert (stopped.first_step, stopped.last_step) == (0, 4)
+  assert stopped.ledger.steps_consumed == 4
+  assert [row['step'] for row in stopped.rows] == [0, 3]
+  # With checkpoints, the ledger is the one the last save wrote.
+  directory = str(tmp_path / 'ckpt')
+  with warnings.catch_warnings():
+    warnings.simplefilter('ignore')
+    first = spine.run_plan('dpftrl', plan, params, data, evaluate=evaluate,
+                           eval_every=3, checkpoint_dir=directory,
+                           checkpoint_every=3, stop_after=5)
+    assert first.ledger.steps_consumed == 3
+    rest = spine.run_plan('dpftrl', plan, params, data, evaluate=evaluate,
+                          eval_every=3, checkpoint_dir=directory,
+                          checkpoint_every=3, on_step=seen.append)
+  assert (rest.first_step, rest.last_step) == (3, plan.num_steps)
+  assert rest.ledger.steps_consumed == plan.num_steps
+  assert seen[4:] == list(range(4, plan.num_steps + 1))
