@@ -155,7 +155,7 @@ def run_plan(name: str, plan: plans.Plan, params: PyTree, data: PyTree, *,
   step = guards.library_errors(jax.jit(step))
   steps_per_epoch = plan.num_examples / plan.hyperparameters.get(
       'batch_size', plan.num_examples)
-  opt_state, first, after_step = plan.init(params), 0, None
+  opt_state, first, hooks = plan.init(params), 0, []
   ledger = [plan.ledger]
   if checkpoint_dir is not None:
     if plan.ledger is None:
@@ -179,15 +179,13 @@ def run_plan(name: str, plan: plans.Plan, params: PyTree, data: PyTree, *,
         logging.info('%s: checkpoint at step %d of %d', name, t,
                      plan.num_steps)
 
-    after_step = save_when_due
-
+    hooks.append(save_when_due)
   if on_step is not None:
-    save = after_step
+    hooks.append(lambda t, params, opt_state: on_step(t))
 
-    def after_step(t, params, opt_state):  # pylint: disable=function-redefined
-      if save is not None:
-        save(t, params, opt_state)
-      on_step(t)
+  def after_step(t, params, opt_state):
+    for hook in hooks:
+      hook(t, params, opt_state)
 
   if plan.batches is None:
     # Full-batch plans (DIFF2, the multi-pass nonsmooth oracle) read the
