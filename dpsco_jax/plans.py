@@ -235,6 +235,8 @@ class Plan:
         'delta': self.delta, 'method': self.method,
         'num_steps': self.num_steps, 'num_examples': self.num_examples,
         'hyperparameters': dict(self.hyperparameters),
+        'releases': [dataclasses.asdict(release) for release in (
+            self.ledger.releases if self.ledger is not None else ())],
     }
 
 

@@ -198,6 +198,10 @@ def test_plan_spends_the_release_with_the_steps(sampling):
   steps_alone = accounting.epsilon_spent(plan.mechanism, plan.noise_multiplier,
                                          plan.participation, DELTA)
   assert steps_alone < plan.epsilon - 0.05
+  assert plan.describe()['releases'] == [
+      {'name': 'feature mean and variance', 'noise_multiplier': 4.0,
+       'neighboring_relation': 'add_or_remove'}]
+  json.dumps(plan.describe())
   # The plan's event is the composition, as an accountant reads it.
   composed = accounting.dp_event(plan.mechanism, plan.noise_multiplier,
                                  plan.participation, [RELEASE])
