@@ -299,6 +299,26 @@ def _noise_multiplier(mechanism, participation, epsilon, delta,
       neighboring_relation=relation, releases=releases)
 
 
+def _check_relation(algorithm: str, relation: Relation,
+                    participation: accounting.Participation) -> None:
+  """Refuses add/remove neighbours for a fixed or shuffled batch order.
+
+  The accounting of such an order bounds what ONE example changes at the
+  steps it takes part in. Adding or removing an example moves every later
+  one to another batch (and changes the order's permutation), which it does
+  not describe; zero-out (the example replaced by one with zero gradient)
+  and replace-one keep the batches.
+  """
+  if (relation is Relation.ADD_OR_REMOVE and
+      not isinstance(participation, accounting.PoissonSampling)):
+    raise ValueError(
+        f'{algorithm}: a {type(participation).__name__} batch order is '
+        'accounted for zero-out or replace-one neighbours, not add/remove '
+        '(adding or removing an example would move every later example to '
+        "another batch); use neighboring_relation='zero_out' (the same noise "
+        "and epsilon) or Poisson sampling")
+
+
 def _batched_plan(
     algorithm: str,
     build: Callable[[float, float], optax.GradientTransformationExtraArgs],
@@ -324,6 +344,7 @@ def _batched_plan(
   _target(epsilon, noise_multiplier, delta)
   relation = Relation(relation)
   participation = sampler.participation
+  _check_relation(algorithm, relation, participation)
   if mechanism.num_steps != participation.num_steps:
     raise AssertionError('the mechanism and the sampler disagree on the '
                          'number of steps')
@@ -377,7 +398,7 @@ def dpsgd(
     seed: Optional[int] = None,
     key: estimators.KeyLike = None,
     method: str = 'pld',
-    neighboring_relation: Relation = Relation.ADD_OR_REMOVE,
+    neighboring_relation: Optional[Relation] = None,
     releases: Sequence[accounting.GaussianRelease] = (),
     microbatch_size: Optional[int] = None,
     clipping_method: str = 'auto',
@@ -414,7 +435,9 @@ def dpsgd(
       examples are in which batch: keep it private).
     key: the noise key (None: fresh from OS entropy).
     method: accounting method (`accounting.METHODS`).
-    neighboring_relation: the relation the noise is calibrated for.
+    neighboring_relation: the relation the noise is calibrated for; default
+      add/remove under Poisson sampling, zero-out for 'shuffled' and
+      'fixed' (what their accounting assumes; add/remove is refused there).
     releases: private preprocessing of the same data
       (`preprocessing.dp_standardization(...).release`): the noise is
       calibrated to what they leave of `epsilon`, and the ledger and
@@ -430,6 +453,9 @@ def dpsgd(
   """
   sampler = _sampler(sampling, num_examples, batch_size, epochs, seed)
   steps = sampler.num_steps
+  if neighboring_relation is None:
+    neighboring_relation = (Relation.ADD_OR_REMOVE if sampling == 'poisson'
+                            else Relation.ZERO_OUT)
   return _batched_plan(
       'dpsgd',
       lambda z, divisor: baselines.dpsgd(
@@ -471,7 +497,7 @@ def dpftrl(
     seed: Optional[int] = None,
     key: estimators.KeyLike = None,
     method: str = 'pld',
-    neighboring_relation: Relation = Relation.ADD_OR_REMOVE,
+    neighboring_relation: Relation = Relation.ZERO_OUT,
     releases: Sequence[accounting.GaussianRelease] = (),
     microbatch_size: Optional[int] = None,
     clipping_method: str = 'auto',
@@ -507,7 +533,9 @@ def dpftrl(
     seed: the order's seed (None: fresh from OS entropy).
     key: the noise key (None: fresh from OS entropy).
     method: accounting method.
-    neighboring_relation: the relation the noise is calibrated for.
+    neighboring_relation: the relation the noise is calibrated for; default
+      zero-out, what a fixed or shuffled order's accounting assumes (same
+      sensitivity as add/remove, which is refused here).
     releases: private preprocessing of the same data
       (`preprocessing.dp_standardization(...).release`): the noise is
       calibrated to what they leave of `epsilon`, and the ledger and
@@ -1307,7 +1335,8 @@ def nonsmooth_single_pass(
     seed: the permutation's seed (None: fresh from OS entropy).
     key: the noise key (None: fresh from OS entropy).
     method: accounting method.
-    neighboring_relation: replace-one (the paper's) or add/remove.
+    neighboring_relation: replace-one (the paper's) or zero-out (add/remove
+      is refused: the single pass is a fixed order).
     reset_delta_each_block: see `nonsmooth.o2nc`.
     microbatch_size: optional cap on examples estimated at once.
     axis_name: the device axis on several devices.
@@ -1323,6 +1352,7 @@ def nonsmooth_single_pass(
   steps = sampler.num_steps
   mechanism = nonsmooth.nonsmooth_mechanism(steps, period)
   participation = sampler.participation
+  _check_relation('nonsmooth_single_pass', relation, participation)
   anchors = -(-steps // period)
   if anchor_directions is None:
     anchor_directions = 1 if order == 'first' else num_directions

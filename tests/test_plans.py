@@ -152,19 +152,48 @@ def _cases():
 
 class FixedOrderPlansAreZeroOutTest(absltest.TestCase):
 
-  def test_the_papers_fixed_order_plans_record_zero_out(self):
-    # Papers 000/001 account a fixed batch order under zero-out neighbours;
-    # the sensitivity (and so epsilon, checked above against add/remove)
-    # is the same, but the record says which relation was assumed.
-    fixed_order = {'dpmemf', 'accelerated_dp_srgd', 'accelerated_independent',
-                   'unaccelerated_dp_srg', 'dp_srg_memf'}
+  def test_fixed_and_shuffled_plans_record_zero_out(self):
+    # A fixed or shuffled batch order is accounted under zero-out neighbours
+    # (papers 000/001); the sensitivity (and so epsilon, checked above
+    # against add/remove) is the same, but the record says which relation
+    # was assumed. Only Poisson sampling is add/remove.
     found = set()
-    for name, make_plan, _, _ in _cases():
+    for name, make_plan, kind, _ in _cases():
       plan = make_plan()
-      expected = 'zero_out' if name in fixed_order else 'add_or_remove'
+      expected = 'add_or_remove' if kind == 'poisson' else 'zero_out'
       self.assertEqual(plan.ledger.neighboring_relation, expected, name)
-      found.add(name)
-    self.assertTrue(fixed_order <= found)
+      found.add(kind)
+    self.assertEqual(found, {'poisson', 'fixed', 'shuffled'})
+
+  def test_add_or_remove_is_refused_for_a_fixed_or_shuffled_order(self):
+    # Adding or removing an example moves every later one to another batch:
+    # the fixed-order accounting does not describe that relation.
+    sgd = optax.sgd(0.1)
+    makers = [
+        lambda r: plans.dpsgd(_loss, optimizer=sgd, epochs=EPOCHS,
+                              epsilon=2.0, sampling='fixed',
+                              neighboring_relation=r, **COMMON),
+        lambda r: plans.dpsgd(_loss, optimizer=sgd, epochs=EPOCHS,
+                              noise_multiplier=1.0, sampling='shuffled',
+                              neighboring_relation=r, **COMMON),
+        lambda r: plans.dpftrl(_loss, optimizer=sgd, epochs=EPOCHS,
+                               epsilon=2.0, neighboring_relation=r, **COMMON),
+        lambda r: plans.dpmemf(_loss, optimizer=sgd, epochs=EPOCHS,
+                               epsilon=2.0, neighboring_relation=r, **COMMON),
+        lambda r: plans.accelerated_dp_srgd(
+            _loss, beta=10.0, radius=None, epsilon=2.0,
+            neighboring_relation=r, **COMMON),
+    ]
+    with warnings.catch_warnings():
+      warnings.simplefilter('ignore')
+      for make in makers:
+        with self.assertRaisesRegex(ValueError, 'not add/remove'):
+          make('add_or_remove')
+        self.assertEqual(make('replace_one').ledger.neighboring_relation,
+                         'replace_one')
+      poisson = plans.dpsgd(_loss, optimizer=sgd, epochs=EPOCHS, epsilon=2.0,
+                            neighboring_relation='add_or_remove', **COMMON)
+    self.assertEqual(poisson.ledger.neighboring_relation, 'add_or_remove')
 
 
 class PlanAccountsWhatTheRunDidTest(parameterized.TestCase):
