@@ -418,13 +418,14 @@ def run_list(runner, data: Data, runs: List[Dict[str, Any]], chunk: int,
   Run r's noise key is `jax.random.key(key_base + seed)`. Returns the
   outputs `[len(runs), p]`.
   """
-  column = lambda values, dtype: np.asarray(values, dtype)
-  per_run = {'slot': column([r['slot'] for r in runs], np.int32),
-             'case': column([r['case'] for r in runs], np.int32),
-             'kind': column([data.kinds[r['case']] for r in runs], np.int32),
-             'hyper': column([r['hyper'] for r in runs], np.float32),
-             'clip': column([r['clip'] for r in runs], np.float32),
-             'key': column([key_base + r['seed'] for r in runs], np.uint32)}
+  per_run = {'slot': np.asarray([r['slot'] for r in runs], np.int32),
+             'case': np.asarray([r['case'] for r in runs], np.int32),
+             'kind': np.asarray([data.kinds[r['case']] for r in runs],
+                                np.int32),
+             'hyper': np.asarray([r['hyper'] for r in runs], np.float32),
+             'clip': np.asarray([r['clip'] for r in runs], np.float32),
+             'key': np.asarray([key_base + r['seed'] for r in runs],
+                               np.uint32)}
   done = sweeps.run_in_chunks(runner, per_run, max_parallel=chunk,
                               shared=(jnp.asarray(data.x),
                                       jnp.asarray(data.y)), name='runs')
