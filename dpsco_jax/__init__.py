@@ -44,6 +44,9 @@ The curated public API. Modules, one concern each:
 * `dpsco_jax.preprocessing`: feature standardization from public bounds,
   or from a noisy mean and variance whose release the run's plan and
   ledger spend with the steps (`releases=`);
+* `dpsco_jax.rounding`: certified floating-point bounds for the
+  comparisons privacy rests on (clip factors, outlier-removal distances):
+  rounding can only make them stricter;
 * `dpsco_jax.checkpoint`: checkpoint and resume with a privacy ledger, and
   releases that hold only what is safe to publish;
 * `dpsco_jax.audit`: empirical privacy auditing: canary runs of any
@@ -67,6 +70,7 @@ from dpsco_jax import outlier_removal
 from dpsco_jax import parallel
 from dpsco_jax import plans
 from dpsco_jax import preprocessing
+from dpsco_jax import rounding
 from dpsco_jax import smoothing
 from dpsco_jax import strategies
 from dpsco_jax.algorithms import nonsmooth

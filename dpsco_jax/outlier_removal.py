@@ -7,9 +7,9 @@ mean gradients sit within about L/sqrt(m) of their mean), the released mean
 needs noise of order tau/K, not L/K. The steps (paper 002, Algorithms 1-2,
 §2.0 of the implementation notes):
 
-1. Distances: `d_jj' = ||v_j - v_j'||` for all pairs, from per-leaf Gram
-   blocks (no concatenation of the leaves), after subtracting a PUBLIC
-   `center` (the phase's anchor point, say) against float cancellation.
+1. Distances: `d_jj' = ||v_j - v_j'||` for all pairs, from coordinate
+   differences (blocked over rows, per leaf, no concatenation), as
+   certified upper bounds (Rounding, below).
 2. Score: `s = (1/K) sum_{j,j'} 1(d_jj' <= score_radius)`, in [0, K].
    Replacing one point moves it by less than 2.
 3. Test: `s + Lap(b) >= threshold` (paper: 4K/5). A failed test HALTS: the
@@ -47,6 +47,46 @@ cutoff, P(Lap(b) >= threshold - s_cut - 2) and the coupling failure.
 `calibrate` turns (K, tau, epsilon, delta) into every noise level; no
 constant of the paper (its 100 and 1000 multipliers) is used.
 
+Rounding. The proof (docs/user_level.md §2) reasons about the relation
+"j and j' are close" through three facts: it depends on the two points
+only (Facts 1 and 4), it implies that they are truly within the radius
+(Facts 2 and 3, via the triangle inequality), and a closer radius implies
+a wider one (score pairs within the inclusion radius). The computed
+relation has all three, in float32 or bfloat16 and at ANY offset from the
+origin:
+
+* a distance is computed from `fl(a_i - b_i)`, whose error is relative to
+  the difference itself (not to |a| or |b|, as the Gram form's
+  `|a|^2 + |b|^2 - 2 a.b` is: far from the origin its terms cancel and
+  points far apart came out at distance 0, a release moving 2.8 times
+  its sensitivity);
+* a sum of n non-negative terms, each through at most N roundings (the
+  difference, the square, sqrt(n)-sized block sums in whatever order XLA
+  adds, the leaves), is at least `(1 - u)^N` times the exact sum, so
+  `fl(sum) (1 + 2 (N + 3) u) + 4 n tiny` (tiny: the smallest normal
+  number, for squares that underflow) is an upper bound on the exact
+  squared distance even after its own roundings;
+* a pair counts as close when that bound is at most `fl(r^2)` rounded
+  DOWN: a counted pair is truly within r. Rounding can only make the
+  tests stricter (a pair within about `r (1 - N u)` still counts).
+
+Counts are exact int32 sums; the score is `c // K + (c mod K)/K` with only
+the fraction rounded (2^-25), and the Laplace noise joins the fraction
+before the whole part is added, so Fact 1's bound `2 (K - 1)/K < 2` keeps
+its slack for K < 2^24. Weights `clip((6 h - 3K)/K, 0, 1)` are one
+division from exact integers (relative error u); `mean_sensitivity` adds
+2u per changed weight and the factor 1 - u on the total weight. The mean
+is formed as a kept point plus the weighted mean of the kept points'
+differences from it (pairwise sums), so its rounding is at most
+`mean_rounding_bound` = 8 tau gamma_{2L+4} (L = ceil(log2 K)) whatever the
+offset; `mean_sensitivity` adds it for both neighbours. The Gaussian
+noise is added to that difference mean before the kept point is added
+back, and the result is cast to the points' dtype last: the roundings after
+the noise are post-processing of the noisy value (up to the relative-u
+rounding of the noisy offset itself, the floating-point caveat that every
+float Gaussian or Laplace sample carries). A caller's `center` is no longer
+used: privacy never rested on it, and differences need none.
+
 Robustness: a point with a NaN or Inf coordinate (or whose squared norm
 overflows) is at distance +inf from every other point, so its weight is 0
 and it can never reach the mean, and the score still moves by less than 2.
@@ -59,7 +99,8 @@ References:
 
 import functools
 import math
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional, Sequence
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -70,6 +111,7 @@ from dpsco_jax import checks
 from dpsco_jax import guards
 from dpsco_jax import keys as keys_lib
 from dpsco_jax import parallel
+from dpsco_jax import rounding
 
 PyTree = Any
 
@@ -79,6 +121,7 @@ INCLUSIONS = ('weighted', 'sampled')
 # pass (2K/3): Algorithm 1, line 13, and the proof of Lemma B.2.
 PAPER_THRESHOLD_FRACTION = 0.8
 PAPER_CUTOFF_FRACTION = 2.0 / 3.0
+FLOAT32_ROUNDOFF = rounding.FLOAT32_ROUNDOFF
 
 
 class OutlierRemovalCalibration(NamedTuple):
@@ -203,8 +246,10 @@ def mean_sensitivity(num_points: int, tau: float, *,
 
   Valid whenever the score of the dataset is at least the cutoff (the
   calibration charges passes below it to delta). For `'weighted'`:
-  `4 tau (2 P + 3) / (2 s_cut - K)` with `P = 6 (K - 1)/K`, for every input
-  (derivation in the module docstring and docs/user_level.md). For
+  `4 tau (2 P + 3) / W + 2 mean_rounding_bound(K, tau)` with
+  `P = 6 (K - 1)/K + 2 u K` and `W = (2 s_cut - K)(1 - u)`, u = 2^-24, for
+  every input and the computation as it runs in float32 (derivation in the
+  module docstring, "Rounding", and docs/user_level.md). For
   `'sampled'`, P becomes the Chernoff quantile r of the inclusions that
   differ under shared uniforms and the weight the lower Chernoff quantile
   of the kept count, each failing with probability `failure_probability/2`.
@@ -242,8 +287,11 @@ def mean_sensitivity(num_points: int, tau: float, *,
   if not _anchor_exists(k, cutoff):
     raise ValueError(f'with K = {k} the cutoff {cutoff:.2f} does not leave a '
                      'shared anchor point; raise cutoff_fraction or K')
-  weight = 2.0 * cutoff - k
-  changed = 6.0 * (k - 1) / k
+  # Computed weights are p_j (1 + theta_j), |theta_j| <= u
+  # (`inclusion_probabilities`): each change grows by at most 2u, the total
+  # weight (or, sampled, the mean kept count) shrinks by at most 1 - u.
+  weight = (2.0 * cutoff - k) * (1.0 - FLOAT32_ROUNDOFF)
+  changed = 6.0 * (k - 1) / k + 2.0 * FLOAT32_ROUNDOFF * k
   if inclusion == 'sampled':
     if failure_probability is None:
       raise ValueError("inclusion='sampled' needs failure_probability")
@@ -256,7 +304,39 @@ def mean_sensitivity(num_points: int, tau: float, *,
                        'not bounded away from 0; use more points or '
                        "inclusion='weighted'")
     weight -= slack
-  return 4.0 * tau * (2.0 * changed + 3.0) / weight
+  return (4.0 * tau * (2.0 * changed + 3.0) / weight +
+          2.0 * mean_rounding_bound(k, tau))
+
+
+def mean_rounding_bound(num_points: int, tau: float) -> float:
+  """How far the computed pre-noise mean can sit from the exact one, on a pass.
+
+  The mean is `base + offset` (`weighted_mean`): base a kept point, offset
+  the weighted mean of the kept points' differences from it, summed as
+  balanced trees of depth L = ceil(log2 K). On a pass every kept point is
+  within 8 tau of base (module docstring, Fact 3), so each coordinate of
+  the offset is within `gamma_{2L+4} sum_j w_j |x_j| / W` of the exact one
+  (one rounding in each difference and product, L in each tree, one in the
+  division), and in l2 the error is at most `8 tau gamma_{2L+4}`,
+  `gamma_n = n u / (1 - n u)` with float32's u = 2^-24 (a float64
+  computation rounds less). `mean_sensitivity` adds it twice, once per
+  neighbour.
+
+  Example:
+    >>> mean_rounding_bound(1000, 1.0)   # in units of tau: ~2e-5
+    1.4...e-05
+
+  Args:
+    num_points: K.
+    tau: the concentration radius.
+
+  Returns:
+    The bound, in the units of the points.
+  """
+  depth = max(1, math.ceil(math.log2(max(2, num_points))))
+  terms = 2 * depth + 4
+  gamma = terms * FLOAT32_ROUNDOFF / (1.0 - terms * FLOAT32_ROUNDOFF)
+  return 8.0 * tau * gamma
 
 
 def calibrate(num_points: int, tau: float, epsilon: float, delta: float, *,
@@ -577,57 +657,119 @@ def _leaves_as_rows(points: PyTree) -> list[jax.Array]:
   return [jnp.reshape(leaf, (size, -1)) for leaf in leaves]
 
 
-def pairwise_squared_distances(points: PyTree,
-                               center: Optional[PyTree] = None) -> jax.Array:
-  """`[K, K]` squared l2 distances between the rows of a pytree of points.
+def _warn_ignored_center(center: Optional[PyTree], caller: str) -> None:
+  if center is not None:
+    warnings.warn(f'{caller}: center= is ignored (distances come from '
+                  'coordinate differences, exact at any offset, and privacy '
+                  'never rests on a center); drop the argument',
+                  DeprecationWarning, stacklevel=3)
 
-  Computed per leaf from its Gram block, `|a_j|^2 + |a_j'|^2 - 2 a_j.a_j'`,
-  summed over leaves (no concatenation), after subtracting the PUBLIC
-  `center` (translation leaves distances unchanged; centering near the
-  points avoids float cancellation). An entry depends on its two points
-  only. Pairs with a non-finite point (NaN, Inf, or a squared norm that
-  overflows) are at +inf; the diagonal is 0.
+
+def pairwise_squared_distances(points: PyTree,
+                               center: Optional[PyTree] = None, *,
+                               block_elements: int = 2 ** 24) -> jax.Array:
+  """`[K, K]` certified UPPER BOUNDS on the squared l2 distances of the rows.
+
+  Each entry is computed from the coordinate differences of its two points
+  (never from the Gram form `|a|^2 + |b|^2 - 2 a.b`, whose three terms
+  cancel far from the origin) and then raised by a bound on its rounding
+  error, so that it is never below the exact squared distance of the two
+  points as given (module docstring, "Rounding"):
+
+      d2 = fl(sum_i fl(fl(a_i - b_i)^2)) (1 + 2 (N + 3) u) + 4 n tiny,
+
+  with u the unit roundoff of the accumulation dtype (float32, or float64
+  for float64 points), N = `rounding.squared_norm_roundings(sizes,
+  extra=1)` (about 2 sqrt(n) for n coordinates: each leaf is summed in
+  sqrt(n)-sized blocks), and `tiny` the smallest normal number (squares
+  that underflow; `rounding.upper_bound`). So `d2 <= r^2`
+  implies that the points are truly within r. An entry depends on its two
+  points only, is symmetric, and is exact to within the factor at any
+  offset from the origin. Pairs with a non-finite coordinate, or whose
+  distance overflows, are at +inf; the diagonal is 0. bfloat16 and float16
+  points are compared in float32 (exactly converted).
+
+  Memory is bounded: rows are processed in blocks of about
+  `block_elements / (K n)` rows (at least one).
 
   Example:
     >>> d2 = pairwise_squared_distances({'w': grads_w, 'b': grads_b})
 
   Args:
     points: pytree whose leaves are `[K, ...]`.
-    center: optional pytree like one point (data-independent, e.g. the
-      phase's anchor), subtracted first.
+    center: DEPRECATED and ignored: distances from differences need no
+      center, and privacy never rests on one.
+    block_elements: the work-array size that sets the row block.
 
   Returns:
-    float32 (or wider) `[K, K]`, symmetric, non-negative.
+    `[K, K]` in the accumulation dtype, symmetric, non-negative.
   """
+  _warn_ignored_center(center, 'pairwise_squared_distances')
   rows = _leaves_as_rows(points)
-  if center is not None:
-    centers = [jnp.reshape(c, (1, -1))
-               for c in jax.tree_util.tree_leaves(center)]
-    if len(centers) != len(rows):
-      raise ValueError('center must have the structure of one point')
-    rows = [r - c.astype(r.dtype) for r, c in zip(rows, centers)]
+  dtype = rounding.accumulation_dtype(*[r.dtype for r in rows])
   size = rows[0].shape[0]
-  dtype = jnp.promote_types(rows[0].dtype, jnp.float32)
-  total = jnp.zeros((size, size), dtype)
+  sizes = [r.shape[1] for r in rows]
+  rows = [jnp.asarray(r, dtype) for r in rows]
   finite = jnp.ones((size,), bool)
   for r in rows:
-    r = r.astype(dtype)
-    ok = jnp.all(jnp.isfinite(r), axis=1)
-    r = jnp.where(ok[:, None], r, 0.0)
-    squared = jnp.sum(r * r, axis=1)
-    ok &= jnp.isfinite(squared)
-    gram = jnp.matmul(r, r.T, precision=jax.lax.Precision.HIGHEST)
-    total = total + squared[:, None] + squared[None, :] - 2.0 * gram
-    finite &= ok
-  total = jnp.maximum(total, 0.0)
-  pair_ok = finite[:, None] & finite[None, :] & jnp.isfinite(total)
-  total = jnp.where(pair_ok, total, jnp.inf)
-  return jnp.where(jnp.eye(size, dtype=bool), 0.0, total)
+    finite &= jnp.all(jnp.isfinite(r), axis=1)
+  rows = [jnp.where(finite[:, None], r, 0.0) for r in rows]
+
+  def from_one(point_rows):
+    total = None
+    for mine, theirs in zip(point_rows, rows):
+      part = rounding.blocked_sum_of_squares(theirs - mine[None])
+      total = part if total is None else total + part
+    return total
+
+  per_row = max(1, block_elements // max(1, size * sum(sizes)))
+  computed = jax.lax.map(from_one, rows, batch_size=min(per_row, size))
+  # One more rounding per term: its difference.
+  bound = rounding.upper_bound(
+      computed, rounding.squared_norm_roundings(sizes, extra=1), sum(sizes),
+      dtype)
+  # Both orders are upper bounds (their roundings may differ by the row
+  # block a point falls in); the larger keeps the matrix symmetric.
+  bound = jnp.maximum(bound, bound.T)
+  pair_ok = finite[:, None] & finite[None, :] & jnp.isfinite(bound)
+  bound = jnp.where(pair_ok, bound, jnp.inf)
+  return jnp.where(jnp.eye(size, dtype=bool), 0.0, bound)
+
+
+def _within(squared_distances: jax.Array, radius: Any) -> jax.Array:
+  """`[K, K]` bool: pairs certified to lie within `radius`."""
+  return squared_distances <= rounding.square_below(
+      radius, squared_distances.dtype)
+
+
+def _close_pairs(squared_distances: jax.Array, radius: Any) -> jax.Array:
+  """The exact number of certified pairs within radius (diagonal included)."""
+  return jnp.sum(_within(squared_distances, radius), dtype=jnp.int32)
+
+
+def _score_parts(squared_distances: jax.Array,
+                 radius: Any) -> tuple[jax.Array, jax.Array]:
+  """The score as `whole + fraction` with only the fraction rounded.
+
+  The count c of close pairs is an exact int32; `c // K` is exact in
+  float32 (it is at most K), and `(c mod K) / K` is rounded by at most
+  2^-25. A float32 `c / K` would round by up to K 2^-24 before any noise is
+  added, more than the 1/K of slack in Fact 1 once K passes about 2,900.
+  """
+  size = squared_distances.shape[0]
+  count = _close_pairs(squared_distances, radius)
+  whole = (count // size).astype(jnp.float32)
+  fraction = (count % size).astype(jnp.float32) / jnp.float32(size)
+  return whole, fraction
 
 
 def concentration_score(squared_distances: jax.Array,
                         radius: float) -> jax.Array:
   """`(1/K) sum_{j,j'} 1(||v_j - v_j'|| <= radius)`, diagonal included.
+
+  Pairs count when their certified distance bound
+  (`pairwise_squared_distances`) is within the radius, so every counted
+  pair is truly within it.
 
   Example:
     >>> concentration_score(pairwise_squared_distances(points), 0.1)
@@ -637,18 +779,39 @@ def concentration_score(squared_distances: jax.Array,
     radius: the pair radius.
 
   Returns:
-    A float scalar in [1, K]; replacing one point moves it by < 2.
+    A float32 scalar in [1, K], the exact count over K to float32
+    rounding; replacing one point moves it by less than 2.
+    (`private_robust_mean` adds the score noise before the final rounding
+    of the whole part: `_score_parts`.)
   """
-  size = squared_distances.shape[0]
-  close = squared_distances <= jnp.asarray(radius, squared_distances.dtype) ** 2
-  return jnp.sum(close, dtype=jnp.float32) / size
+  whole, fraction = _score_parts(squared_distances, radius)
+  return whole + fraction
+
+
+def neighbour_counts(squared_distances: jax.Array, tau: float) -> jax.Array:
+  """`h_j = #{j' : ||v_j - v_j'|| <= 2 tau}` (self included), exact int32.
+
+  Example:
+    >>> h = neighbour_counts(pairwise_squared_distances(points), 0.1)
+
+  Args:
+    squared_distances: `[K, K]` from `pairwise_squared_distances`.
+    tau: the concentration radius.
+
+  Returns:
+    int32 `[K]`.
+  """
+  return jnp.sum(_within(squared_distances, 2.0 * tau), axis=1,
+                 dtype=jnp.int32)
 
 
 def inclusion_probabilities(squared_distances: jax.Array,
                             tau: float) -> jax.Array:
   """`p_j = clip((h_j - K/2) / (K/6), 0, 1)`, `h_j` = points within 2 tau.
 
-  Paper 002, Algorithm 1 line 17 and Algorithm 2 line 10.
+  Paper 002, Algorithm 1 line 17 and Algorithm 2 line 10. Computed as
+  `clip((6 h_j - 3K) / K, 0, 1)`: an exact integer numerator and ONE
+  rounding (relative u), which `mean_sensitivity` allows for.
 
   Example:
     >>> p = inclusion_probabilities(pairwise_squared_distances(points), 0.1)
@@ -661,9 +824,9 @@ def inclusion_probabilities(squared_distances: jax.Array,
     float32 `[K]` in [0, 1].
   """
   size = squared_distances.shape[0]
-  limit = (2.0 * jnp.asarray(tau, squared_distances.dtype)) ** 2
-  neighbours = jnp.sum(squared_distances <= limit, axis=1, dtype=jnp.float32)
-  return jnp.clip((neighbours - size / 2.0) / (size / 6.0), 0.0, 1.0)
+  counts = neighbour_counts(squared_distances, tau)
+  numerator = (6 * counts - 3 * size).astype(jnp.float32)
+  return jnp.clip(numerator / jnp.float32(size), 0.0, 1.0)
 
 
 def inclusion_weights(squared_distances: jax.Array, tau: float, *,
@@ -690,8 +853,51 @@ def inclusion_weights(squared_distances: jax.Array, tau: float, *,
   return (uniforms < probabilities).astype(jnp.float32)
 
 
+class _FramedMean(NamedTuple):
+  """The weighted mean as `base + offset` (both in the accumulation dtype).
+
+  `base` is one point of positive weight (zeros when every weight is 0) and
+  `offset` the weighted mean of the other points' differences from it, so
+  the rounding of the mean scales with the spread of the kept points (at
+  most 8 tau on a pass), not with their distance from the origin.
+  """
+
+  base: list
+  offset: list
+  treedef: Any
+  dtypes: list
+
+
+def _framed_mean(points: PyTree, weights: jax.Array) -> _FramedMean:
+  leaves, treedef = jax.tree_util.tree_flatten(points)
+  weights = jnp.asarray(weights, jnp.float32)
+  total = rounding.pairwise_sum(weights)
+  some = total > 0
+  reference = jnp.argmax(weights)
+  base, offset = [], []
+  for leaf in leaves:
+    dtype = jnp.promote_types(leaf.dtype, jnp.float32)
+    leaf = jnp.asarray(leaf, dtype)
+    anchor = leaf[reference]
+    w = jnp.reshape(weights, (-1,) + (1,) * (leaf.ndim - 1)).astype(dtype)
+    # `where`, not a zero weight: 0 * NaN is NaN.
+    kept = jnp.where(w > 0, leaf - anchor[None], 0.0)
+    mean = rounding.pairwise_sum(w * kept) / jnp.maximum(total, 1e-30).astype(dtype)
+    base.append(jnp.where(some, anchor, 0.0))
+    offset.append(jnp.where(some, mean, 0.0))
+  return _FramedMean(base, offset, treedef,
+                     [leaf.dtype for leaf in leaves])
+
+
 def weighted_mean(points: PyTree, weights: jax.Array) -> PyTree:
   """`sum_j w_j v_j / sum_j w_j`; a point of weight 0 never enters (even NaN).
+
+  Computed in the frame of a kept point (`base + offset`, pairwise sums):
+  its rounding error is relative to the kept points' spread, not to their
+  distance from the origin.
+
+  Example:
+    >>> weighted_mean(points, inclusion_probabilities(d2, tau))
 
   Args:
     points: pytree whose leaves are `[K, ...]`.
@@ -700,15 +906,10 @@ def weighted_mean(points: PyTree, weights: jax.Array) -> PyTree:
   Returns:
     A pytree like one point (zeros when every weight is 0).
   """
-  total = jnp.maximum(jnp.sum(weights), 1e-30)
-
-  def leaf_mean(leaf):
-    w = jnp.reshape(weights, (-1,) + (1,) * (leaf.ndim - 1)).astype(
-        jnp.promote_types(leaf.dtype, jnp.float32))
-    kept = jnp.where(w > 0, leaf, 0.0)
-    return (jnp.sum(w * kept, axis=0) / total).astype(leaf.dtype)
-
-  return jax.tree_util.tree_map(leaf_mean, points)
+  framed = _framed_mean(points, weights)
+  return jax.tree_util.tree_unflatten(framed.treedef, [
+      (b + o).astype(dtype)
+      for b, o, dtype in zip(framed.base, framed.offset, framed.dtypes)])
 
 
 def robust_mean(points: PyTree, tau: float, *, inclusion: str = 'weighted',
@@ -726,12 +927,13 @@ def robust_mean(points: PyTree, tau: float, *, inclusion: str = 'weighted',
     tau: the concentration radius.
     inclusion: 'weighted' or 'sampled'.
     key: the uniforms' key for 'sampled'.
-    center: optional public center for the distances.
+    center: DEPRECATED and ignored (`pairwise_squared_distances`).
 
   Returns:
     A pytree like one point.
   """
-  d2 = pairwise_squared_distances(points, center)
+  _warn_ignored_center(center, 'robust_mean')
+  d2 = pairwise_squared_distances(points)
   return weighted_mean(points,
                        inclusion_weights(d2, tau, inclusion=inclusion,
                                          key=key))
@@ -781,8 +983,7 @@ def private_robust_mean(points: PyTree,
 
   Example:
     >>> cal = calibrate(600, tau=0.05, epsilon=2.0, delta=1e-6)
-    >>> out = private_robust_mean(user_means, cal, key, halt_value=anchor,
-    ...                           center=anchor)
+    >>> out = private_robust_mean(user_means, cal, key, halt_value=anchor)
     >>> new_point = out.value     # anchor itself when out.passed is False
 
   Args:
@@ -796,7 +997,8 @@ def private_robust_mean(points: PyTree,
     halt_value: the data-independent value released when the test fails
       (default zeros, the paper's 0; the previous released point is also
       fine: it is public).
-    center: optional public point for the distances (e.g. the anchor).
+    center: DEPRECATED and ignored (`pairwise_squared_distances`): privacy
+      and accuracy no longer depend on a center.
     axis_name: the device axis, or None.
 
   Returns:
@@ -815,25 +1017,31 @@ def private_robust_mean(points: PyTree,
                      f'points, got {size}')
   replicated_flag = parallel.check_replicated(key, axis_name)
   score_key, inclusion_key, noise_key = jax.random.split(key, 3)
-  d2 = pairwise_squared_distances(points, center)
-  score = concentration_score(d2, calibration.score_radius)
-  noisy_score = score + calibration.laplace_scale * jax.random.laplace(
-      score_key, (), jnp.float32)
+  _warn_ignored_center(center, 'private_robust_mean')
+  d2 = pairwise_squared_distances(points)
+  # The noise joins the score before its last rounding (`_score_parts`).
+  whole, fraction = _score_parts(d2, calibration.score_radius)
+  noisy_score = whole + (fraction + calibration.laplace_scale *
+                         jax.random.laplace(score_key, (), jnp.float32))
   passed = noisy_score >= calibration.threshold + threshold_noise
   weights = inclusion_weights(d2, calibration.tau,
                               inclusion=calibration.inclusion,
                               key=inclusion_key)
-  mean = weighted_mean(points, weights)
-  leaves, treedef = jax.tree_util.tree_flatten(mean)
-  noisy = [leaf + (calibration.noise_std * jax.random.normal(
-      jax.random.fold_in(noise_key, index), leaf.shape,
-      jnp.promote_types(leaf.dtype, jnp.float32))).astype(leaf.dtype)
-           for index, leaf in enumerate(leaves)]
+  # The noise joins the mean's offset from a kept point before that point
+  # is added back, and the result is cast to the points' dtype last: every
+  # rounding after the noise is post-processing (module docstring).
+  framed = _framed_mean(points, weights)
+  noisy = [(b + (o + (calibration.noise_std * jax.random.normal(
+      jax.random.fold_in(noise_key, index), o.shape, o.dtype)))
+            ).astype(dtype)
+           for index, (b, o, dtype) in enumerate(
+               zip(framed.base, framed.offset, framed.dtypes))]
+  treedef = framed.treedef
   if halt_value is None:
-    halt_leaves = [jnp.zeros_like(leaf) for leaf in leaves]
+    halt_leaves = [jnp.zeros_like(leaf) for leaf in noisy]
   else:
     halt_leaves = jax.tree_util.tree_leaves(halt_value)
-    if len(halt_leaves) != len(leaves):
+    if len(halt_leaves) != len(noisy):
       raise ValueError('halt_value must have the structure of one point')
   released = [jnp.where(passed, n, jnp.asarray(h, n.dtype))
               for n, h in zip(noisy, halt_leaves)]

@@ -239,7 +239,13 @@ def dp_standardization(
                                        relation.value)
   n, dim = x.shape
   half = (upper - lower) / 2
-  u = (np.clip(x, lower, upper) - (lower + upper) / 2) / half
+  # Clipped again after the arithmetic: its rounding may leave |u| a few
+  # ulp above 1, and the sensitivity assumes |u| <= 1 exactly. (The sums
+  # below are numpy's pairwise float64 sums: their rounding, about
+  # log2(n) 1e-16 per unit of sensitivity, is far below anything the
+  # Gaussian's calibration resolves.)
+  u = np.clip((np.clip(x, lower, upper) - (lower + upper) / 2) / half,
+              -1.0, 1.0)
   statistic = np.concatenate([u.sum(axis=0), (u ** 2).sum(axis=0)])
   std = release.noise_multiplier * statistics_sensitivity(dim, relation)
   draw = jax.random.normal(keys.noise_key(key, 'dp_standardization'),

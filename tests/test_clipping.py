@@ -465,3 +465,29 @@ def test_a_loss_for_a_batch_gets_the_one_example_contract(make, call, method):
       assert text.startswith('loss_fn(params, example) computes the loss of '
                              'ONE example'), text
       assert says in text and "shapes {'x': (4,)}" in text, text
+
+
+def test_rounding_never_lets_a_contribution_past_the_clip():
+  """Rows whose exact norm is the clip to within float32 rounding.
+
+  A float32 sum of squares may come out below the exact norm; the clip
+  factor computed from it would then leave the row slightly above the clip.
+  The norms are raised by their rounding bound (`rounding.upper_bound`), so
+  in exact arithmetic every clipped row is at most the clip, and not by
+  more than the margin below it.
+  """
+  rng = np.random.default_rng(11)
+  rows = rng.normal(size=(64, 50_000))
+  rows /= np.linalg.norm(rows, axis=1, keepdims=True)
+  rows *= 1.0 + rng.uniform(-3e-7, 3e-7, size=(64, 1))
+  rows = rows.astype(np.float32)
+  clip = 1.0
+  out = clipping.clipped_sum(lambda row: {'g': row * 1.0}, rows,
+                                 l2_clip=clip)
+  assert int(out.count) == 64
+  # Each row alone, so the released sum IS the clipped row.
+  singles = jax.vmap(lambda row: clipping.clipped_sum(
+      lambda r: {'g': r * 1.0}, row[None], l2_clip=clip).sum['g'])(rows)
+  norms = np.linalg.norm(np.asarray(singles, np.float64), axis=1)
+  assert np.all(norms <= clip)
+  assert np.all(norms >= clip * (1 - 1e-3))

@@ -5,7 +5,10 @@ The sensitivity of `outlier_removal.mean_sensitivity` rests on three facts
 configurations built to push it to its limit (three clusters 2 tau apart,
 whose neighbour counts sit on the inclusion ramp, and a point moved from one
 outer cluster to the other), then the whole bound on replacements by huge,
-NaN, Inf points and planted outlier clusters.
+NaN, Inf points and planted outlier clusters. Every configuration is also run
+translated far from the origin (offsets up to 1e30), where float32 distances
+from the Gram form cancel to 0 (`pairwise_squared_distances` rounds up from
+differences instead: tests at the end).
 """
 
 import math
@@ -28,12 +31,19 @@ def _analysis(points):
           orm.inclusion_probabilities(d2, TAU), d2)
 
 
+# The clusters' spacing: just inside 2 tau (the inclusion radius; a pair at
+# exactly 2 tau is no longer certified close once rounding is allowed for),
+# and a multiple of float32's spacing at 1e6, so the layouts translate
+# exactly up to that offset.
+STEP = 1.9375
+
+
 def three_clusters(sizes, dim=2, spread=0.0, seed=0):
-  """Clusters at -2 tau, 0, +2 tau on the first axis (outer ones not linked)."""
+  """Clusters at -STEP, 0, +STEP tau on the first axis (outer ones not linked)."""
   rng = np.random.default_rng(seed)
   left, middle, right = sizes
-  positions = np.concatenate([np.full(left, -2.0), np.zeros(middle),
-                              np.full(right, 2.0)]) * TAU
+  positions = np.concatenate([np.full(left, -STEP), np.zeros(middle),
+                              np.full(right, STEP)]) * TAU
   points = np.zeros((sum(sizes), dim), np.float32)
   points[:, 0] = positions
   points += spread * rng.normal(size=points.shape).astype(np.float32)
@@ -51,14 +61,33 @@ def moved(points, index, position):
   return changed
 
 
-def adversarial_pairs():
+# The same layouts translated far from the origin (every coordinate moved).
+OFFSETS = [0.0, 1e3, 1e6, 1e30]
+# Offsets at which the layouts survive float32 exactly (the clusters' 2 tau
+# steps are representable), so the tightness checks still bite there.
+EXACT_OFFSETS = [0.0, 1e3, 1e6]
+
+
+def translated(pairs, offset):
+  if offset == 0.0:
+    return pairs
+  with np.errstate(over='ignore', invalid='ignore'):
+    return [(before + np.float32(offset), after + np.float32(offset), k)
+            for before, after, k in pairs]
+
+
+def adversarial_pairs(offset=0.0):
   """(D, D', k) with D's score >= 2K/3: the worst moves found."""
+  return translated(_adversarial_pairs(), offset)
+
+
+def _adversarial_pairs():
   pairs = []
   for sizes in RAMP_CONFIGS:
     points = three_clusters(sizes)
     k = 0  # a left-cluster point
     new = np.zeros(points.shape[1], np.float32)
-    for target in (2.0, 4.0, -4.0, 1e6):
+    for target in (STEP, 2 * STEP, -2 * STEP, 1e6):
       new[0] = target * TAU
       pairs.append((points, moved(points, k, new), k))
     pairs.append((points, moved(points, k, np.nan), k))
@@ -72,9 +101,10 @@ def adversarial_pairs():
   return pairs
 
 
-def test_weight_changes_of_shared_points_sum_below_six():
+@pytest.mark.parametrize('offset', OFFSETS)
+def test_weight_changes_of_shared_points_sum_below_six(offset):
   worst = 0.0
-  for before, after, k in adversarial_pairs():
+  for before, after, k in adversarial_pairs(offset):
     score, p, _ = _analysis(before)
     if score < 2 * len(before) / 3:
       continue
@@ -86,21 +116,24 @@ def test_weight_changes_of_shared_points_sum_below_six():
     worst = max(worst, total / bound)
   # The ramp configurations push the sum most of the way to the bound (a
   # steeper ramp than the paper's K/6 would break it).
-  assert worst > 0.75
+  if offset in EXACT_OFFSETS:
+    assert worst > 0.75
 
 
-def test_total_weight_is_at_least_two_scores_minus_k():
+@pytest.mark.parametrize('offset', OFFSETS)
+def test_total_weight_is_at_least_two_scores_minus_k(offset):
   rng = np.random.default_rng(2)
   for sizes in RAMP_CONFIGS + [(5, 20, 5), (1, 28, 1)]:
     for spread in (0.0, 0.3, 0.6):
       points = three_clusters(sizes, spread=spread,
-                              seed=int(rng.integers(100)))
+                              seed=int(rng.integers(100))) + np.float32(offset)
       score, p, _ = _analysis(points)
       assert float(np.sum(p)) >= 2 * float(score) - len(points) - 1e-4
 
 
-def test_positive_points_of_both_neighbours_lie_near_a_shared_point():
-  for before, after, k in adversarial_pairs():
+@pytest.mark.parametrize('offset', OFFSETS)
+def test_positive_points_of_both_neighbours_lie_near_a_shared_point(offset):
+  for before, after, k in adversarial_pairs(offset):
     score, p, d2 = _analysis(before)
     size = len(before)
     if score < 2 * size / 3:
@@ -110,25 +143,32 @@ def test_positive_points_of_both_neighbours_lie_near_a_shared_point():
     counts[k] = -1
     anchor = int(np.argmax(counts))
     with np.errstate(invalid='ignore', over='ignore'):
-      far_before = np.linalg.norm(before - before[anchor], axis=1) > 4 * TAU + 1e-5
-      far_after = np.linalg.norm(after - before[anchor], axis=1) > 4 * TAU + 1e-5
+      exact_before = before.astype(np.float64)
+      exact_after = after.astype(np.float64)
+      far_before = np.linalg.norm(exact_before - exact_before[anchor],
+                                  axis=1) > 4 * TAU
+      far_after = np.linalg.norm(exact_after - exact_before[anchor],
+                                 axis=1) > 4 * TAU
     assert not np.any(far_before & (np.asarray(p) > 0))
     assert not np.any(far_after & (np.asarray(p_after) > 0))
 
 
-def test_score_moves_by_less_than_two():
-  for before, after, _ in adversarial_pairs():
+@pytest.mark.parametrize('offset', OFFSETS)
+def test_score_moves_by_less_than_two(offset):
+  for before, after, _ in adversarial_pairs(offset):
     score, _, _ = _analysis(before)
     score_after, _, _ = _analysis(after)
     assert abs(float(score) - float(score_after)) < 2.0
 
 
-def test_planted_outlier_cluster_moves_the_mean_within_the_bound():
+@pytest.mark.parametrize('offset', OFFSETS)
+def test_planted_outlier_cluster_moves_the_mean_within_the_bound(offset):
   """A cluster of outliers in D (as many as the score allows) and one more."""
   points = three_clusters((0, 36, 0), spread=0.2, seed=3)
   points[:6] = np.array([50.0, 0.0], np.float32)  # a planted cluster
   after = moved(points, 10, np.array([50.0, 0.0], np.float32))
-  _check_moves_within_bound(points, after)
+  _check_moves_within_bound(points + np.float32(offset),
+                            after + np.float32(offset))
 
 
 def _check_moves_within_bound(before, after, inclusion='weighted', key=None,
@@ -146,19 +186,23 @@ def _check_moves_within_bound(before, after, inclusion='weighted', key=None,
   return distance / bound
 
 
-def test_weighted_mean_moves_at_most_the_sensitivity():
+@pytest.mark.parametrize('offset', OFFSETS)
+def test_weighted_mean_moves_at_most_the_sensitivity(offset):
   ratios = [_check_moves_within_bound(before, after)
-            for before, after, _ in adversarial_pairs()
+            for before, after, _ in adversarial_pairs(offset)
             if _analysis(before)[0] >= 2 * len(before) / 3]
   assert len(ratios) >= 25
-  assert max(ratios) > 0.05  # the moves found are not all trivial
+  if offset in EXACT_OFFSETS:
+    assert max(ratios) > 0.05  # the moves found are not all trivial
 
 
-def test_sampled_mean_moves_at_most_the_coupled_sensitivity():
+@pytest.mark.parametrize('offset', [0.0, 1e6])
+def test_sampled_mean_moves_at_most_the_coupled_sensitivity(offset):
   """Shared uniforms (the coupling), many draws: never above the bound."""
   failure = 1e-6
   before = three_clusters((40, 20, 40))
-  after = moved(before, 0, np.array([2.0, 0.0], np.float32))
+  after = moved(before, 0, np.array([STEP, 0.0], np.float32))
+  before, after = before + np.float32(offset), after + np.float32(offset)
   bound = orm.mean_sensitivity(len(before), TAU, inclusion='sampled',
                                failure_probability=failure)
   weighted_bound = orm.mean_sensitivity(len(before), TAU)
@@ -196,15 +240,127 @@ def test_concentrated_points_all_kept_and_plain_mean():
   np.testing.assert_allclose(mean['b'], points['b'].mean(0), rtol=1e-5)
 
 
-def test_distances_from_gram_blocks_match_direct_and_ignore_center():
+def test_distances_match_direct_and_center_is_ignored():
   rng = np.random.default_rng(5)
   points = {'a': rng.normal(size=(7, 3)).astype(np.float32) + 100,
             'b': rng.normal(size=(7, 2, 2)).astype(np.float32)}
   flat = np.concatenate([points['a'], points['b'].reshape(7, -1)], 1)
   direct = np.sum((flat[:, None] - flat[None]) ** 2, -1)
+  np.testing.assert_allclose(orm.pairwise_squared_distances(points), direct,
+                             rtol=1e-5)
   center = {'a': np.full(3, 100.0, np.float32), 'b': np.zeros((2, 2))}
-  np.testing.assert_allclose(
-      orm.pairwise_squared_distances(points, center), direct, atol=1e-4)
+  with pytest.warns(DeprecationWarning, match='center= is ignored'):
+    with_center = orm.pairwise_squared_distances(points, center)
+  np.testing.assert_array_equal(with_center,
+                                orm.pairwise_squared_distances(points))
+
+
+@pytest.mark.parametrize('offset', [0.0, 1.0, 1e3, 1e6, 1e30])
+@pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
+def test_distances_are_upper_bounds_at_any_offset(offset, dtype):
+  """Never below the exact distance of the points as given; barely above."""
+  rng = np.random.default_rng(8)
+  dtype = jax.numpy.dtype(dtype)
+  points = {'w': rng.normal(size=(12, 40)) * rng.choice([1e-3, 1.0, 30.0],
+                                                         size=(12, 1)),
+            'b': rng.normal(size=(12, 5))}
+  points = {name: jax.numpy.asarray(leaf + offset, dtype)
+            for name, leaf in points.items()}
+  exact_rows = np.concatenate(
+      [np.asarray(leaf, np.float64).reshape(12, -1)
+       for leaf in points.values()], axis=1)
+  exact = np.sum((exact_rows[:, None] - exact_rows[None]) ** 2, -1)
+  bound = np.asarray(jax.jit(orm.pairwise_squared_distances)(points),
+                     np.float64)
+  assert np.all(bound >= exact)
+  np.testing.assert_allclose(bound, exact, rtol=1e-4, atol=1e-30)
+
+
+def test_distance_blocks_keep_the_bound():
+  rng = np.random.default_rng(9)
+  points = rng.normal(size=(13, 30)).astype(np.float32) + 1e4
+  exact = np.sum((points.astype(np.float64)[:, None] - points[None]) ** 2, -1)
+  for block_elements in (1, 30 * 13 * 2, 30 * 13 * 5, 2 ** 24):
+    bound = np.asarray(orm.pairwise_squared_distances(
+        points, block_elements=block_elements), np.float64)
+    np.testing.assert_array_equal(bound, bound.T)
+    assert np.all(bound >= exact)
+    np.testing.assert_allclose(bound, exact, rtol=1e-4)
+
+
+K_FAR, TAU_FAR = 60, 1e-3
+CAL_FAR = orm.calibrate(K_FAR, TAU_FAR, 30.0, 1e-5)
+
+
+@jax.jit
+def _release_pair(before, after, key):
+  return (orm.private_robust_mean(before, CAL_FAR, key).value,
+          orm.private_robust_mean(after, CAL_FAR, key).value)
+
+
+@pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
+@pytest.mark.parametrize('offset', [1.0, 1e3, 1e6, 1e30])
+def test_one_point_moved_far_from_the_origin_moves_the_release_within_sensitivity(
+    offset, dtype):
+  """A tight cluster far from the origin; one point moved by 2 tau..1e4 tau.
+
+  With the Gram form, float32 cancellation put the moved point at distance
+  0 and the release moved 2.8 times its sensitivity (offset 1e3, move
+  500 tau).
+  """
+  dtype = jax.numpy.dtype(dtype)
+  before = np.full((K_FAR, 3), offset, np.float64)
+  for move in (2.0, 10.0, 500.0, 1e4):
+    after = before.copy()
+    after[0, 0] += move * TAU_FAR
+    for seed in range(3):
+      value, value_after = _release_pair(
+          jax.numpy.asarray(before, dtype), jax.numpy.asarray(after, dtype),
+          jax.random.key(seed))
+      gap = np.linalg.norm(np.asarray(value, np.float64) -
+                           np.asarray(value_after, np.float64))
+      assert gap <= CAL_FAR.sensitivity, (move, seed, gap)
+
+
+def test_bfloat16_points_get_their_noise_before_any_rounding():
+  """The mean of bfloat16 points is not rounded to bfloat16 before the noise.
+
+  70% of the points at 1 and 30% one bfloat16 step (2^-7) above: the exact
+  mean is 0.3 of a step above 1. Rounding the mean first would bias every
+  release by -0.3 steps (6 standard errors over these draws); noise added
+  first, then the cast, leaves the releases centred on the exact mean.
+  """
+  step = 2.0 ** -7
+  points = np.ones((K_FAR, 3))
+  points[:18] += step
+  points = jax.numpy.asarray(points, jax.numpy.bfloat16)
+  calibration = orm.calibrate(K_FAR, 0.05, 30.0, 1e-5)
+  assert calibration.noise_std > 3 * step  # the noise dithers the cast
+
+  @jax.jit
+  def releases(keys):
+    return jax.vmap(lambda k: orm.private_robust_mean(
+        points, calibration, k).value)(keys)
+
+  values = np.asarray(releases(jax.random.split(jax.random.key(5), 6000)),
+                      np.float64)
+  exact = 1.0 + 0.3 * step
+  standard_error = calibration.noise_std / np.sqrt(values.size)
+  assert abs(values.mean() - exact) < 3 * standard_error
+
+
+def test_the_release_keeps_its_noise_far_from_the_origin():
+  """At offset 1e3 the noise (std ~1e-3) is not rounded away: the same key
+  gives the same noise relative to the cluster as at the origin."""
+  near = np.zeros((K_FAR, 3), np.float32)
+  far = near + np.float32(1e3)
+  key = jax.random.key(1)
+  out_near = orm.private_robust_mean(near, CAL_FAR, key)
+  out_far = orm.private_robust_mean(far, CAL_FAR, key)
+  assert bool(out_near.passed) and bool(out_far.passed)
+  np.testing.assert_allclose(np.asarray(out_far.value) - 1e3,
+                             np.asarray(out_near.value), atol=2e-4)
+  assert np.linalg.norm(np.asarray(out_near.value)) > 0
 
 
 def test_calibration_meets_its_epsilon_and_delta():
@@ -258,11 +414,19 @@ def test_above_threshold_phase_calibration_meets_its_target():
 
 
 def test_sensitivity_constant_is_explicit():
-  # 4 (2 P + 3) / (2 s_cut / K - 1) with P = 6 (K - 1)/K, at s_cut = 2K/3.
-  k = 300
-  expected = 4 * (2 * 6 * (k - 1) / k + 3) / (2 * (2 / 3) - 1) / k
+  # 4 (2 P + 3) / W with P = 6 (K - 1)/K and W = 2 s_cut - K at s_cut = 2K/3,
+  # plus the rounding allowances: 2 u K on P, the factor 1 - u on W and the
+  # mean's rounding 8 tau gamma_{2L+4} for each neighbour (u = 2^-24).
+  k, u = 300, 2.0 ** -24
+  depth = math.ceil(math.log2(k))
+  gamma = (2 * depth + 4) * u / (1 - (2 * depth + 4) * u)
+  expected = (4 * (2 * (6 * (k - 1) / k + 2 * u * k) + 3) /
+              ((2 * (2 / 3) - 1) * k * (1 - u)) + 16 * gamma)
   assert math.isclose(orm.mean_sensitivity(k, 1.0), expected, rel_tol=1e-12)
   np.testing.assert_allclose(orm.sensitivity_table([k]), [expected * k])
+  # The allowances are small: within 0.03% of the exact-arithmetic bound.
+  exact = 4 * (2 * 6 * (k - 1) / k + 3) / (2 * (2 / 3) - 1) / k
+  assert exact < orm.mean_sensitivity(k, 1.0) < exact * 1.0003
 
 
 @pytest.mark.parametrize('kwargs, match', [

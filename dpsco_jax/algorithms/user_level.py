@@ -438,8 +438,9 @@ def phased_sgd(
   the C average iterates go through the outlier-removal private mean
   (`outlier_removal.private_robust_mean`, score radius tau_i, inclusion
   radius 2 tau_i, calibrated to (epsilon, delta) by
-  `outlier_removal.calibrate`), centred at the public x_{i-1}, and the
-  release is projected onto the ball of `radius` (post-processing:
+  `outlier_removal.calibrate`; distances from coordinate differences,
+  exact at any offset), and the release is projected onto the ball of
+  `radius` (post-processing:
   Algorithm 1 does not project; the notes' pitfall 9). A failed test
   halts the run, which returns the last released point x_{i-1}.
 
@@ -522,7 +523,7 @@ def phased_sgd(
                                    shuffle, axis=1)
     averages = train(loss_fn, point, items, item_mask, rate, radius)
     out = release(averages, calibration, jax.random.fold_in(phase_key, 1),
-                  halt_value=point, center=point)
+                  halt_value=point)
     evaluations += num_groups * steps
     passed = bool(out.passed)
     records.append(PhaseRecord(
