@@ -41,6 +41,7 @@ spends is computed); exactly one of the two.
 """
 
 import dataclasses
+import functools
 import math
 import secrets
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
@@ -54,6 +55,7 @@ from dpsco_jax import accounting
 from dpsco_jax import batching
 from dpsco_jax import checks
 from dpsco_jax import estimators
+from dpsco_jax import guards
 from dpsco_jax import ledger as ledger_lib
 from dpsco_jax import neighboring
 from dpsco_jax import noise
@@ -238,6 +240,75 @@ class Plan:
         'releases': [dataclasses.asdict(release) for release in (
             self.ledger.releases if self.ledger is not None else ())],
     }
+
+  # ------------------------------------------------- the compiled step
+
+  @functools.cached_property
+  def _compiled_update(self) -> Callable[..., tuple[PyTree, PyTree]]:
+    # Built on first use and kept: every call of `step` runs the same
+    # compiled program (a frozen dataclass still has an instance __dict__,
+    # which is where cached_property stores it).
+    transformation = self.transformation
+
+    def update(params, opt_state, batch_inputs):
+      updates, opt_state = transformation.update(None, opt_state, params,
+                                                 **batch_inputs)
+      return optax.apply_updates(params, updates), opt_state
+
+    return jax.jit(update)
+
+  def step(self, params: PyTree, opt_state: PyTree,
+           batch_inputs: Mapping[str, Any], *, block: bool = True
+           ) -> tuple[PyTree, PyTree]:
+    """One compiled training step: `(params, opt_state)` after `inputs`.
+
+    Runs `transformation.update` and `optax.apply_updates` as ONE program,
+    compiled at the first call and reused after. A step the plan refuses
+    (one past `num_steps`, a batch its accounting does not describe) raises
+    the library's `PrivacyGuardError`, its message the first line of the
+    error, not JAX's runtime error that carries it at the end (what a
+    hand-written `jax.jit` step raises).
+
+    In the steady state the step makes no host round trip: the refusal
+    checks run on the device and call back to the host only when one fails
+    (`guards.refuse`). With `block=True` (default) the call waits for its
+    outputs, so a refusal is raised by the call that made it on every
+    backend (on CPU the wait costs nothing: the step already runs
+    synchronously). `block=False` keeps JAX's asynchronous dispatch on an
+    accelerator: a refusal is then raised by a later `step` call, or by
+    JAX when the outputs are read.
+
+    The step runs on one device, or on arrays already sharded over several
+    under `jit`; a plan built with `axis_name=` runs under `jax.pmap` or
+    `jax.shard_map`, in your own step.
+
+    Example:
+      >>> opt_state = plan.init(params)
+      >>> for inputs in plan.batches_of(data):
+      ...   params, opt_state = plan.step(params, opt_state, inputs)
+
+    Args:
+      params: the current params.
+      opt_state: the current optimizer state (from `init`, then from the
+        previous step).
+      batch_inputs: one item of `batches_of(data)` (for DIFF2 plans, whose
+        rounds use all local data: `{'batch': ..., 'batch_mask': ...}`).
+      block: wait for the outputs before returning (see above).
+
+    Returns:
+      `(params, opt_state)` after the step.
+
+    Raises:
+      PrivacyGuardError: the step was refused; its outputs were poisoned
+        (NaN) and must not be used.
+      TypeError: `batch_inputs` is not a mapping of `update`'s inputs.
+    """
+    if not isinstance(batch_inputs, Mapping):
+      raise TypeError('batch_inputs must be a mapping of update\'s inputs '
+                      '(an item of plan.batches_of(data)), got '
+                      f'{type(batch_inputs).__name__}')
+    return guards.library_errors(self._compiled_update, block=block)(
+        params, opt_state, dict(batch_inputs))
 
 
 # ---------------------------------------------------------------- shared
