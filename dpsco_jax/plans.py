@@ -42,8 +42,12 @@ spends is computed); exactly one of the two.
 
 import dataclasses
 import functools
+import hashlib
+import json
 import math
+import os
 import secrets
+import tempfile
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import dp_accounting
@@ -59,6 +63,7 @@ from dpsco_jax import guards
 from dpsco_jax import ledger as ledger_lib
 from dpsco_jax import neighboring
 from dpsco_jax import noise
+from dpsco_jax import progress
 from dpsco_jax import smoothing
 from dpsco_jax import strategies
 from dpsco_jax.algorithms import baselines
@@ -307,8 +312,14 @@ class Plan:
       raise TypeError('batch_inputs must be a mapping of update\'s inputs '
                       '(an item of plan.batches_of(data)), got '
                       f'{type(batch_inputs).__name__}')
-    return guards.library_errors(self._compiled_update, block=block)(
-        params, opt_state, dict(batch_inputs))
+    step = guards.library_errors(self._compiled_update, block=block)
+    compiled = getattr(self._compiled_update, '_cache_size', lambda: 0)()
+    if compiled:
+      return step(params, opt_state, dict(batch_inputs))
+    # The first call compiles (seconds to minutes for a big model): say so
+    # on stderr if it takes long.
+    with progress.task(f'dpsco_jax: compiling the {self.algorithm} step'):
+      return step(params, opt_state, dict(batch_inputs))
 
 
 # ---------------------------------------------------------------- shared
@@ -363,11 +374,66 @@ def _normalize_by(sampler: Sampler) -> float:
 def _noise_multiplier(mechanism, participation, epsilon, delta,
                       noise_multiplier, method, relation, releases=()
                       ) -> float:
+  """The given noise multiplier, or the one calibrated to (epsilon, delta).
+
+  A calibration is cached on disk (`strategies.cache_root()/calibrations`),
+  keyed by everything it depends on; a cached value only saves time: the
+  plan's ledger recomputes the epsilon it spends and refuses one that
+  misses the target.
+  """
   if noise_multiplier is not None:
     return checks.noise_multiplier(noise_multiplier)
-  return accounting.calibrate_noise_multiplier(
-      mechanism, participation, epsilon, delta, method=method,
-      neighboring_relation=relation, releases=releases)
+  path = _calibration_path(mechanism, participation, epsilon, delta, method,
+                           relation, releases)
+  if path is not None:
+    try:
+      with open(path) as handle:
+        cached = float(json.load(handle)['noise_multiplier'])
+      if math.isfinite(cached) and cached > 0:
+        return cached
+    except (OSError, ValueError, KeyError, TypeError):
+      pass
+  # PLD calibration of a long run takes seconds: say so on stderr.
+  name = mechanism.name.split('(')[0]
+  with progress.task(f'dpsco_jax: calibrating the {name} noise to epsilon '
+                     f'{epsilon:g} ({method})'):
+    multiplier = accounting.calibrate_noise_multiplier(
+        mechanism, participation, epsilon, delta, method=method,
+        neighboring_relation=relation, releases=releases)
+  if path is not None:
+    try:
+      os.makedirs(os.path.dirname(path), exist_ok=True)
+      with tempfile.NamedTemporaryFile('w', dir=os.path.dirname(path),
+                                       suffix='.json', delete=False) as f:
+        json.dump({'noise_multiplier': multiplier}, f)
+      os.replace(f.name, path)
+    except OSError:
+      pass  # A read-only cache only costs the next build the calibration.
+  return multiplier
+
+
+# Bumped whenever calibration changes what it returns.
+_CALIBRATION_CACHE_VERSION = 1
+
+
+def _calibration_path(mechanism, participation, epsilon, delta, method,
+                      relation, releases) -> Optional[str]:
+  """The cache file of a calibration, or None if it cannot be keyed."""
+  if not mechanism.identity:
+    return None
+  key = json.dumps({
+      'version': _CALIBRATION_CACHE_VERSION,
+      'dp_accounting': getattr(dp_accounting, '__version__', None),
+      'mechanism': [mechanism.identity, mechanism.name, mechanism.num_steps],
+      'participation': [type(participation).__name__,
+                        dataclasses.asdict(participation)],
+      'epsilon': float(epsilon), 'delta': float(delta), 'method': method,
+      'relation': Relation(relation).value,
+      'releases': [dataclasses.asdict(r) for r in releases],
+  }, sort_keys=True, default=repr)
+  digest = hashlib.sha256(key.encode()).hexdigest()[:32]
+  return os.path.join(strategies.cache_root(), 'calibrations',
+                      f'noise-{digest}.json')
 
 
 def _check_relation(algorithm: str, relation: Relation,
