@@ -499,9 +499,6 @@ def optimize_strategy(
       workload_matrix, num_epochs, min(bands or num_steps, steps_per_epoch))
   if start is None:
     start = np.eye(num_steps) / num_epochs
-  # One BLAS thread: the Cholesky solves of a few hundred rows run about 2x
-  # faster than with two threads on a 2-core CPU (benchmarks/mf_noise.py),
-  # and far faster when other jobs share the cores.
   what = (f'dpsco_jax: optimizing a {num_steps}x{num_steps} strategy (k='
           f'{num_epochs}, bands={bands}'
           + ('; cached for the next run)' if path else ')'))
@@ -509,14 +506,19 @@ def optimize_strategy(
     if progress is None or isinstance(progress, bool):
       report = stack.enter_context(
           progress_lib.task(what, progress=progress))
-      callback = lambda iteration, loss: report(  # pylint: disable=g-long-lambda
-          f'L-BFGS iteration {iteration} (at most {max_iterations}), loss '
-          f'{loss:.6g}')
+
+      def callback(iteration: int, loss: float) -> None:
+        report(f'L-BFGS iteration {iteration} (at most {max_iterations}), '
+               f'loss {loss:.6g}')
+
     elif callable(progress):
       callback = progress
     else:
       raise TypeError('progress must be None, a bool or a callable, got '
                       f'{progress!r}')
+    # One BLAS thread: the Cholesky solves of a few hundred rows run about
+    # 2x faster than with two threads on a 2-core CPU
+    # (benchmarks/mf_noise.py), and far faster when other jobs share them.
     stack.enter_context(
         threadpoolctl.threadpool_limits(limits=1, user_api='blas'))
     optimum, iterations = _lbfgs(objective, objective.to_vector(start),

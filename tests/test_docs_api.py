@@ -11,8 +11,9 @@ user copies it. This test reads README.md and the pages under docs/:
 * inline code spans, scanned for calls `name(... key=...)`, written in full
   or elided (`f(..., key=)`);
 * inline spans that are a keyword alone (`clipping_method='vmap'`), checked
-  against the library functions the same paragraph names (or, if it names
-  none, the section up to there).
+  against the library functions the same paragraph (list item, table row)
+  names, or against the function `MEANT` says it belongs to; unchecked
+  where neither names one.
 
 A call is checked when its callee resolves to a dpsco_jax object (through
 `dpsco_jax.`, a dpsco_jax module name such as `plans.` or
@@ -384,7 +385,8 @@ def test_the_docs_are_read():
     # in a method call on an object a block made
     ('plan.epsilon_at(t)', 'plan.epsilon_at(step=t, stpe=1)'),
     # inline, elided values
-    ('dpsco_jax.dpsgd(loss_fn, l2_clip=...,', 'dpsco_jax.dpsgd(loss_fn, l2_clipp=...,'),
+    ('dpsco_jax.dpsgd(loss_fn, l2_clip=...,',
+     'dpsco_jax.dpsgd(loss_fn, l2_clipp=...,'),
     # a keyword alone in prose (the issue's `method='vmap'`)
     ("pass `clipping_method='vmap'` there", "pass `method='vmap'` there"),
     # a name the library does not have

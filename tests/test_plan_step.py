@@ -79,7 +79,8 @@ def test_step_is_the_plan_update_compiled_once():
     expected, state = by_hand(expected, state, inputs)
   np.testing.assert_allclose(params['w'], expected['w'], rtol=1e-5,
                              atol=1e-6)
-  assert plan._compiled_update._cache_size() == 1  # pylint: disable=protected-access
+  compiled = plan._compiled_update  # pylint: disable=protected-access
+  assert compiled._cache_size() == 1  # pylint: disable=protected-access
 
 
 def test_step_refuses_inputs_that_are_not_a_mapping():
