@@ -18,10 +18,8 @@ disagree:
                         epsilon=2.0, delta=1e-5, num_examples=n,
                         batch_size=100, epochs=10, l2_clip=1.0)
     opt_state = plan.init(params)
-    for step, inputs in enumerate(plan.batches_of(data)):
-      updates, opt_state = plan.transformation.update(
-          None, opt_state, params, **inputs)
-      params = optax.apply_updates(params, updates)
+    for inputs in plan.batches_of(data):
+      params, opt_state = plan.step(params, opt_state, inputs)  # jitted
     print(plan.epsilon)            # spent by the whole run, <= 2.0
 
 Every family has a plan: `dpsgd` (Poisson, shuffled or fixed-order
@@ -278,10 +276,10 @@ class Plan:
     checks run on the device and call back to the host only when one fails
     (`guards.refuse`). With `block=True` (default) the call waits for its
     outputs, so a refusal is raised by the call that made it on every
-    backend (on CPU the wait costs nothing: the step already runs
-    synchronously). `block=False` keeps JAX's asynchronous dispatch on an
-    accelerator: a refusal is then raised by a later `step` call, or by
-    JAX when the outputs are read.
+    backend; the wait gives up only the overlap of the host's next batch
+    with the device's step. `block=False` keeps JAX's asynchronous
+    dispatch: on an accelerator a refusal may then be raised by a later
+    `step` call, or by JAX (its long error) when the outputs are read.
 
     The step runs on one device, or on arrays already sharded over several
     under `jit`; a plan built with `axis_name=` runs under `jax.pmap` or
@@ -304,8 +302,8 @@ class Plan:
       `(params, opt_state)` after the step.
 
     Raises:
-      PrivacyGuardError: the step was refused; its outputs were poisoned
-        (NaN) and must not be used.
+      PrivacyGuardError: the step was refused (its outputs, poisoned with
+        NaN on the device, are not returned).
       TypeError: `batch_inputs` is not a mapping of `update`'s inputs.
     """
     if not isinstance(batch_inputs, Mapping):
