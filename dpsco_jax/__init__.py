@@ -37,7 +37,10 @@ The curated public API. Modules, one concern each:
 * `dpsco_jax.plans`: one call from a privacy target to a run: the
   calibrated transformation chained with your optimizer, the batches it is
   accounted for (checked in every step), the accounting event and the
-  ledger, all from one description;
+  ledger, all from one description, and its compiled step (`Plan.step`);
+* `dpsco_jax.progress`: progress lines on stderr for long work (strategy
+  optimization, calibration, compilation); `DPSCO_JAX_PROGRESS=0` silences
+  them;
 * `dpsco_jax.ledger`: the run's privacy record (mechanism identity, noise
   multiplier, participation, steps taken), which the loop asks for the
   epsilon spent so far;
@@ -70,6 +73,7 @@ from dpsco_jax import outlier_removal
 from dpsco_jax import parallel
 from dpsco_jax import plans
 from dpsco_jax import preprocessing
+from dpsco_jax import progress
 from dpsco_jax import rounding
 from dpsco_jax import smoothing
 from dpsco_jax import strategies
@@ -157,6 +161,7 @@ __all__ = (
     'parallel',
     'plans',
     'preprocessing',
+    'progress',
     'smoothing',
     'strategies',
     'nonsmooth',

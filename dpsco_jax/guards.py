@@ -30,9 +30,9 @@ class PrivacyGuardError(ValueError):
   """A private step refused to run: what it would do is not what was accounted.
 
   Raised at once by an eager step; under `jit` / `pmap` raised from a host
-  callback, which JAX reports inside a longer runtime error: wrap the
-  compiled step with `library_errors` to get this exception, with the
-  library's message alone.
+  callback, which JAX reports inside a longer runtime error: a plan's
+  `Plan.step` raises this exception itself, and `library_errors` wraps a
+  compiled step of your own to do the same, the library's message alone.
   """
 
 

@@ -18,10 +18,8 @@ disagree:
                         epsilon=2.0, delta=1e-5, num_examples=n,
                         batch_size=100, epochs=10, l2_clip=1.0)
     opt_state = plan.init(params)
-    for step, inputs in enumerate(plan.batches_of(data)):
-      updates, opt_state = plan.transformation.update(
-          None, opt_state, params, **inputs)
-      params = optax.apply_updates(params, updates)
+    for inputs in plan.batches_of(data):
+      params, opt_state = plan.step(params, opt_state, inputs)  # jitted
     print(plan.epsilon)            # spent by the whole run, <= 2.0
 
 Every family has a plan: `dpsgd` (Poisson, shuffled or fixed-order
@@ -41,8 +39,13 @@ spends is computed); exactly one of the two.
 """
 
 import dataclasses
+import functools
+import hashlib
+import json
 import math
+import os
 import secrets
+import tempfile
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import dp_accounting
@@ -54,9 +57,11 @@ from dpsco_jax import accounting
 from dpsco_jax import batching
 from dpsco_jax import checks
 from dpsco_jax import estimators
+from dpsco_jax import guards
 from dpsco_jax import ledger as ledger_lib
 from dpsco_jax import neighboring
 from dpsco_jax import noise
+from dpsco_jax import progress
 from dpsco_jax import smoothing
 from dpsco_jax import strategies
 from dpsco_jax.algorithms import baselines
@@ -239,6 +244,81 @@ class Plan:
             self.ledger.releases if self.ledger is not None else ())],
     }
 
+  # ------------------------------------------------- the compiled step
+
+  @functools.cached_property
+  def _compiled_update(self) -> Callable[..., tuple[PyTree, PyTree]]:
+    # Built on first use and kept: every call of `step` runs the same
+    # compiled program (a frozen dataclass still has an instance __dict__,
+    # which is where cached_property stores it).
+    transformation = self.transformation
+
+    def update(params, opt_state, batch_inputs):
+      updates, opt_state = transformation.update(None, opt_state, params,
+                                                 **batch_inputs)
+      return optax.apply_updates(params, updates), opt_state
+
+    return jax.jit(update)
+
+  def step(self, params: PyTree, opt_state: PyTree,
+           batch_inputs: Mapping[str, Any], *, block: bool = True
+           ) -> tuple[PyTree, PyTree]:
+    """One compiled training step: `(params, opt_state)` after `inputs`.
+
+    Runs `transformation.update` and `optax.apply_updates` as ONE program,
+    compiled at the first call and reused after. A step the plan refuses
+    (one past `num_steps`, a batch its accounting does not describe) raises
+    the library's `PrivacyGuardError`, its message the first line of the
+    error, not JAX's runtime error that carries it at the end (what a
+    hand-written `jax.jit` step raises).
+
+    In the steady state the step makes no host round trip: the refusal
+    checks run on the device and call back to the host only when one fails
+    (`guards.refuse`). With `block=True` (default) the call waits for its
+    outputs, so a refusal is raised by the call that made it on every
+    backend; the wait gives up only the overlap of the host's next batch
+    with the device's step. `block=False` keeps JAX's asynchronous
+    dispatch: on an accelerator a refusal may then be raised by a later
+    `step` call, or by JAX (its long error) when the outputs are read.
+
+    The step runs on one device, or on arrays already sharded over several
+    under `jit`; a plan built with `axis_name=` runs under `jax.pmap` or
+    `jax.shard_map`, in your own step.
+
+    Example:
+      >>> opt_state = plan.init(params)
+      >>> for inputs in plan.batches_of(data):
+      ...   params, opt_state = plan.step(params, opt_state, inputs)
+
+    Args:
+      params: the current params.
+      opt_state: the current optimizer state (from `init`, then from the
+        previous step).
+      batch_inputs: one item of `batches_of(data)` (for DIFF2 plans, whose
+        rounds use all local data: `{'batch': ..., 'batch_mask': ...}`).
+      block: wait for the outputs before returning (see above).
+
+    Returns:
+      `(params, opt_state)` after the step.
+
+    Raises:
+      PrivacyGuardError: the step was refused (its outputs, poisoned with
+        NaN on the device, are not returned).
+      TypeError: `batch_inputs` is not a mapping of `update`'s inputs.
+    """
+    if not isinstance(batch_inputs, Mapping):
+      raise TypeError('batch_inputs must be a mapping of update\'s inputs '
+                      '(an item of plan.batches_of(data)), got '
+                      f'{type(batch_inputs).__name__}')
+    step = guards.library_errors(self._compiled_update, block=block)
+    compiled = getattr(self._compiled_update, '_cache_size', lambda: 0)()
+    if compiled:
+      return step(params, opt_state, dict(batch_inputs))
+    # The first call compiles (seconds to minutes for a big model): say so
+    # on stderr if it takes long.
+    with progress.task(f'dpsco_jax: compiling the {self.algorithm} step'):
+      return step(params, opt_state, dict(batch_inputs))
+
 
 # ---------------------------------------------------------------- shared
 
@@ -292,11 +372,66 @@ def _normalize_by(sampler: Sampler) -> float:
 def _noise_multiplier(mechanism, participation, epsilon, delta,
                       noise_multiplier, method, relation, releases=()
                       ) -> float:
+  """The given noise multiplier, or the one calibrated to (epsilon, delta).
+
+  A calibration is cached on disk (`strategies.cache_root()/calibrations`),
+  keyed by everything it depends on; a cached value only saves time: the
+  plan's ledger recomputes the epsilon it spends and refuses one that
+  misses the target.
+  """
   if noise_multiplier is not None:
     return checks.noise_multiplier(noise_multiplier)
-  return accounting.calibrate_noise_multiplier(
-      mechanism, participation, epsilon, delta, method=method,
-      neighboring_relation=relation, releases=releases)
+  path = _calibration_path(mechanism, participation, epsilon, delta, method,
+                           relation, releases)
+  if path is not None:
+    try:
+      with open(path) as handle:
+        cached = float(json.load(handle)['noise_multiplier'])
+      if math.isfinite(cached) and cached > 0:
+        return cached
+    except (OSError, ValueError, KeyError, TypeError):
+      pass
+  # PLD calibration of a long run takes seconds: say so on stderr.
+  name = mechanism.name.split('(')[0]
+  with progress.task(f'dpsco_jax: calibrating the {name} noise to epsilon '
+                     f'{epsilon:g} ({method})'):
+    multiplier = accounting.calibrate_noise_multiplier(
+        mechanism, participation, epsilon, delta, method=method,
+        neighboring_relation=relation, releases=releases)
+  if path is not None:
+    try:
+      os.makedirs(os.path.dirname(path), exist_ok=True)
+      with tempfile.NamedTemporaryFile('w', dir=os.path.dirname(path),
+                                       suffix='.json', delete=False) as f:
+        json.dump({'noise_multiplier': multiplier}, f)
+      os.replace(f.name, path)
+    except OSError:
+      pass  # A read-only cache only costs the next build the calibration.
+  return multiplier
+
+
+# Bumped whenever calibration changes what it returns.
+_CALIBRATION_CACHE_VERSION = 1
+
+
+def _calibration_path(mechanism, participation, epsilon, delta, method,
+                      relation, releases) -> Optional[str]:
+  """The cache file of a calibration, or None if it cannot be keyed."""
+  if not mechanism.identity:
+    return None
+  key = json.dumps({
+      'version': _CALIBRATION_CACHE_VERSION,
+      'dp_accounting': getattr(dp_accounting, '__version__', None),
+      'mechanism': [mechanism.identity, mechanism.name, mechanism.num_steps],
+      'participation': [type(participation).__name__,
+                        dataclasses.asdict(participation)],
+      'epsilon': float(epsilon), 'delta': float(delta), 'method': method,
+      'relation': Relation(relation).value,
+      'releases': [dataclasses.asdict(r) for r in releases],
+  }, sort_keys=True, default=repr)
+  digest = hashlib.sha256(key.encode()).hexdigest()[:32]
+  return os.path.join(strategies.cache_root(), 'calibrations',
+                      f'noise-{digest}.json')
 
 
 def _check_relation(algorithm: str, relation: Relation,

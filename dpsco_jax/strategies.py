@@ -16,6 +16,7 @@ strategies. All computations are float64 NumPy/SciPy on the host: strategies
 are computed once, before training, and cached on disk.
 """
 
+import contextlib
 import hashlib
 import math
 import os
@@ -31,6 +32,7 @@ import threadpoolctl
 from dpsco_jax import accounting
 from dpsco_jax import checks
 from dpsco_jax import noise as noise_lib
+from dpsco_jax import progress as progress_lib
 
 # Bumped whenever the optimizer changes what it returns, so stale cache
 # entries are never reused.
@@ -363,15 +365,30 @@ def _cache_path(cache_dir: str, key_parts: tuple) -> str:
   return os.path.join(cache_dir, f'strategy-{digest.hexdigest()[:32]}.npy')
 
 
+def cache_root() -> str:
+  """The library's on-disk cache: `$DPSCO_JAX_CACHE`, or `~/.cache/dpsco_jax`.
+
+  It holds optimized strategies (`strategies/`) and calibrated noise
+  multipliers (`calibrations/`), both recomputed when missing: delete the
+  directory to clear it.
+
+  Example:
+    >>> shutil.rmtree(strategies.cache_root(), ignore_errors=True)
+
+  Returns:
+    The directory (it may not exist yet).
+  """
+  return os.environ.get(CACHE_ENV_VAR) or os.path.join(
+      os.path.expanduser('~'), '.cache', 'dpsco_jax')
+
+
 def default_cache_dir() -> str:
   """Where optimized strategies are cached: `$DPSCO_JAX_CACHE/strategies`.
 
   Returns:
     The directory (default `~/.cache/dpsco_jax/strategies`).
   """
-  root = os.environ.get(CACHE_ENV_VAR) or os.path.join(
-      os.path.expanduser('~'), '.cache', 'dpsco_jax')
-  return os.path.join(root, 'strategies')
+  return os.path.join(cache_root(), 'strategies')
 
 
 def optimize_strategy(
@@ -382,7 +399,7 @@ def optimize_strategy(
     max_iterations: int = 5000,
     tolerance: float = 1e-4,
     cache_dir: Union[str, None, bool] = True,
-    progress: Optional[Callable[[int, float], None]] = None,
+    progress: Union[None, bool, Callable[[int, float], None]] = None,
 ) -> np.ndarray:
   """A strategy `C` minimizing `||W C^-1||_F` under (k, b)-participation.
 
@@ -407,7 +424,11 @@ def optimize_strategy(
   (`accounting.participation_sensitivity`).
 
   Results are cached on disk (`default_cache_dir()`, or `cache_dir`), keyed
-  by the workload, k, bands and the optimizer settings. Cost: one Cholesky
+  by everything that determines them: the workload matrix itself (its
+  bytes, so T, the kind, momentum and decay), k, bands, the optimizer
+  settings and a version of this optimizer; delete the directory to clear
+  it. A cached strategy is checked (lower-triangular, sensitivity at most 1
+  under `FixedOrder(k, T / k)`) before it is used. Cost: one Cholesky
   solve per iteration, on one BLAS thread (measured faster than two); the
   600x600 strategies of paper 001 take 100 to 1,000 iterations
   (`benchmarks/mf_noise.py`).
@@ -426,10 +447,13 @@ def optimize_strategy(
       relative amount.
     cache_dir: a directory, True for `default_cache_dir()`, or None/False to
       disable the cache.
-    progress: called with (iteration, loss) after every L-BFGS iteration.
-      None (default): a progress line through absl logging (INFO) every 10
-      seconds, so long optimizations (minutes for 600 x 600) are not silent
-      and short ones stay quiet.
+    progress: None (default) or True: a progress line on stderr with the
+      L-BFGS iteration and loss once the optimization has run a second
+      (`dpsco_jax.progress`; None follows `$DPSCO_JAX_PROGRESS`, so
+      `DPSCO_JAX_PROGRESS=0` silences it), so long optimizations (a minute
+      for 600 x 600) are not silent and short ones stay quiet. False: no
+      line. A callable: called with (iteration, loss) after every L-BFGS
+      iteration instead.
 
   Returns:
     Lower-triangular float64 `C` `[T, T]` with sensitivity 1 under
@@ -475,16 +499,31 @@ def optimize_strategy(
       workload_matrix, num_epochs, min(bands or num_steps, steps_per_epoch))
   if start is None:
     start = np.eye(num_steps) / num_epochs
-  # One BLAS thread: the Cholesky solves of a few hundred rows run about 2x
-  # faster than with two threads on a 2-core CPU (benchmarks/mf_noise.py),
-  # and far faster when other jobs share the cores.
-  if progress is None:
-    progress = _progress_log(f'{num_steps}x{num_steps} strategy (k='
-                             f'{num_epochs}, bands={bands})', max_iterations)
-  with threadpoolctl.threadpool_limits(limits=1, user_api='blas'):
+  what = (f'dpsco_jax: optimizing a {num_steps}x{num_steps} strategy (k='
+          f'{num_epochs}, bands={bands}'
+          + ('; cached for the next run)' if path else ')'))
+  with contextlib.ExitStack() as stack:
+    if progress is None or isinstance(progress, bool):
+      report = stack.enter_context(
+          progress_lib.task(what, progress=progress))
+
+      def callback(iteration: int, loss: float) -> None:
+        report(f'L-BFGS iteration {iteration} (at most {max_iterations}), '
+               f'loss {loss:.6g}')
+
+    elif callable(progress):
+      callback = progress
+    else:
+      raise TypeError('progress must be None, a bool or a callable, got '
+                      f'{progress!r}')
+    # One BLAS thread: the Cholesky solves of a few hundred rows run about
+    # 2x faster than with two threads on a 2-core CPU
+    # (benchmarks/mf_noise.py), and far faster when other jobs share them.
+    stack.enter_context(
+        threadpoolctl.threadpool_limits(limits=1, user_api='blas'))
     optimum, iterations = _lbfgs(objective, objective.to_vector(start),
                                  max_iterations=max_iterations,
-                                 tolerance=tolerance, progress=progress)
+                                 tolerance=tolerance, progress=callback)
   gram = objective.to_matrix(optimum)
   # Remove the round-off drift of the linear constraints before factoring.
   gram = np.where(mask, (gram + gram.T) / 2, 0.0)
@@ -501,24 +540,6 @@ def optimize_strategy(
   if path is not None:
     _store(path, strategy)
   return strategy
-
-
-def _progress_log(what: str, max_iterations: int,
-                  every_seconds: float = 10.0
-                  ) -> Callable[[int, float], None]:
-  """A progress callback logging at most every `every_seconds`."""
-  start = time.perf_counter()
-  last = [start]
-
-  def report(iteration: int, loss: float) -> None:
-    now = time.perf_counter()
-    if now - last[0] >= every_seconds:
-      last[0] = now
-      logging.info('optimizing a %s: L-BFGS iteration %d (at most %d), loss '
-                   '%.6g, %.0f s', what, iteration, max_iterations, loss,
-                   now - start)
-
-  return report
 
 
 def _store(path: str, strategy: np.ndarray) -> None:
