@@ -119,6 +119,13 @@ def test_columns_are_explicit_and_bad_ones_refused(tmp_path):
     data.load_table(str(path), features=['code'], **kw)
   assert data.load_table(str(path), features=['level'],
                          **kw).train['x'].shape == (24, 1)
+  # By name alone (values neither distinct strings nor a run of integers).
+  path.write_text('customer_id,label\n' + '\n'.join(
+      f'{7 * (i % 5)},{i % 2}' for i in range(30)) + '\n')
+  with pytest.raises(ValueError, match="'customer_id' looks like a row "
+                     'identifier.*name'):
+    data.load_table(str(path), features=['customer_id'], **kw)
+  path.write_text('m,level,code,label,copy\n' + rows + '\n')
   # A copy of the label.
   with pytest.raises(ValueError, match='equal the target'):
     data.load_table(str(path), features=['level', 'copy'], **kw)
