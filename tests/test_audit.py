@@ -558,6 +558,14 @@ def test_audit_plan_poisson_dpsgd_below_its_epsilon_and_a_planted_bug():
   report = audit.audit_plan(buggy, params=params, data=data, canary=canary,
                             loss_fn=loss_fn, num_runs=1000, key=1)
   assert report.exceeds_claim, report.to_markdown()
+  # Add/remove: the runs without the canary lack its row altogether (masked
+  # out), so a data set that holds the canary itself at that row is still
+  # told apart from its neighbour.
+  own = {name: leaf.copy() for name, leaf in data.items()}
+  own['x'][0], own['y'][0] = canary['x'], canary['y']
+  report = audit.audit_plan(buggy, params=params, data=own, canary=canary,
+                            loss_fn=loss_fn, num_runs=500, key=2)
+  assert report.exceeds_claim, report.to_markdown()
 
 
 def test_audit_plan_draws_each_runs_own_poisson_batches_and_noise():
