@@ -56,6 +56,7 @@ import numpy as np
 import optax
 from scipy import stats
 
+from dpsco_jax import batching
 from dpsco_jax import checks
 from dpsco_jax import keys as keys_lib
 from dpsco_jax import neighboring
@@ -1647,6 +1648,11 @@ def audit_plan(
   * replace-one (DIFF2, DP-GD, the nonsmooth plans): the row holds
     `replacement` (default: `data`'s own row at `canary_index`).
 
+  Under add/remove or zero-out, a given `replacement` takes the row instead
+  of the mask: it must then be an example whose clipped contribution is
+  zero (a zero-gradient example, the zero-out neighbour). A shuffled plan
+  needs one, since its batch check refuses a batch with a masked example.
+
   Each run is scored on what the plan releases as its model (the params
   after the last step; `final_params` for Accelerated-DP-SRGD, the O2NC
   output for the nonsmooth plans; or `output_fn(params, state)`):
@@ -1685,8 +1691,10 @@ def audit_plan(
     score_fn: `(output, canary) -> scalar`, higher meaning "in" (instead of
       `loss_fn`).
     canary_index: the row the canary takes.
-    replacement: replace-one plans: the row's example in the runs without
-      the canary (default: `data`'s own row).
+    replacement: the row's example in the runs without the canary: for
+      replace-one plans any example (default: `data`'s own row); for the
+      others a zero-contribution example (default: none, the row is masked
+      out).
     output_fn: `(params, state) -> output` scored (default: see above).
     alpha, calibration_fraction, num_thresholds, max_parallel: see
       `run_canary_audit`.
@@ -1697,7 +1705,8 @@ def audit_plan(
 
   Raises:
     ValueError: if neither `loss_fn` nor `score_fn` is given, the data do
-      not hold `plan.num_examples` rows, or `canary_index` is out of range.
+      not hold `plan.num_examples` rows, `canary_index` is out of range, or
+      a shuffled plan is given no `replacement`.
   """
   if (loss_fn is None) == (score_fn is None):
     raise ValueError('give loss_fn= (the score is minus the canary\'s loss) '
@@ -1716,7 +1725,15 @@ def audit_plan(
                      f'{canary_index!r}')
   canary_index = int(canary_index)
   relation = _plan_relation(plan)
-  masked = relation is not neighboring.NeighboringRelation.REPLACE_ONE
+  replace_one = relation is neighboring.NeighboringRelation.REPLACE_ONE
+  masked = not replace_one and replacement is None
+  if masked and isinstance(plan.batches, batching.ShuffledBatches):
+    raise ValueError(
+        'a shuffled plan checks that every batch holds exactly batch_size '
+        'real examples, so the canary\'s row cannot be masked out of it: give '
+        'replacement= an example whose clipped contribution is zero for your '
+        'loss (the zero-out neighbour), or audit the plan with '
+        "sampling='poisson' or 'fixed'")
   data = jax.tree_util.tree_map(jnp.asarray, data)
   if replacement is None:
     replacement = jax.tree_util.tree_map(lambda leaf: leaf[canary_index],

@@ -556,7 +556,7 @@ def test_audit_plan_poisson_dpsgd_below_its_epsilon_and_a_planted_bug():
   weak = _poisson_plan(loss_fn, noise_multiplier=plan.noise_multiplier / 10)
   buggy = dataclasses.replace(plan, transformation=weak.transformation)
   report = audit.audit_plan(buggy, params=params, data=data, canary=canary,
-                            loss_fn=loss_fn, num_runs=1000, key=1)
+                            loss_fn=loss_fn, num_runs=500, key=1)
   assert report.exceeds_claim, report.to_markdown()
   # Add/remove: the runs without the canary lack its row altogether (masked
   # out), so a data set that holds the canary itself at that row is still
@@ -592,6 +592,13 @@ def test_audit_plan_draws_each_runs_own_poisson_batches_and_noise():
   with pytest.raises(ValueError, match='loss_fn= .* or score_fn='):
     audit.audit_plan(plan, params=params, data=data, canary=data, num_runs=4,
                      key=0)
+  shuffled = dpsco_jax.plans.dpsgd(
+      loss_fn, optimizer=optax.sgd(1.0), num_examples=64, batch_size=16,
+      epochs=1, l2_clip=1.0, noise_multiplier=1.0, delta=DELTA,
+      sampling='shuffled', clipping_method='vmap')
+  with pytest.raises(ValueError, match='shuffled plan .* replacement='):
+    audit.audit_plan(shuffled, params=params, data=data, canary=data,
+                     loss_fn=loss_fn, num_runs=4, key=0)
   with pytest.raises(ValueError, match='num_examples = 64'):
     audit.audit_plan(plan, params=params, data={'x': np.zeros((3, 4))},
                      canary={'x': np.zeros(4)}, loss_fn=loss_fn,
@@ -605,12 +612,12 @@ def test_audit_plan_runs_fixed_order_and_full_batch_plans():
       epochs=2, l2_clip=1.0, epsilon=TARGET_EPSILON, delta=DELTA,
       clipping_method='vmap')
   report = audit.audit_plan(ftrl, params=params, data=data, canary=canary,
-                            loss_fn=loss_fn, num_runs=200, key=0)
+                            loss_fn=loss_fn, num_runs=100, key=0)
   assert report.epsilon_lower_bound <= report.claimed_epsilon
   gd = dpsco_jax.plans.dp_gd(loss_fn, learning_rate=1.0, num_rounds=3,
                              grad_clip=1.0, num_examples=64,
                              epsilon=TARGET_EPSILON, delta=DELTA,
                              clipping_method='vmap')
   report = audit.audit_plan(gd, params=params, data=data, canary=canary,
-                            loss_fn=loss_fn, num_runs=200, key=0)
+                            loss_fn=loss_fn, num_runs=100, key=0)
   assert report.epsilon_lower_bound <= report.claimed_epsilon
