@@ -136,6 +136,11 @@ def test_columns_are_explicit_and_bad_ones_refused(tmp_path):
   path.write_text('a,label\n1,0\n,1\n')
   with pytest.raises(ValueError, match="line 3, column 'a'.*missing"):
     data.load_table(str(path), features=['a'], **kw)
+  path.write_text('a,label\n1,0\n2,1,3\n')
+  with pytest.raises(ValueError, match='line 3: 3 cells, the header has 2'):
+    data.load_table(str(path), features=['a'], **kw)
+  with pytest.raises(FileNotFoundError, match='no such file'):
+    data.load_table(str(tmp_path / 'absent.csv'), features=['a'], **kw)
   # Scaling needs public bounds, and DP arguments only with 'dp'.
   with pytest.raises(ValueError, match='public bounds'):
     load(features=['torque_nm'], scaling='public')
