@@ -1747,21 +1747,21 @@ def audit_plan(
   runs = 2 * num_runs
   run_key_array = run_keys(key, runs)
   includes = jnp.arange(runs) % 2 == 0
-  if plan.batches is None:
-    steps = None
-    run_inputs = ()
-  else:
-    steps = _run_batches(plan.batches, _sampler_seeds(key, runs))
-    run_inputs = tuple(steps)
-  uniform = steps is not None and len({s[0].shape[1] for s in steps}) == 1
+  # Each run's batches, per step (none for full-batch plans). Steps of one
+  # shape run in a `lax.scan`; the anchored single pass (two batch sizes)
+  # is unrolled.
+  steps = (() if plan.batches is None else
+           tuple(_run_batches(plan.batches, _sampler_seeds(key, runs))))
+  uniform = bool(steps) and len({s[0].shape[1] for s in steps}) == 1
 
   def run_data(include):
-    neighbour = replacement
+    # The canary's row: the canary, or its neighbour (masked out of every
+    # batch when `masked`, so then its value is never used).
     return jax.tree_util.tree_map(
         lambda leaf, c, r: leaf.at[canary_index].set(
             jnp.where(include, jnp.asarray(c, leaf.dtype),
                       jnp.asarray(r, leaf.dtype))),
-        data, canary, neighbour)
+        data, canary, replacement)
 
   def step_inputs(rows, include, indices, mask):
     if indices is None:              # full batch: every row, every step
@@ -1811,7 +1811,7 @@ def audit_plan(
                        batch_size=int(max_parallel))
 
   batches = tuple((jnp.asarray(indices), None if mask is None else
-                   jnp.asarray(mask)) for indices, mask in run_inputs)
+                   jnp.asarray(mask)) for indices, mask in steps)
   scores = np.asarray(jax.jit(run_all)(run_key_array, includes, batches),
                       np.float64).reshape(runs, -1)
   return audit_observations(
