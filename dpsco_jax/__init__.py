@@ -50,6 +50,9 @@ The curated public API. Modules, one concern each:
 * `dpsco_jax.rounding`: certified floating-point bounds for the
   comparisons privacy rests on (clip factors, outlier-removal distances):
   rounding can only make them stricter;
+* `dpsco_jax.data`: your own table (a CSV file or a pandas DataFrame)
+  as a plan's data in one call, with explicit features and target, and
+  scaling by public bounds or by a DP release the plan spends;
 * `dpsco_jax.checkpoint`: checkpoint and resume with a privacy ledger, and
   releases that hold only what is safe to publish;
 * `dpsco_jax.audit`: empirical privacy auditing: canary runs of any
@@ -62,6 +65,7 @@ from dpsco_jax import audit
 from dpsco_jax import batching
 from dpsco_jax import checkpoint
 from dpsco_jax import clipping
+from dpsco_jax import data
 from dpsco_jax import estimators
 from dpsco_jax import ghost
 from dpsco_jax import guards
@@ -150,6 +154,7 @@ __all__ = (
     'batching',
     'checkpoint',
     'clipping',
+    'data',
     'estimators',
     'ghost',
     'guards',

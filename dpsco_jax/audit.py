@@ -25,6 +25,10 @@ Statistics (NumPy/SciPy, on the host):
 
 Runners (one vmapped, jit-compiled program for all runs):
 
+* `audit_plan(plan, ...)`: a `plans.Plan` as it runs (its transformation,
+  its sampler reseeded per run, Poisson sampling included, its noise with
+  a key per run), your data and a canary row; the bound beside
+  `plan.epsilon`.
 * `run_canary_audit(train_fn, ...)`: any whole run written as a pure
   function `train_fn(key, include) -> observations`; this is how to audit
   your own training loop.
@@ -52,8 +56,13 @@ import numpy as np
 import optax
 from scipy import stats
 
+from dpsco_jax import batching
 from dpsco_jax import checks
+from dpsco_jax import keys as keys_lib
 from dpsco_jax import neighboring
+from dpsco_jax import noise as noise_lib
+from dpsco_jax.algorithms import nonsmooth
+from dpsco_jax.algorithms import srg
 
 PyTree = Any
 ArrayLike = Union[np.ndarray, Sequence[float]]
@@ -1495,3 +1504,319 @@ def run_one_run_gradient_audit(
       name=name, method='one-run', claimed_epsilon=float(claimed_epsilon),
       epsilon_lower_bound=bound.epsilon, delta=float(delta),
       alpha=float(alpha), num_runs=m, one_run=bound)
+
+
+# ---------------------------------------------------------------------------
+# Auditing a plan.
+# ---------------------------------------------------------------------------
+
+
+def _fresh_run_keys(state: PyTree, key: jax.Array) -> PyTree:
+  """`state` with every noise key replaced by one folded from `key`.
+
+  Every `noise.NoiseState`'s key (typed or raw) and every other typed key
+  leaf (e.g. an output-iterate draw) gets `fold_in(key, j)` for its own j,
+  so a run of the plan draws all its randomness from its run key, as the
+  plan would with that key given as `key=`.
+  """
+  count = [0]
+
+  def fresh(old):
+    count[0] += 1
+    new = jax.random.fold_in(key, count[0])
+    return new if keys_lib.is_typed_key(old) else jax.random.key_data(new)
+
+  def visit(node):
+    if isinstance(node, noise_lib.NoiseState):
+      return node._replace(key=fresh(node.key))
+    if keys_lib.is_typed_key(node):
+      return fresh(node)
+    return node
+
+  return jax.tree_util.tree_map(
+      visit, state, is_leaf=lambda node: isinstance(
+          node, noise_lib.NoiseState) or keys_lib.is_typed_key(node))
+
+
+def _sampler_seeds(key: Any, count: int) -> list[int]:
+  """One sampler seed per run, from the audit's key and the run's index."""
+  if key is None:
+    raise ValueError('an audit needs a key (or int seed) for its runs')
+  if isinstance(key, (int, np.integer)):
+    words = [int(key) & 0xFFFFFFFF, (int(key) >> 32) & 0xFFFFFFFF]
+  else:
+    words = [int(w) for w in keys_lib.key_data(key)[1].ravel()]
+  return [int(np.random.SeedSequence(words + [0x5A4D, run]).generate_state(
+      2, np.uint64)[0] >> np.uint64(1)) for run in range(count)]
+
+
+def _reseeded(sampler: Any, seed: int) -> Any:
+  """The plan's sampler with another seed (same class, sizes, padding)."""
+  names = {field.name for field in dataclasses.fields(sampler)}
+  name = 'seed' if 'seed' in names else 'order_seed'
+  return dataclasses.replace(sampler, **{name: seed})
+
+
+def _run_batches(sampler: Any, seeds: Sequence[int]):
+  """Per step, `(indices [runs, P_t], mask [runs, P_t] or None)`.
+
+  Each run's batches are those of `sampler` reseeded with its seed. Poisson
+  batches of one step are padded (index 0, masked out) to the largest
+  padded size any run drew at that step: still a multiple of the sampler's
+  `pad_to_multiple`, as its guard requires.
+  """
+  per_run = [list(_reseeded(sampler, seed).iterate()) for seed in seeds]
+  steps = []
+  for t in range(len(per_run[0])):
+    drawn = [batches[t] for batches in per_run]
+    if isinstance(drawn[0], tuple):
+      size = max(len(indices) for indices, _ in drawn)
+      indices = np.zeros((len(drawn), size), np.int32)
+      mask = np.zeros((len(drawn), size), bool)
+      for run, (ids, keep) in enumerate(drawn):
+        indices[run, :len(ids)], mask[run, :len(ids)] = ids, keep
+      steps.append((indices, mask))
+    else:
+      steps.append((np.stack(drawn).astype(np.int32), None))
+  return steps
+
+
+def _plan_relation(plan: Any) -> neighboring.NeighboringRelation:
+  if plan.ledger is not None:
+    return neighboring.NeighboringRelation(plan.ledger.neighboring_relation)
+  # The full-batch families (DIFF2, DP-GD, multi-pass O2NC) are replace-one.
+  return neighboring.NeighboringRelation.REPLACE_ONE
+
+
+def _plan_output(plan: Any) -> Callable[[PyTree, PyTree], PyTree]:
+  """What a family releases as its model after the last step."""
+  if plan.algorithm == 'accelerated_dp_srgd':
+    return lambda params, state: srg.final_params(state)
+  if plan.algorithm.startswith('nonsmooth_'):
+    return lambda params, state: nonsmooth.o2nc_output(state)
+  return lambda params, state: params
+
+
+def audit_plan(
+    plan: Any,
+    *,
+    params: PyTree,
+    data: PyTree,
+    canary: PyTree,
+    num_runs: int,
+    key: Any,
+    loss_fn: Optional[Callable[[PyTree, PyTree], jax.Array]] = None,
+    score_fn: Optional[Callable[[PyTree, PyTree], jax.Array]] = None,
+    canary_index: int = 0,
+    replacement: Optional[PyTree] = None,
+    output_fn: Optional[Callable[[PyTree, PyTree], PyTree]] = None,
+    alpha: float = 0.05,
+    calibration_fraction: float = 0.25,
+    num_thresholds: int = 5,
+    max_parallel: Optional[int] = None,
+    name: Optional[str] = None,
+) -> AuditReport:
+  """Black-box canary audit of a `plans.Plan`: its lower bound beside its epsilon.
+
+  What is simulated: `2 num_runs` whole runs of the plan, as one vmapped,
+  jit-compiled program. Each run is the plan itself with fresh randomness:
+
+  * its transformation (`plan.transformation`: the private estimator with
+    the plan's calibrated noise multiplier and clip, the in-step batch
+    check, your optimizer), initialized once from `params` and stepped
+    `plan.num_steps` times;
+  * its noise: the mechanism state the transformation makes, with every
+    noise key replaced by one folded from the run's key (`run_keys`), so
+    that runs draw independent noise exactly as the plan draws it;
+  * its sampler: `plan.batches` (the same class, sizes and padding)
+    reseeded per run from the audit's key, iterated on the host; under
+    Poisson sampling every run draws its own Bernoulli batches, so the
+    amplification the plan's epsilon counts on is what is attacked.
+    Full-batch plans (DIFF2, DP-GD, multi-pass O2NC) use all of `data`
+    every step.
+
+  How the canary is inserted: `data` (the plan's `num_examples` rows) gets
+  the `canary` at row `canary_index`. The neighbouring data set, for the
+  plan's neighbouring relation:
+
+  * add/remove or zero-out: the canary's row is masked out (`batch_mask`
+    False) wherever the sampler puts it. Under Poisson sampling this is
+    exactly the data set without that row: every other row's draws are
+    unchanged, and the canary takes part in a step only when the run's
+    sampler draws its row (probability q per step), as any example would.
+    The noisy sum is divided by the plan's public normalizer in both arms.
+  * replace-one (DIFF2, DP-GD, the nonsmooth plans): the row holds
+    `replacement` (default: `data`'s own row at `canary_index`).
+
+  Under add/remove or zero-out, a given `replacement` takes the row instead
+  of the mask: it must then be an example whose clipped contribution is
+  zero (a zero-gradient example, the zero-out neighbour). A shuffled plan
+  needs one, since its batch check refuses a batch with a masked example.
+
+  Each run is scored on what the plan releases as its model (the params
+  after the last step; `final_params` for Accelerated-DP-SRGD, the O2NC
+  output for the nonsmooth plans; or `output_fn(params, state)`):
+  `score_fn(output, canary)`, by default `-loss_fn(output, canary)` (a low
+  canary loss says "in"). The claim is `plan.epsilon` at `plan.delta`
+  (with any preprocessing releases, which are not simulated: the claim
+  is then larger than what is attacked, and the bound still valid).
+
+  A canary the data do not explain (a feature no real row uses, a
+  mislabeled outlier) gives the tightest bound. The program holds every
+  run's batch indices (`2 num_runs x num_steps x batch` int32) and runs
+  each step's batch check once for all runs.
+
+  Example:
+    >>> plan = plans.dpsgd(loss_fn, optimizer=optax.sgd(0.5),
+    ...                    num_examples=64, batch_size=48, epochs=2,
+    ...                    l2_clip=1.0, epsilon=2.0, delta=1e-5,
+    ...                    clipping_method='vmap')
+    >>> report = audit_plan(plan, params=params, data=data, canary=canary,
+    ...                     loss_fn=loss_fn, num_runs=1000, key=0)
+    >>> report.epsilon_lower_bound, report.claimed_epsilon
+
+  Args:
+    plan: a `plans.Plan` (any family), built without `axis_name` (the
+      runs are vmapped on one device).
+    params: the initial params of every run.
+    data: the plan's training set: a pytree whose leaves' leading axis is
+      `plan.num_examples`.
+    canary: one example (the data's structure without the leading axis).
+    num_runs: runs per arm.
+    key: key or int seed: run i's noise key is `fold_in(key, i)` (even runs
+      with the canary, odd runs without) and its sampler seed is derived
+      from the key and i.
+    loss_fn: `loss_fn(params, example) -> scalar`, the plan's loss, for the
+      default score.
+    score_fn: `(output, canary) -> scalar`, higher meaning "in" (instead of
+      `loss_fn`).
+    canary_index: the row the canary takes.
+    replacement: the row's example in the runs without the canary: for
+      replace-one plans any example (default: `data`'s own row); for the
+      others a zero-contribution example (default: none, the row is masked
+      out).
+    output_fn: `(params, state) -> output` scored (default: see above).
+    alpha, calibration_fraction, num_thresholds, max_parallel: see
+      `run_canary_audit`.
+    name: what was audited (default: the plan's algorithm).
+
+  Returns:
+    The `AuditReport` (`claimed_epsilon` is `plan.epsilon`).
+
+  Raises:
+    ValueError: if neither `loss_fn` nor `score_fn` is given, the data do
+      not hold `plan.num_examples` rows, `canary_index` is out of range, or
+      a shuffled plan is given no `replacement`.
+  """
+  if (loss_fn is None) == (score_fn is None):
+    raise ValueError('give loss_fn= (the score is minus the canary\'s loss) '
+                     'or score_fn=, not both')
+  if score_fn is None:
+    score_fn = lambda output, example: -loss_fn(output, example)
+  num_runs = checks.positive_int(num_runs, 'num_runs')
+  n = plan.num_examples
+  sizes = {np.shape(leaf)[0] if np.ndim(leaf) else None
+           for leaf in jax.tree_util.tree_leaves(data)}
+  if sizes != {n}:
+    raise ValueError(f'the data\'s leading axes are {sorted(map(str, sizes))};'
+                     f' the plan is for num_examples = {n}')
+  if not 0 <= int(canary_index) < n:
+    raise ValueError(f'canary_index must be in [0, {n}), got '
+                     f'{canary_index!r}')
+  canary_index = int(canary_index)
+  relation = _plan_relation(plan)
+  replace_one = relation is neighboring.NeighboringRelation.REPLACE_ONE
+  masked = not replace_one and replacement is None
+  if masked and isinstance(plan.batches, batching.ShuffledBatches):
+    raise ValueError(
+        'a shuffled plan checks that every batch holds exactly batch_size '
+        'real examples, so the canary\'s row cannot be masked out of it: give '
+        'replacement= an example whose clipped contribution is zero for your '
+        'loss (the zero-out neighbour), or audit the plan with '
+        "sampling='poisson' or 'fixed'")
+  data = jax.tree_util.tree_map(jnp.asarray, data)
+  if replacement is None:
+    replacement = jax.tree_util.tree_map(lambda leaf: leaf[canary_index],
+                                         data)
+  output_fn = _plan_output(plan) if output_fn is None else output_fn
+  tx = plan.transformation
+  # The plan's own initial state (its checks run here, on the host); each
+  # run swaps in its own noise keys.
+  initial_state = tx.init(params)
+
+  runs = 2 * num_runs
+  run_key_array = run_keys(key, runs)
+  includes = jnp.arange(runs) % 2 == 0
+  # Each run's batches, per step (none for full-batch plans). Steps of one
+  # shape run in a `lax.scan`; the anchored single pass (two batch sizes)
+  # is unrolled.
+  steps = (() if plan.batches is None else
+           tuple(_run_batches(plan.batches, _sampler_seeds(key, runs))))
+  uniform = bool(steps) and len({s[0].shape[1] for s in steps}) == 1
+
+  def run_data(include):
+    # The canary's row: the canary, or its neighbour (masked out of every
+    # batch when `masked`, so then its value is never used).
+    return jax.tree_util.tree_map(
+        lambda leaf, c, r: leaf.at[canary_index].set(
+            jnp.where(include, jnp.asarray(c, leaf.dtype),
+                      jnp.asarray(r, leaf.dtype))),
+        data, canary, replacement)
+
+  def step_inputs(rows, include, indices, mask):
+    if indices is None:              # full batch: every row, every step
+      return {'batch': rows}
+    inputs = {'batch': jax.tree_util.tree_map(lambda leaf: leaf[indices],
+                                              rows),
+              'example_ids': indices}
+    keep = jnp.ones(indices.shape, bool) if mask is None else mask
+    if masked:
+      keep = keep & ~((indices == canary_index) & ~include)
+    if mask is not None or masked:
+      inputs['batch_mask'] = keep
+    return inputs
+
+  def train_fn(run_key, include, batches):
+    rows = run_data(include)
+    state = _fresh_run_keys(initial_state, run_key)
+    params_t = params
+
+    def one_step(carry, step_batch):
+      p, s = carry
+      indices, mask = step_batch
+      updates, s = tx.update(None, s, p, **step_inputs(rows, include,
+                                                       indices, mask))
+      return (optax.apply_updates(p, updates), s), None
+
+    if not batches:
+      for _ in range(plan.num_steps):
+        (params_t, state), _ = one_step((params_t, state), (None, None))
+    elif uniform:
+      indices = jnp.stack([b[0] for b in batches])
+      masks = (None if batches[0][1] is None else
+               jnp.stack([b[1] for b in batches]))
+      (params_t, state), _ = jax.lax.scan(one_step, (params_t, state),
+                                          (indices, masks))
+    else:
+      for step_batch in batches:
+        (params_t, state), _ = one_step((params_t, state), step_batch)
+    output = output_fn(params_t, state)
+    return jnp.asarray(score_fn(output, canary), jnp.float32)
+
+  def run_all(run_key_array, includes, batches):
+    per_run = lambda args: train_fn(*args)
+    if max_parallel is None:
+      return jax.vmap(train_fn)(run_key_array, includes, batches)
+    return jax.lax.map(per_run, (run_key_array, includes, batches),
+                       batch_size=int(max_parallel))
+
+  batches = tuple((jnp.asarray(indices), None if mask is None else
+                   jnp.asarray(mask)) for indices, mask in steps)
+  scores = np.asarray(jax.jit(run_all)(run_key_array, includes, batches),
+                      np.float64).reshape(runs, -1)
+  return audit_observations(
+      scores[0::2], scores[1::2], claimed_epsilon=plan.epsilon,
+      delta=plan.delta, alpha=alpha,
+      calibration_fraction=calibration_fraction,
+      num_thresholds=num_thresholds,
+      name=name or f'{plan.algorithm} plan, canary row {canary_index}')

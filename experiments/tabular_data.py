@@ -12,7 +12,11 @@ Loaders take any path, so users point them at their own copies:
 * `synthetic_regression(...)`: a planted low-dimensional nonlinear
   regression with N >> d, the regime where DIFF2's bound beats DP-GD's.
 
-`load_csv(path, target)` reads a user's own numeric CSV. `prepare(x, y,
+`load_csv(path, target)` reads a numeric CSV with every other column as a
+feature (the experiments' files; for your own data use the installed
+`dpsco_jax.data.load_table`, which takes explicit features and refuses
+identifiers and the target among them). Files are read by
+`dpsco_jax.data.read_csv`. `prepare(x, y,
 seed)` splits 80/20 at random, then standardizes every attribute and
 divides the target by its largest absolute value with statistics of the
 TRAINING rows only (not privatized, as in the paper: a release outside the
@@ -28,6 +32,8 @@ import os
 from typing import Dict, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
+
+from dpsco_jax import data
 
 Split = Dict[str, np.ndarray]
 
@@ -61,21 +67,6 @@ class ClientData(NamedTuple):
   sizes: np.ndarray
 
 
-def _read_csv(path: str) -> Tuple[list, np.ndarray]:
-  """Header and string cells of a small CSV (no pandas dependency)."""
-  # utf-8-sig: some copies start with a byte-order mark.
-  with open(path, encoding='utf-8-sig') as f:
-    first = f.readline().strip()
-    # Some copies were saved as a Python bytes literal: b'...\n'.
-    wrapped = first.startswith("b'")
-    # Some copies pad names with spaces (gt_2015.csv has 'AFDP ').
-    header = [name.strip() for name in
-              (first[2:] if wrapped else first).split(',')]
-    rows = [line.strip().split(',') for line in f
-            if line.strip() and not (wrapped and line.strip() == "'")]
-  return header, np.array(rows, dtype=object)
-
-
 def load_california_housing(path: str) -> Tuple[np.ndarray, np.ndarray]:
   """scikit-learn's 8 California Housing attributes from the StatLib CSV.
 
@@ -101,7 +92,7 @@ def load_california_housing(path: str) -> Tuple[np.ndarray, np.ndarray]:
     path = os.path.join(path, 'housing.csv')
   if not os.path.isfile(path):
     raise FileNotFoundError(f'{path} not found. {_CALIFORNIA_HELP}')
-  header, cells = _read_csv(path)
+  header, cells = data.read_csv(path)
   needed = ('longitude', 'latitude', 'housing_median_age', 'total_rooms',
             'total_bedrooms', 'population', 'households', 'median_income',
             'median_house_value')
@@ -145,7 +136,7 @@ def load_gas_turbine(path: str) -> Tuple[np.ndarray, np.ndarray]:
   features = ('AT', 'AP', 'AH', 'AFDP', 'GTEP', 'TIT', 'TAT', 'TEY', 'CDP')
   xs, ys = [], []
   for name in files:
-    header, cells = _read_csv(name)
+    header, cells = data.read_csv(name)
     if any(c not in header for c in features + ('CO',)):
       raise ValueError(f'{name} lacks the expected columns. {_GAS_HELP}')
     xs.append(np.stack([cells[:, header.index(c)].astype(float)
@@ -251,7 +242,9 @@ def load_csv(path: str, target: str,
              ) -> Tuple[np.ndarray, np.ndarray]:
   """Numeric attributes and a target from a CSV file with a header row.
 
-  A user's own data in one call (no pandas), ready for `prepare` and a plan:
+  For the experiments' numeric files; a user's own table goes through
+  `dpsco_jax.data.load_table` (explicit features, class labels kept,
+  private scaling). Ready for `prepare` and a plan:
 
       x, y = load_csv('my_data.csv', target='price')
       train, test = prepare(x, y, seed=0)
@@ -274,7 +267,7 @@ def load_csv(path: str, target: str,
     ValueError: for a missing column, or a cell that is not a number (with
       its row and column).
   """
-  header, cells = _read_csv(path)
+  header, cells = data.read_csv(path)
   features = [c for c in header if c != target] if features is None else list(
       features)
   missing = [c for c in [target, *features] if c not in header]

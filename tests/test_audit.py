@@ -19,6 +19,7 @@ the bug assertion, a build with a bug fails the correct-build one, and the
 null audit, run on the leakiest build, fails once the canary is put back).
 """
 
+import dataclasses
 import functools
 import math
 
@@ -512,3 +513,111 @@ def test_refused_step_is_not_scored():
             num_steps=NUM_STEPS - 1, key=key),
         num_steps=NUM_STEPS, batch_size=BATCH_SIZE, num_runs=8,
         claimed_epsilon=1.0, delta=DELTA, key=0)
+
+
+# ------------------------------------------------------------ auditing a plan
+
+
+def _plan_problem():
+  """A logistic regression whose canary uses a feature no row uses."""
+  n, d = 64, 4
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(n, d)).astype(np.float32)
+  x[:, 0] = 0.0
+  data = {'x': x, 'y': rng.integers(0, 2, n).astype(np.int32)}
+  canary = {'x': np.array([10.0, 0.0, 0.0, 0.0], np.float32),
+            'y': np.int32(1)}
+
+  def loss_fn(params, example):
+    logit = jnp.vdot(params['w'], example['x']) + params['b']
+    return optax.sigmoid_binary_cross_entropy(logit, example['y'])
+
+  params = {'w': jnp.zeros(d), 'b': jnp.zeros(())}
+  return data, canary, loss_fn, params
+
+
+def _poisson_plan(loss_fn, **kw):
+  # q = 48 / 64 = 0.75, T = round(2 * 64 / 48) = 3 Poisson steps.
+  return dpsco_jax.plans.dpsgd(
+      loss_fn, optimizer=optax.sgd(1.0), num_examples=64, batch_size=48,
+      epochs=2, l2_clip=1.0, delta=DELTA, clipping_method='vmap', **kw)
+
+
+def test_audit_plan_poisson_dpsgd_below_its_epsilon_and_a_planted_bug():
+  data, canary, loss_fn, params = _plan_problem()
+  plan = _poisson_plan(loss_fn, epsilon=TARGET_EPSILON)
+  assert plan.hyperparameters['sampling'] == 'PoissonBatches'
+  report = audit.audit_plan(plan, params=params, data=data, canary=canary,
+                            loss_fn=loss_fn, num_runs=500, key=0)
+  assert report.claimed_epsilon == plan.epsilon
+  assert report.delta == plan.delta
+  assert not report.exceeds_claim, report.to_markdown()
+  # Planted bug: the plan claims its epsilon but adds a tenth of its noise.
+  weak = _poisson_plan(loss_fn, noise_multiplier=plan.noise_multiplier / 10)
+  buggy = dataclasses.replace(plan, transformation=weak.transformation)
+  report = audit.audit_plan(buggy, params=params, data=data, canary=canary,
+                            loss_fn=loss_fn, num_runs=500, key=1)
+  assert report.exceeds_claim, report.to_markdown()
+  # Add/remove: the runs without the canary lack its row altogether (masked
+  # out), so a data set that holds the canary itself at that row is still
+  # told apart from its neighbour.
+  own = {name: leaf.copy() for name, leaf in data.items()}
+  own['x'][0], own['y'][0] = canary['x'], canary['y']
+  report = audit.audit_plan(buggy, params=params, data=own, canary=canary,
+                            loss_fn=loss_fn, num_runs=500, key=2)
+  assert report.exceeds_claim, report.to_markdown()
+
+
+def test_audit_plan_draws_each_runs_own_poisson_batches_and_noise():
+  data, _, loss_fn, params = _plan_problem()
+  plan = _poisson_plan(loss_fn, noise_multiplier=1.0)
+  steps = audit._run_batches(plan.batches, audit._sampler_seeds(0, 400))
+  assert len(steps) == plan.num_steps
+  indices, mask = steps[0]
+  assert indices.shape[1] % plan.batches.pad_to_multiple == 0
+  # Row 0 (the canary's) is drawn with probability q = 0.75 in each run.
+  drawn = np.array([np.any((i == 0) & m) for i, m in zip(indices, mask)])
+  assert abs(drawn.mean() - 0.75) < 0.08
+  # Runs draw different batches.
+  assert len({tuple(i[m]) for i, m in zip(indices, mask)}) > 390
+  # Every noise key of the plan's state is replaced by one of the run's.
+  state = plan.transformation.init(params)
+  fresh = audit._fresh_run_keys(state, jax.random.key(3))
+  old = jax.tree_util.tree_leaves(state, is_leaf=dpsco_jax.keys.is_typed_key)
+  new = jax.tree_util.tree_leaves(fresh, is_leaf=dpsco_jax.keys.is_typed_key)
+  changed = [not np.array_equal(jax.random.key_data(a),
+                                jax.random.key_data(b))
+             for a, b in zip(old, new) if dpsco_jax.keys.is_typed_key(a)]
+  assert changed and all(changed)
+  with pytest.raises(ValueError, match='loss_fn= .* or score_fn='):
+    audit.audit_plan(plan, params=params, data=data, canary=data, num_runs=4,
+                     key=0)
+  shuffled = dpsco_jax.plans.dpsgd(
+      loss_fn, optimizer=optax.sgd(1.0), num_examples=64, batch_size=16,
+      epochs=1, l2_clip=1.0, noise_multiplier=1.0, delta=DELTA,
+      sampling='shuffled', clipping_method='vmap')
+  with pytest.raises(ValueError, match='shuffled plan .* replacement='):
+    audit.audit_plan(shuffled, params=params, data=data, canary=data,
+                     loss_fn=loss_fn, num_runs=4, key=0)
+  with pytest.raises(ValueError, match='num_examples = 64'):
+    audit.audit_plan(plan, params=params, data={'x': np.zeros((3, 4))},
+                     canary={'x': np.zeros(4)}, loss_fn=loss_fn,
+                     num_runs=4, key=0)
+
+
+def test_audit_plan_runs_fixed_order_and_full_batch_plans():
+  data, canary, loss_fn, params = _plan_problem()
+  ftrl = dpsco_jax.plans.dpftrl(
+      loss_fn, optimizer=optax.sgd(1.0), num_examples=64, batch_size=16,
+      epochs=2, l2_clip=1.0, epsilon=TARGET_EPSILON, delta=DELTA,
+      clipping_method='vmap')
+  report = audit.audit_plan(ftrl, params=params, data=data, canary=canary,
+                            loss_fn=loss_fn, num_runs=100, key=0)
+  assert report.epsilon_lower_bound <= report.claimed_epsilon
+  gd = dpsco_jax.plans.dp_gd(loss_fn, learning_rate=1.0, num_rounds=3,
+                             grad_clip=1.0, num_examples=64,
+                             epsilon=TARGET_EPSILON, delta=DELTA,
+                             clipping_method='vmap')
+  report = audit.audit_plan(gd, params=params, data=data, canary=canary,
+                            loss_fn=loss_fn, num_runs=100, key=0)
+  assert report.epsilon_lower_bound <= report.claimed_epsilon

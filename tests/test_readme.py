@@ -6,6 +6,7 @@ would: the first defines the data, the model and the loss the others use.
 
 import os
 import re
+import shutil
 import textwrap
 import warnings
 
@@ -13,8 +14,8 @@ import matplotlib
 
 matplotlib.use('Agg')
 
-README = os.path.join(os.path.dirname(os.path.dirname(__file__)),
-                      'README.md')
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = os.path.join(REPO, 'README.md')
 # A fenced block, possibly indented inside a list item.
 BLOCK = re.compile(r'^( *)```python\n(.*?)^\1```', re.S | re.M)
 
@@ -33,6 +34,9 @@ def test_readme_has_the_blocks_this_test_runs():
 
 def test_every_block_runs_in_order(tmp_path, monkeypatch, capsys):
   monkeypatch.chdir(tmp_path)    # blocks write run/checkpoint, run/model
+  # Blocks read the shipped table by its path from the repository root.
+  shutil.copytree(os.path.join(REPO, 'tests', 'data'),
+                  tmp_path / 'tests' / 'data')
   namespace = {'__name__': '__readme__'}
   for number, code in enumerate(readme_blocks(), 1):
     with warnings.catch_warnings():
@@ -45,6 +49,8 @@ def test_every_block_runs_in_order(tmp_path, monkeypatch, capsys):
   printed = capsys.readouterr().out
   # The first block's loop reports the epsilon so far, ending at the target.
   assert 'epsilon so far 2.000' in printed
+  # "Train on your own data": the shipped table's classes and rows.
+  assert "('no', 'yes') 240" in printed
   assert namespace['plan'].epsilon <= 2.0 + 1e-9
   assert os.path.isdir(tmp_path / 'run' / 'checkpoint')
   assert os.path.isdir(tmp_path / 'run' / 'model')
