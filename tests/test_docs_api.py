@@ -61,6 +61,7 @@ MEANT: dict[tuple[str, str], Optional[str]] = {
     ('docs/audit.md', 'release_fn'): 'audit.run_gradient_canary_audit',
     ('docs/audit.md', 'steps_per_epoch'): 'audit.run_gradient_canary_audit',
     ('docs/audit.md', 'normalize_by'): 'dpsco_jax.dpsgd',
+    ('docs/audit.md', 'replacement'): 'audit.audit_plan',
     ('docs/nonsmooth.md', 'learning_rate'): 'plans.nonsmooth_single_pass',
     ('docs/nonsmooth.md', 'budget_split'): 'plans.nonsmooth_multi_pass',
 }
