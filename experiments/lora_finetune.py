@@ -27,10 +27,11 @@ import itertools
 import math
 import os
 import time
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 from flax import nnx
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
@@ -150,12 +151,11 @@ def _perplexity(graphdef: nnx.GraphDef, data: dict):
   """`perplexity(adapters, base)` on `data`, jitted."""
   mean_loss = lambda adapters, base: models.lm_mean_loss(graphdef, base)(
       adapters, data)
-  return jax.jit(lambda adapters, base: jax.numpy.exp(mean_loss(adapters,
-                                                                base)))
+  return jax.jit(lambda adapters, base: jnp.exp(mean_loss(adapters, base)))
 
 
 def _shuffled(num_examples: int, batch_size: int, num_steps: int,
-              seed: int) -> tuple[Any, float]:
+              seed: int) -> tuple[Iterator[np.ndarray], int]:
   """`num_steps` batches of fresh shuffles (non-private runs), per epoch."""
   steps_per_epoch = num_examples // batch_size
   if steps_per_epoch < 1:
@@ -306,7 +306,7 @@ def _check(config: ml_collections.ConfigDict) -> None:
 
 
 def _plot(path: str, rows: list, before: float, title: str) -> None:
-  """Held-out perplexity over the fine-tuning epochs, mean and range over seeds."""
+  """Held-out perplexity over fine-tuning epochs: seeds' mean and range."""
   curves = []
   for name in dict.fromkeys(r['algorithm'] for r in rows
                             if r['algorithm'] != 'pretrain'):

@@ -19,6 +19,10 @@ The dense layers of an MLP take the ghost-norm path of
 convolution falls back to per-example gradients, announced once
 (`GhostClippingFallbackWarning`).
 
+`Decoder` is a small GPT-style language model whose dense layers carry
+LoRA adapters; `split_trainable` picks the adapters or the base to train
+and `lm_example_loss` is its one-sequence loss, the rest closed over.
+
 flax is an experiments dependency (the `experiments` extra), not a core
 one: the library itself only needs a params pytree and a loss function.
 """

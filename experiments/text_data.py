@@ -1,4 +1,4 @@
-"""Text for the language-model experiments: a small vocabulary, sequences, corpora.
+"""Text for the language-model experiments: vocabulary, sequences, corpora.
 
 Text becomes token ids over a vocabulary of 96 symbols (newline, the 95
 printable ASCII characters; a tab is read as a space and every other
@@ -131,8 +131,9 @@ def split(data: Split, heldout_fraction: float, seed: int
   n = len(data['x'])
   heldout = int(round(n * heldout_fraction))
   if not 0 < heldout < n:
-    raise ValueError(f'{n} examples leave no {"held-out" if not heldout else "training"} '
-                     f'example at heldout_fraction={heldout_fraction}')
+    side = 'training' if heldout else 'held-out'
+    raise ValueError(f'{n} examples leave no {side} example at '
+                     f'heldout_fraction={heldout_fraction}')
   order = np.random.default_rng(seed).permutation(n)
   pick = lambda rows: {k: v[rows] for k, v in data.items()}
   return pick(np.sort(order[heldout:])), pick(np.sort(order[:heldout]))

@@ -1,4 +1,4 @@
-"""Private LoRA fine-tuning of a decoder LM, end to end on tiny generated text."""
+"""Private LoRA fine-tuning of a decoder LM, on tiny generated text."""
 
 import json
 import os
@@ -13,6 +13,7 @@ import pytest
 from configs import lora_finetune as lora_finetune_config
 from experiments import lora_finetune
 from experiments import models
+from experiments import outputs
 from experiments import text_data
 
 
@@ -53,7 +54,7 @@ def test_pretrain_then_finetune_privately_end_to_end(tmp_path):
     assert row['perplexity_before'] == before
   # Fine-tuning on the private domain helps, without privacy for sure.
   assert reference['perplexity_after'] < 0.9 * before, reference
-  rows = outputs_rows(tmp_path / 'metrics.csv')
+  rows = outputs.read_csv(str(tmp_path / 'metrics.csv'))
   assert {r['algorithm'] for r in rows} == {'pretrain', 'lora/dp/vmap',
                                             'lora/nonprivate'}
   assert os.path.getsize(tmp_path / 'perplexity.png') > 0
@@ -62,11 +63,6 @@ def test_pretrain_then_finetune_privately_end_to_end(tmp_path):
   assert record['privacy'][0]['epsilon_spent'] == pytest.approx(
       private['epsilon'])
   assert record['perplexity_before'] == pytest.approx(before)
-
-
-def outputs_rows(path):
-  from experiments import outputs  # pylint: disable=g-import-not-at-top
-  return outputs.read_csv(str(path))
 
 
 def test_lm_loss_trains_only_the_selected_parameters():
