@@ -19,6 +19,10 @@ The dense layers of an MLP take the ghost-norm path of
 convolution falls back to per-example gradients, announced once
 (`GhostClippingFallbackWarning`).
 
+`Decoder` is a small GPT-style language model whose dense layers carry
+LoRA adapters; `split_trainable` picks the adapters or the base to train
+and `lm_example_loss` is its one-sequence loss, the rest closed over.
+
 flax is an experiments dependency (the `experiments` extra), not a core
 one: the library itself only needs a params pytree and a loss function.
 """
@@ -258,3 +262,200 @@ def linear_mean_loss(params: dict[str, jax.Array],
   """Mean cross-entropy of a batch (non-private training, evaluation)."""
   return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(
       linear_logits(params, batch['x']), batch['y']))
+
+
+# ------------------------------------------------ decoder language model
+
+
+class DecoderBlock(nnx.Module):
+  """A pre-norm transformer block: causal self-attention, then an MLP.
+
+  Every dense layer is an `nnx.LoRALinear`: a base `nnx.Param` kernel and
+  bias plus low-rank adapters `lora_a` [in, r] and `lora_b` [r, out]
+  (`nnx.LoRAParam`, `lora_b` zero at initialization, so a fresh adapter
+  leaves the base's outputs unchanged). Which of the two is trained is the
+  caller's choice (`split_trainable`).
+
+  Example:
+    >>> block = DecoderBlock(32, heads=4, lora_rank=2, rngs=nnx.Rngs(0))
+    >>> mask = jnp.tril(jnp.ones((8, 8), bool))
+    >>> block(jnp.zeros((3, 8, 32)), mask).shape
+    (3, 8, 32)
+
+  Args:
+    width: the model width d (a multiple of `heads`).
+    heads: attention heads.
+    lora_rank: rank r of the adapters.
+    rngs: flax's random streams.
+  """
+
+  def __init__(self, width: int, *, heads: int, lora_rank: int,
+               rngs: nnx.Rngs):
+    if width % heads:
+      raise ValueError(f'width {width} is not a multiple of heads {heads}')
+    dense = lambda a, b: nnx.LoRALinear(a, b, lora_rank=lora_rank, rngs=rngs)
+    self.heads = heads
+    self.attention_norm = nnx.LayerNorm(width, rngs=rngs)
+    self.query, self.key, self.value, self.output = (
+        dense(width, width) for _ in range(4))
+    self.mlp_norm = nnx.LayerNorm(width, rngs=rngs)
+    self.up = dense(width, 4 * width)
+    self.down = dense(4 * width, width)
+
+  def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
+    batch, length, width = x.shape
+    per_head = width // self.heads
+    heads = lambda y: y.reshape(batch, length, self.heads, per_head)
+    h = self.attention_norm(x)
+    q, k, v = heads(self.query(h)), heads(self.key(h)), heads(self.value(h))
+    scores = jnp.einsum('bqhd,bkhd->bhqk', q, k) / jnp.sqrt(per_head)
+    # Masked positions get a large negative score, not -inf: a row's softmax
+    # stays finite (every row keeps its own position).
+    scores = jnp.where(mask, scores, -1e9)
+    attended = jnp.einsum('bhqk,bkhd->bqhd', jax.nn.softmax(scores, axis=-1),
+                          v).reshape(batch, length, width)
+    x = x + self.output(attended)
+    return x + self.down(jax.nn.gelu(self.up(self.mlp_norm(x))))
+
+
+class Decoder(nnx.Module):
+  """A small GPT-style decoder language model over integer tokens.
+
+  Token and learned position embeddings, `depth` pre-norm blocks with a
+  causal mask (position t sees positions <= t), a final layer norm and an
+  untied output layer: `model(tokens [B, T]) -> logits [B, T, vocab]`.
+
+  Example:
+    >>> model = Decoder(vocab_size=96, context=16, width=32, depth=2,
+    ...                 heads=4, lora_rank=2, rngs=nnx.Rngs(0))
+    >>> model(jnp.zeros((5, 16), jnp.int32)).shape
+    (5, 16, 96)
+
+  Args:
+    vocab_size: V, the number of token ids.
+    context: the longest sequence T the position table covers.
+    width: d.
+    depth: number of blocks.
+    heads: attention heads per block.
+    lora_rank: rank of every dense layer's adapters.
+    rngs: flax's random streams.
+  """
+
+  def __init__(self, vocab_size: int, *, context: int, width: int,
+               depth: int, heads: int, lora_rank: int, rngs: nnx.Rngs):
+    if min(vocab_size, context, width, depth, heads, lora_rank) < 1:
+      raise ValueError(
+          'vocab_size, context, width, depth, heads and lora_rank must all '
+          f'be >= 1, got {(vocab_size, context, width, depth, heads)} and '
+          f'{lora_rank}')
+    self.context = context
+    self.embed = nnx.Embed(vocab_size, width, rngs=rngs)
+    self.positions = nnx.Embed(context, width, rngs=rngs)
+    self.blocks = nnx.List([
+        DecoderBlock(width, heads=heads, lora_rank=lora_rank, rngs=rngs)
+        for _ in range(depth)])
+    self.norm = nnx.LayerNorm(width, rngs=rngs)
+    self.head = nnx.Linear(width, vocab_size, rngs=rngs)
+
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    length = tokens.shape[-1]
+    if length > self.context:
+      raise ValueError(f'{length} tokens exceed the context {self.context}')
+    x = self.embed(tokens) + self.positions(jnp.arange(length))
+    mask = jnp.tril(jnp.ones((length, length), bool))
+    for block in self.blocks:
+      x = block(x, mask)
+    return self.head(self.norm(x))
+
+
+def split_trainable(model: nnx.Module, trainable: Any
+                    ) -> tuple[nnx.GraphDef, PyTree, PyTree]:
+  """The model's code, the parameters to train and the frozen rest.
+
+  Example:
+    >>> graphdef, adapters, base = split_trainable(model, nnx.LoRAParam)
+    >>> graphdef, base, adapters = split_trainable(model, 'base')
+
+  Args:
+    model: an nnx module whose state is all `nnx.Param`s (LoRA adapters
+      included: `nnx.LoRAParam` is a `Param`).
+    trainable: an nnx filter of the trained variables (`nnx.LoRAParam`:
+      the adapters), or 'base' for every `nnx.Param` that is not a LoRA
+      adapter (pretraining, full fine-tuning).
+
+  Returns:
+    `(graphdef, trained, frozen)`; `nnx.merge(graphdef, trained, frozen)`
+    rebuilds the model.
+
+  Raises:
+    ValueError: if the model holds non-parameter state (see `split`), or if
+      the filter selects nothing.
+  """
+  split(model)  # refuses state that mixes examples
+  if isinstance(trainable, str):
+    if trainable != 'base':
+      raise ValueError(f"trainable must be an nnx filter or 'base', got "
+                       f'{trainable!r}')
+    graphdef, frozen, trained = nnx.split(model, nnx.LoRAParam, ...)
+  else:
+    graphdef, trained, frozen = nnx.split(model, trainable, ...)
+  if not jax.tree_util.tree_leaves(trained):
+    raise ValueError(f'the filter {trainable!r} selects no parameter')
+  return graphdef, trained, frozen
+
+
+def lm_example_loss(graphdef: nnx.GraphDef, frozen: PyTree
+                    ) -> Callable[[PyTree, PyTree], jax.Array]:
+  """`loss_fn(trained, example)`: mean next-token cross-entropy of ONE sequence.
+
+  The example is `{'x': int [T], 'y': int [T]}` (`y` is `x` shifted by one
+  token); the frozen part of the model is closed over, so the private
+  transformations see only the trained parameters. Written as a flax user
+  writes it: a batch axis of one, optax's integer-label cross-entropy over
+  the (T, V) logits, its mean over positions.
+
+  Example:
+    >>> graphdef, adapters, base = split_trainable(model, nnx.LoRAParam)
+    >>> loss_fn = lm_example_loss(graphdef, base)
+    >>> loss_fn(adapters, {'x': tokens[0], 'y': targets[0]}).shape
+    ()
+
+  Args:
+    graphdef: from `split_trainable`.
+    frozen: the parameters that stay fixed.
+
+  Returns:
+    The one-example loss.
+  """
+
+  def loss_fn(trained: PyTree, example: PyTree) -> jax.Array:
+    logits = nnx.merge(graphdef, trained, frozen)(example['x'][None])[0]
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits, example['y']).mean()
+
+  return loss_fn
+
+
+def lm_mean_loss(graphdef: nnx.GraphDef, frozen: PyTree
+                 ) -> Callable[[PyTree, PyTree], jax.Array]:
+  """The mean next-token cross-entropy of a batch `{'x': [B, T], 'y': [B, T]}`.
+
+  Non-private training and evaluation; `exp` of it is the perplexity.
+
+  Example:
+    >>> perplexity = jnp.exp(lm_mean_loss(graphdef, base)(adapters, heldout))
+
+  Args:
+    graphdef: from `split_trainable`.
+    frozen: the parameters that stay fixed.
+
+  Returns:
+    `loss_fn(trained, batch) -> scalar`.
+  """
+
+  def loss_fn(trained: PyTree, batch: PyTree) -> jax.Array:
+    logits = nnx.merge(graphdef, trained, frozen)(batch['x'])
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits, batch['y']).mean()
+
+  return loss_fn

@@ -17,6 +17,7 @@ EXPERIMENTS = {
     'sweep_digits': 'configs/sweep_digits.py',
     'srg_memf': 'configs/srg_memf_digits.py',
     'flax_digits': 'configs/flax_digits.py',
+    'lora_finetune': 'configs/lora_finetune.py',
     'nonsmooth_synthetic': 'configs/nonsmooth_synthetic.py',
     'user_level_synthetic': 'configs/user_level_synthetic.py',
     'user_level_grouped': 'configs/user_level_grouped.py',
