@@ -478,7 +478,10 @@ class ClippedStatistic:
 
     Raises:
       ghost.GhostClippingUnsupported: for `method='ghost'` when the loss does
-        not qualify, with the reason.
+        not qualify, with the reason (chained to the original error). No
+        other exception type leaves this method: under `'auto'` any failure
+        of the analysis, or of tracing the ghost passes from its plan,
+        falls back to `'vmap'`.
     """
     if self.method == 'vmap':
       return None
@@ -487,11 +490,14 @@ class ClippedStatistic:
       plan = ghost.analyze(self.loss_fn, params, examples)
       self._trace_ghost_passes(plan, batch, args)
       return plan
-    except ghost.GhostClippingUnsupported as e:
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      # Whatever failed, the vmap path computes the same sum: a failure of
+      # the analysis must cost speed, never the step.
+      reason = (str(e) if isinstance(e, ghost.GhostClippingUnsupported) else
+                f'the analysis failed ({ghost.describe_error(e)})')
       if self.method == 'ghost':
         raise ghost.GhostClippingUnsupported(
-            f"method='ghost' cannot apply: {e}") from e
-      reason = str(e)
+            f"method='ghost' cannot apply: {reason}") from e
       if reason not in self._announced:
         self._announced.add(reason)
         warnings.warn(
@@ -518,7 +524,8 @@ class ClippedStatistic:
           jnp.ones((1,), bool), self.l2_clip))
     except Exception as e:  # pylint: disable=broad-exception-caught
       raise ghost.GhostClippingUnsupported(
-          f'the ghost passes failed to trace ({type(e).__name__}: {e})') from e
+          f'the ghost passes failed to trace ({ghost.describe_error(e)})'
+      ) from e
 
   def check_loss(self, batch: PyTree, *args: Any) -> None:
     """Raises a clear error unless `loss_fn` maps ONE example to a scalar.
@@ -543,7 +550,7 @@ class ClippedStatistic:
     batch_size_of(batch, self.min_ndim)  # Its shape errors come first.
     try:
       params, examples = self.ghost_form.signature(batch, *args)
-    except ghost.GhostClippingUnsupported:
+    except Exception:  # pylint: disable=broad-exception-caught
       return  # Unusual arguments: the path that runs reports them.
     example = jax.tree_util.tree_map(lambda x: x[0], examples)
     shapes = jax.tree_util.tree_map(jnp.shape, example)

@@ -93,13 +93,35 @@ class GhostClippingUnsupported(ValueError):
   """Raised when a loss has a parameter use that ghost norms cannot handle."""
 
 
-class _Const(NamedTuple):
-  """A constant operand of a flattened program (a literal or a captured const)."""
+class _Const:
+  """A constant operand of a flattened program (a literal or a captured const).
 
-  value: Any
+  Its value is data: an array of any type (`jax.Array`, numpy, a literal's
+  typed array), dtype or rank, or a Python scalar. It is compared and hashed
+  by identity (`object`'s defaults), never by value: an array has no hash,
+  and `==` on arrays is elementwise. The analysis keys values by variable
+  number (`_is_var`) and never looks a constant up.
+
+  Attributes:
+    value: the constant's value.
+  """
+
+  __slots__ = ('value',)
+
+  def __init__(self, value: Any):
+    self.value = value
+
+  def __repr__(self) -> str:
+    return (f'_Const({type(self.value).__name__} '
+            f'{getattr(self.value, "shape", ())})')
 
 
 _Atom = Union[int, _Const]
+
+
+def _is_var(atom: _Atom) -> bool:
+  """Whether `atom` is a numbered variable (not a constant)."""
+  return not isinstance(atom, _Const)
 
 
 class _Node(NamedTuple):
@@ -700,6 +722,33 @@ def _leaf_names(params: PyTree) -> list[str]:
   return [jax.tree_util.keystr(path) or '<root>' for path, _ in paths]
 
 
+def describe_error(error: BaseException, limit: int = 300) -> str:
+  """`'TypeName: first line of the message'`, at most `limit` characters.
+
+  A short, stable reason for a fallback warning (JAX errors often carry
+  long multi-line messages).
+
+  Example:
+    >>> describe_error(TypeError("unhashable type: 'ArrayImpl'"))
+    "TypeError: unhashable type: 'ArrayImpl'"
+
+  Args:
+    error: the exception.
+    limit: the most characters returned (at least 20).
+
+  Returns:
+    The description.
+
+  Raises:
+    ValueError: if `limit` is below 20.
+  """
+  if limit < 20:
+    raise ValueError(f'limit must be at least 20, got {limit}')
+  lines = str(error).strip().splitlines()
+  text = f'{type(error).__name__}: {lines[0] if lines else ""}'.rstrip(': ')
+  return text if len(text) <= limit else text[:limit - 3] + '...'
+
+
 def analyze(loss_fn: Callable[[PyTree, PyTree], jax.Array], params: PyTree,
             rows: PyTree) -> GhostPlan:
   """Finds the layers of `loss_fn` at the signature of `params` and `rows`.
@@ -718,10 +767,25 @@ def analyze(loss_fn: Callable[[PyTree, PyTree], jax.Array], params: PyTree,
     A `GhostPlan`.
 
   Raises:
-    GhostClippingUnsupported: with the reason, naming the operation and the
-      params leaf, when some parameter use has no layer rule, a parameter is
-      used more than once, or the loss is not a real scalar.
+    GhostClippingUnsupported: and no other exception type. With the reason,
+      naming the operation and the params leaf, when some parameter use has
+      no layer rule, a parameter is used more than once, or the loss is not
+      a real scalar; any other error raised while tracing or analyzing the
+      loss is re-raised as one naming it (chained to it), so that `'auto'`
+      can always fall back to per-example gradients.
   """
+  try:
+    return _analyze(loss_fn, params, rows)
+  except GhostClippingUnsupported:
+    raise
+  except Exception as error:  # pylint: disable=broad-exception-caught
+    raise GhostClippingUnsupported(
+        f'the analysis failed ({describe_error(error)})') from error
+
+
+def _analyze(loss_fn: Callable[[PyTree, PyTree], jax.Array], params: PyTree,
+             rows: PyTree) -> GhostPlan:
+  """`analyze` without the conversion of unexpected errors."""
   leaves, treedef = jax.tree_util.tree_flatten(params)
   names = _leaf_names(params)
   for name, leaf in zip(names, leaves):
@@ -745,11 +809,11 @@ def analyze(loss_fn: Callable[[PyTree, PyTree], jax.Array], params: PyTree,
   # Values computed from the example alone (no parameter upstream).
   dependent = set(program.invars[:len(leaves)])
   for node in program.nodes:
-    if any(not isinstance(atom, _Const) and atom in dependent
+    if any(_is_var(atom) and atom in dependent
            for atom in node.invars):
       dependent.update(node.outvars)
   taps = tuple(dataclasses.replace(tap, param_free=all(
-      isinstance(atom, _Const) or atom not in dependent
+      not _is_var(atom) or atom not in dependent
       for i, atom in enumerate(program.nodes[tap.node].invars)
       if i != tap.position)) for tap in taps)
   return GhostPlan(program, taps, len(leaves), treedef)
@@ -760,21 +824,21 @@ def _find_taps(program: _Program, names: Sequence[str]) -> tuple[Tap, ...]:
   consumers: dict[int, list[tuple[int, int]]] = {}
   for index, node in enumerate(program.nodes):
     for position, atom in enumerate(node.invars):
-      if not isinstance(atom, _Const):
+      if _is_var(atom):
         consumers.setdefault(atom, []).append((index, position))
   # var id -> leaf index, for every value that is a leaf or a structural
   # image of one (so a use mixing two parameters is recognized).
   origin = {var: leaf for leaf, var in enumerate(program.invars[:len(names)])}
   for node in program.nodes:
     if (node.eqn.primitive.name in _STRUCTURAL and len(node.invars) == 1 and
-        node.invars[0] in origin):
+        _is_var(node.invars[0]) and node.invars[0] in origin):
       origin[node.outvars[0]] = origin[node.invars[0]]
 
   taps = []
   for leaf, name in enumerate(names):
     var, chain = program.invars[leaf], []
     while True:
-      if var == program.outvar:
+      if _is_var(program.outvar) and var == program.outvar:
         raise GhostClippingUnsupported(
             f'params leaf {name} is part of the loss value itself')
       uses = consumers.get(var, [])
@@ -801,8 +865,7 @@ def _find_taps(program: _Program, names: Sequence[str]) -> tuple[Tap, ...]:
         raise GhostClippingUnsupported(
             f'params leaf {name} is used by `{prim}` with several outputs')
       for other, atom in enumerate(node.invars):
-        if other != position and not isinstance(atom, _Const) and (
-            atom in origin):
+        if other != position and _is_var(atom) and atom in origin:
           raise GhostClippingUnsupported(
               f'params leaf {name} meets params leaf {names[origin[atom]]} in '
               f'one `{prim}`: ghost norms need a parameter and an activation')
@@ -845,7 +908,7 @@ def _run(program: _Program, taps: Sequence[Tap], leaves: Sequence[Any],
   recorded: list[Any] = [None] * len(taps)
 
   def read(atom: _Atom) -> Any:
-    return atom.value if isinstance(atom, _Const) else env[atom]
+    return env[atom] if _is_var(atom) else atom.value
 
   for index, node in enumerate(program.nodes):
     invals = [read(atom) for atom in node.invars]
