@@ -87,6 +87,15 @@ _INLINED_CALLS = ('jit', 'pjit', 'closed_call', 'core_call')
 # mixing it with anything else; a chain of them links a leaf to its use.
 _STRUCTURAL = ('reshape', 'transpose', 'convert_element_type', 'copy',
                'copy_p', 'squeeze', 'broadcast_in_dim', 'expand_dims')
+# Loops and branches whose bodies the analysis does not enter, with what
+# users write to get them. A parameter passed into one has no single layer use
+# to tap (a stacked layer's weights are sliced once per iteration: one
+# parameter used as many times as there are layers), so the loss falls back.
+_OPAQUE_CONTROL_FLOW = {
+    'scan': 'layers stacked with `lax.scan` or `nnx.scan`',
+    'while': 'a `lax.while_loop` or `lax.fori_loop`',
+    'cond': 'a `lax.cond` or `lax.switch`',
+}
 
 
 class GhostClippingUnsupported(ValueError):
@@ -857,6 +866,12 @@ def _find_taps(program: _Program, names: Sequence[str]) -> tuple[Tap, ...]:
         var = node.outvars[0]
         continue
       rule = LAYER_RULES.get(prim)
+      if rule is None and prim in _OPAQUE_CONTROL_FLOW:
+        raise GhostClippingUnsupported(
+            f'params leaf {name} is used by `{prim}` '
+            f'({_OPAQUE_CONTROL_FLOW[prim]}): ghost norms do not follow a '
+            'parameter into a loop or branch body; apply the layers in a '
+            'Python loop to take the ghost path')
       if rule is None:
         raise GhostClippingUnsupported(
             f'params leaf {name} is used by `{prim}`, which has no ghost-norm '
