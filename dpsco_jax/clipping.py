@@ -23,8 +23,10 @@ norms from layer inputs and output gradients (at both points for a
 difference, over a user's items for a user) and never forms a per-example
 gradient, at about the cost of a non-private step per point. The default
 `'auto'`
-takes the ghost path when every parameter of the loss is used once by a
-dense layer, a bias add or an elementwise scale, and otherwise falls back to
+takes the ghost path when every use of a parameter is a dense layer, a
+convolution, an embedding lookup, a bias add or an elementwise scale (a
+parameter used several times, as tied weights are, included), and otherwise
+falls back to
 `'vmap'` with one `GhostClippingFallbackWarning` naming the reason. The two
 paths agree to float rounding, counters included, and have the same
 sensitivity; the guarantees below hold on both.
@@ -621,11 +623,12 @@ def clipped_grad_sum(
   """Sum of per-example gradients, each clipped to global l2 norm `l2_clip`.
 
   By default (`method='auto'`) the sum is computed with ghost norms when
-  every parameter of `loss_fn` is used once by a dense layer
-  (`dot_general`, with or without positions), a bias add, an elementwise
-  scale or an embedding lookup: about the cost of one non-private step
-  instead of one gradient per example (`dpsco_jax.ghost`). Other losses
-  (tied weights, convolutions, scans, ...) use per-example gradients
+  every use of a parameter of `loss_fn` is a dense layer (`dot_general`,
+  with or without positions), a convolution, a bias add, an elementwise
+  scale or an embedding lookup (tied weights included): about the cost of
+  one non-private step instead of one gradient per example
+  (`dpsco_jax.ghost`). Other losses (scans, custom derivatives, ...) use
+  per-example gradients
   (`jax.vmap`), announced
   once by a `GhostClippingFallbackWarning`. Both give the same sum up to
   float rounding; DP-SGD, DP-FTRL and DP-MF use this default.

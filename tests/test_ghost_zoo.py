@@ -28,9 +28,6 @@ assert USERS * ITEMS == zoo.NUM_EXAMPLES
 # The documented fallback reason of each model that does not take the ghost
 # path (None: the ghost path), quoted verbatim in docs/ghost_zoo.md.
 FALLBACKS = {
-    'tied_embeddings': (
-        "params leaf ['emb'] is used 2 times (by ['gather', 'transpose']; "
-        'e.g. tied weights): ghost norms need each parameter used once'),
     'lax_scan_layers': (
         "params leaf ['b'] is used by `scan` (layers stacked with `lax.scan` "
         'or `nnx.scan`): ghost norms do not follow a parameter into a loop or '
@@ -153,7 +150,7 @@ def test_zoo(name, kind):
 
 def test_the_ghost_path_is_taken_where_documented():
   # The warning-based path check above, confirmed by the plan itself.
-  for name in ('logistic_batch_of_one', 'tied_embeddings'):
+  for name in ('tied_embeddings', 'lax_scan_layers'):
     loss_fn, params, batch = _model(name)
     with warnings.catch_warnings():
       warnings.simplefilter('ignore', clipping.GhostClippingFallbackWarning)
