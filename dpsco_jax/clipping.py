@@ -23,8 +23,10 @@ norms from layer inputs and output gradients (at both points for a
 difference, over a user's items for a user) and never forms a per-example
 gradient, at about the cost of a non-private step per point. The default
 `'auto'`
-takes the ghost path when every parameter of the loss is used once by a
-dense layer, a bias add or an elementwise scale, and otherwise falls back to
+takes the ghost path when every use of a parameter is a dense layer, a
+convolution, an embedding lookup, a bias add or an elementwise scale (a
+parameter used several times, as tied weights are, included), and otherwise
+falls back to
 `'vmap'` with one `GhostClippingFallbackWarning` naming the reason. The two
 paths agree to float rounding, counters included, and have the same
 sensitivity; the guarantees below hold on both.
@@ -496,7 +498,10 @@ class ClippedStatistic:
 
     Raises:
       ghost.GhostClippingUnsupported: for `method='ghost'` when the loss does
-        not qualify, with the reason.
+        not qualify, with the reason (chained to the original error). No
+        other exception type leaves this method: under `'auto'` any failure
+        of the analysis, or of tracing the ghost passes from its plan,
+        falls back to `'vmap'`.
     """
     if self.method == 'vmap':
       return None
@@ -505,11 +510,14 @@ class ClippedStatistic:
       plan = ghost.analyze(self.loss_fn, params, examples)
       self._trace_ghost_passes(plan, batch, args)
       return plan
-    except ghost.GhostClippingUnsupported as e:
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      # Whatever failed, the vmap path computes the same sum: a failure of
+      # the analysis must cost speed, never the step.
+      reason = (str(e) if isinstance(e, ghost.GhostClippingUnsupported) else
+                f'the analysis failed ({ghost.describe_error(e)})')
       if self.method == 'ghost':
         raise ghost.GhostClippingUnsupported(
-            f"method='ghost' cannot apply: {e}") from e
-      reason = str(e)
+            f"method='ghost' cannot apply: {reason}") from e
       if reason not in self._announced:
         self._announced.add(reason)
         warnings.warn(
@@ -536,7 +544,8 @@ class ClippedStatistic:
           jnp.ones((1,), bool), self.l2_clip))
     except Exception as e:  # pylint: disable=broad-exception-caught
       raise ghost.GhostClippingUnsupported(
-          f'the ghost passes failed to trace ({type(e).__name__}: {e})') from e
+          f'the ghost passes failed to trace ({ghost.describe_error(e)})'
+      ) from e
 
   def check_loss(self, batch: PyTree, *args: Any) -> None:
     """Raises a clear error unless `loss_fn` maps ONE example to a scalar.
@@ -561,7 +570,7 @@ class ClippedStatistic:
     batch_size_of(batch, self.min_ndim)  # Its shape errors come first.
     try:
       params, examples = self.ghost_form.signature(batch, *args)
-    except ghost.GhostClippingUnsupported:
+    except Exception:  # pylint: disable=broad-exception-caught
       return  # Unusual arguments: the path that runs reports them.
     example = jax.tree_util.tree_map(lambda x: x[0], examples)
     shapes = jax.tree_util.tree_map(jnp.shape, example)
@@ -632,11 +641,12 @@ def clipped_grad_sum(
   """Sum of per-example gradients, each clipped to global l2 norm `l2_clip`.
 
   By default (`method='auto'`) the sum is computed with ghost norms when
-  every parameter of `loss_fn` is used once by a dense layer
-  (`dot_general`, with or without positions), a bias add, an elementwise
-  scale or an embedding lookup: about the cost of one non-private step
-  instead of one gradient per example (`dpsco_jax.ghost`). Other losses
-  (tied weights, convolutions, scans, ...) use per-example gradients
+  every use of a parameter of `loss_fn` is a dense layer (`dot_general`,
+  with or without positions), a convolution, a bias add, an elementwise
+  scale or an embedding lookup (tied weights included): about the cost of
+  one non-private step instead of one gradient per example
+  (`dpsco_jax.ghost`). Other losses (scans, custom derivatives, ...) use
+  per-example gradients
   (`jax.vmap`), announced
   once by a `GhostClippingFallbackWarning`. Both give the same sum up to
   float rounding; DP-SGD, DP-FTRL and DP-MF use this default.

@@ -20,13 +20,15 @@ layer's output `g_i` (notes/fast-clipping.md):
 
 The layers are found by tracing `loss_fn(params, example)` to a jaxpr, so a
 plain JAX function and a flax model (whose `apply` traces to operations on the
-params pytree) are handled alike. Each params leaf, after structural
-operations (reshape, transpose, dtype conversion, broadcast), must be consumed
-by exactly ONE operation that has a layer rule below; anything else (a leaf
-used twice, as tied weights are; a gather that is not a row lookup; a
-custom_vjp or scan that takes a parameter) makes `analyze` raise
+params pytree) are handled alike. Each use of a params leaf, after
+structural operations (reshape, transpose, dtype conversion, broadcast), must
+be an operation that has a layer rule below; anything else (a gather that is
+not a row lookup; a custom_vjp or scan that takes a parameter; a parameter
+meeting another in one operation) makes `analyze` raise
 `GhostClippingUnsupported` with the reason, and the caller falls back to
-per-example gradients.
+per-example gradients. A leaf used several times (tied input and output
+embeddings) gets one tap per use; its norm is that of the sum of the uses'
+gradients, formed for that leaf alone (`_shared_squared_norms`).
 
 How a batch is processed (`clipping.ClippedStatistic` composes the steps):
 
@@ -87,19 +89,50 @@ _INLINED_CALLS = ('jit', 'pjit', 'closed_call', 'core_call')
 # mixing it with anything else; a chain of them links a leaf to its use.
 _STRUCTURAL = ('reshape', 'transpose', 'convert_element_type', 'copy',
                'copy_p', 'squeeze', 'broadcast_in_dim', 'expand_dims')
+# Loops and branches whose bodies the analysis does not enter, with what
+# users write to get them. A parameter passed into one has no single layer use
+# to tap (a stacked layer's weights are sliced once per iteration: one
+# parameter used as many times as there are layers), so the loss falls back.
+_OPAQUE_CONTROL_FLOW = {
+    'scan': 'layers stacked with `lax.scan` or `nnx.scan`',
+    'while': 'a `lax.while_loop` or `lax.fori_loop`',
+    'cond': 'a `lax.cond` or `lax.switch`',
+}
 
 
 class GhostClippingUnsupported(ValueError):
   """Raised when a loss has a parameter use that ghost norms cannot handle."""
 
 
-class _Const(NamedTuple):
-  """A constant operand of a flattened program (a literal or a captured const)."""
+class _Const:
+  """A constant operand of a flattened program (a literal or a captured const).
 
-  value: Any
+  Its value is data: an array of any type (`jax.Array`, numpy, a literal's
+  typed array), dtype or rank, or a Python scalar. It is compared and hashed
+  by identity (`object`'s defaults), never by value: an array has no hash,
+  and `==` on arrays is elementwise. The analysis keys values by variable
+  number (`_is_var`) and never looks a constant up.
+
+  Attributes:
+    value: the constant's value.
+  """
+
+  __slots__ = ('value',)
+
+  def __init__(self, value: Any):
+    self.value = value
+
+  def __repr__(self) -> str:
+    return (f'_Const({type(self.value).__name__} '
+            f'{getattr(self.value, "shape", ())})')
 
 
 _Atom = Union[int, _Const]
+
+
+def _is_var(atom: _Atom) -> bool:
+  """Whether `atom` is a numbered variable (not a constant)."""
+  return not isinstance(atom, _Const)
 
 
 class _Node(NamedTuple):
@@ -131,6 +164,9 @@ class Tap:
     param_free: whether the operation's other operands depend on no
       parameter (the data entering a first layer): they are then the same
       at any two points, which a gradient difference uses.
+    shared: whether the leaf has other taps (a leaf used several times, as
+      tied input and output embeddings are): its norm is then that of the
+      sum of its uses' gradients (`_shared_squared_norms`), not the rule's.
   """
 
   leaf: int
@@ -139,6 +175,7 @@ class Tap:
   position: int
   rule: str
   param_free: bool = False
+  shared: bool = False
 
 
 class LayerRule(NamedTuple):
@@ -700,6 +737,33 @@ def _leaf_names(params: PyTree) -> list[str]:
   return [jax.tree_util.keystr(path) or '<root>' for path, _ in paths]
 
 
+def describe_error(error: BaseException, limit: int = 300) -> str:
+  """`'TypeName: first line of the message'`, at most `limit` characters.
+
+  A short, stable reason for a fallback warning (JAX errors often carry
+  long multi-line messages).
+
+  Example:
+    >>> describe_error(TypeError("unhashable type: 'ArrayImpl'"))
+    "TypeError: unhashable type: 'ArrayImpl'"
+
+  Args:
+    error: the exception.
+    limit: the most characters returned (at least 20).
+
+  Returns:
+    The description.
+
+  Raises:
+    ValueError: if `limit` is below 20.
+  """
+  if limit < 20:
+    raise ValueError(f'limit must be at least 20, got {limit}')
+  lines = str(error).strip().splitlines()
+  text = f'{type(error).__name__}: {lines[0] if lines else ""}'.rstrip(': ')
+  return text if len(text) <= limit else text[:limit - 3] + '...'
+
+
 def analyze(loss_fn: Callable[[PyTree, PyTree], jax.Array], params: PyTree,
             rows: PyTree) -> GhostPlan:
   """Finds the layers of `loss_fn` at the signature of `params` and `rows`.
@@ -718,10 +782,25 @@ def analyze(loss_fn: Callable[[PyTree, PyTree], jax.Array], params: PyTree,
     A `GhostPlan`.
 
   Raises:
-    GhostClippingUnsupported: with the reason, naming the operation and the
-      params leaf, when some parameter use has no layer rule, a parameter is
-      used more than once, or the loss is not a real scalar.
+    GhostClippingUnsupported: and no other exception type. With the reason,
+      naming the operation and the params leaf, when some parameter use has
+      no layer rule, a parameter is used more than once, or the loss is not
+      a real scalar; any other error raised while tracing or analyzing the
+      loss is re-raised as one naming it (chained to it), so that `'auto'`
+      can always fall back to per-example gradients.
   """
+  try:
+    return _analyze(loss_fn, params, rows)
+  except GhostClippingUnsupported:
+    raise
+  except Exception as error:  # pylint: disable=broad-exception-caught
+    raise GhostClippingUnsupported(
+        f'the analysis failed ({describe_error(error)})') from error
+
+
+def _analyze(loss_fn: Callable[[PyTree, PyTree], jax.Array], params: PyTree,
+             rows: PyTree) -> GhostPlan:
+  """`analyze` without the conversion of unexpected errors."""
   leaves, treedef = jax.tree_util.tree_flatten(params)
   names = _leaf_names(params)
   for name, leaf in zip(names, leaves):
@@ -745,74 +824,96 @@ def analyze(loss_fn: Callable[[PyTree, PyTree], jax.Array], params: PyTree,
   # Values computed from the example alone (no parameter upstream).
   dependent = set(program.invars[:len(leaves)])
   for node in program.nodes:
-    if any(not isinstance(atom, _Const) and atom in dependent
+    if any(_is_var(atom) and atom in dependent
            for atom in node.invars):
       dependent.update(node.outvars)
   taps = tuple(dataclasses.replace(tap, param_free=all(
-      isinstance(atom, _Const) or atom not in dependent
+      not _is_var(atom) or atom not in dependent
       for i, atom in enumerate(program.nodes[tap.node].invars)
       if i != tap.position)) for tap in taps)
   return GhostPlan(program, taps, len(leaves), treedef)
 
 
+def _checked_tap(program: _Program, names: Sequence[str],
+                 origin: dict[int, int], leaf: int, chain: tuple[_Node, ...],
+                 index: int, position: int) -> Tap:
+  """The tap of one use of a params leaf, or why the use is unsupported.
+
+  Raises:
+    GhostClippingUnsupported: when the consuming operation has no layer
+      rule, several outputs, a second parameter operand, or fails the
+      rule's check.
+  """
+  name = names[leaf]
+  node = program.nodes[index]
+  prim = node.eqn.primitive.name
+  rule = LAYER_RULES.get(prim)
+  if rule is None and prim in _OPAQUE_CONTROL_FLOW:
+    raise GhostClippingUnsupported(
+        f'params leaf {name} is used by `{prim}` '
+        f'({_OPAQUE_CONTROL_FLOW[prim]}): ghost norms do not follow a '
+        'parameter into a loop or branch body; apply the layers in a '
+        'Python loop to take the ghost path')
+  if rule is None:
+    raise GhostClippingUnsupported(
+        f'params leaf {name} is used by `{prim}`, which has no ghost-norm '
+        'layer rule')
+  if len(node.outvars) != 1:
+    raise GhostClippingUnsupported(
+        f'params leaf {name} is used by `{prim}` with several outputs')
+  for other, atom in enumerate(node.invars):
+    if other != position and _is_var(atom) and atom in origin:
+      raise GhostClippingUnsupported(
+          f'params leaf {name} meets params leaf {names[origin[atom]]} in '
+          f'one `{prim}`: ghost norms need a parameter and an activation')
+  tap = Tap(leaf, chain, index, position, prim)
+  reason = rule.check(tap, program)
+  if reason is not None:
+    raise GhostClippingUnsupported(
+        f'params leaf {name} used by `{prim}`: {reason}')
+  return tap
+
+
 def _find_taps(program: _Program, names: Sequence[str]) -> tuple[Tap, ...]:
-  """Follows each params leaf to its one use and checks it has a rule."""
+  """Follows each params leaf to its uses and checks each has a rule.
+
+  A leaf used several times (tied weights) gets one tap per use, all marked
+  `shared`.
+  """
   consumers: dict[int, list[tuple[int, int]]] = {}
   for index, node in enumerate(program.nodes):
     for position, atom in enumerate(node.invars):
-      if not isinstance(atom, _Const):
+      if _is_var(atom):
         consumers.setdefault(atom, []).append((index, position))
   # var id -> leaf index, for every value that is a leaf or a structural
   # image of one (so a use mixing two parameters is recognized).
   origin = {var: leaf for leaf, var in enumerate(program.invars[:len(names)])}
   for node in program.nodes:
     if (node.eqn.primitive.name in _STRUCTURAL and len(node.invars) == 1 and
-        node.invars[0] in origin):
+        _is_var(node.invars[0]) and node.invars[0] in origin):
       origin[node.outvars[0]] = origin[node.invars[0]]
 
   taps = []
   for leaf, name in enumerate(names):
-    var, chain = program.invars[leaf], []
-    while True:
-      if var == program.outvar:
+    # Every use of the leaf, through every branch of structural operations
+    # (tied weights: a lookup of the table and its transpose in the head).
+    pending, leaf_taps = [(program.invars[leaf], ())], []
+    while pending:
+      var, chain = pending.pop()
+      if _is_var(program.outvar) and var == program.outvar:
         raise GhostClippingUnsupported(
             f'params leaf {name} is part of the loss value itself')
-      uses = consumers.get(var, [])
-      if not uses:
-        break  # unused: its gradient is zero
-      if len(uses) > 1:
-        ops = sorted({program.nodes[i].eqn.primitive.name for i, _ in uses})
-        raise GhostClippingUnsupported(
-            f'params leaf {name} is used {len(uses)} times (by {ops}; e.g. '
-            'tied weights): ghost norms need each parameter used once')
-      index, position = uses[0]
-      node = program.nodes[index]
-      prim = node.eqn.primitive.name
-      if prim in _STRUCTURAL and len(node.invars) == 1:
-        chain.append(node)
-        var = node.outvars[0]
-        continue
-      rule = LAYER_RULES.get(prim)
-      if rule is None:
-        raise GhostClippingUnsupported(
-            f'params leaf {name} is used by `{prim}`, which has no ghost-norm '
-            'layer rule')
-      if len(node.outvars) != 1:
-        raise GhostClippingUnsupported(
-            f'params leaf {name} is used by `{prim}` with several outputs')
-      for other, atom in enumerate(node.invars):
-        if other != position and not isinstance(atom, _Const) and (
-            atom in origin):
-          raise GhostClippingUnsupported(
-              f'params leaf {name} meets params leaf {names[origin[atom]]} in '
-              f'one `{prim}`: ghost norms need a parameter and an activation')
-      tap = Tap(leaf, tuple(chain), index, position, prim)
-      reason = rule.check(tap, program)
-      if reason is not None:
-        raise GhostClippingUnsupported(
-            f'params leaf {name} used by `{prim}`: {reason}')
-      taps.append(tap)
-      break
+      for index, position in consumers.get(var, []):
+        node = program.nodes[index]
+        prim = node.eqn.primitive.name
+        if prim in _STRUCTURAL and len(node.invars) == 1:
+          pending.append((node.outvars[0], chain + (node,)))
+          continue
+        leaf_taps.append(_checked_tap(program, names, origin, leaf, chain,
+                                      index, position))
+    if len(leaf_taps) > 1:
+      leaf_taps = [dataclasses.replace(tap, shared=True) for tap in leaf_taps]
+    taps.extend(leaf_taps)
   return tuple(sorted(taps, key=lambda t: t.node))
 
 
@@ -845,7 +946,7 @@ def _run(program: _Program, taps: Sequence[Tap], leaves: Sequence[Any],
   recorded: list[Any] = [None] * len(taps)
 
   def read(atom: _Atom) -> Any:
-    return atom.value if isinstance(atom, _Const) else env[atom]
+    return env[atom] if _is_var(atom) else atom.value
 
   for index, node in enumerate(program.nodes):
     invals = [read(atom) for atom in node.invars]
@@ -1037,6 +1138,61 @@ def mean_terms(plan: GhostPlan, params: PyTree, items: PyTree,
   return _weighted_terms(values, coefficients, item_mask)
 
 
+def _shared_squared_norms(program: _Program, leaf: jax.Array,
+                          uses: Sequence[tuple[Tap, Any, Any]]) -> jax.Array:
+  """Per-unit squared norms of a leaf used several times (tied weights).
+
+  The leaf's gradient is the sum over its uses of each use's
+  vector-Jacobian product at the gradient at that use's output, the other
+  operands held fixed (the chain rule, all uses at once; `weighted_grad_sum`
+  forms the clipped sum the same way). Its squared norm has cross terms
+  between the uses that no single layer rule sees, so the per-unit gradient
+  of this leaf alone is formed, summed over the uses and squared: exact, at
+  the cost of one leaf-sized gradient per unit (the per-example gradient of
+  the vmap path, for this leaf only).
+
+  Rounding: each entry of a use's gradient is a sum of products within
+  `gamma_n S_k` of the truth (`_materialized_squared_norms`: the same
+  products with absolute values give S_k), adding the K uses' gradients
+  adds `gamma_K`, and the clipped sum forms the same sums in another order.
+  With `S = sum_k S_k` and n the uses' terms added up, adding
+  `2 (n + K + entries + 8) u |S|^2` bounds `(|M| + gamma_{n+K} |S|)^2`
+  from above, as for one use.
+
+  Args:
+    program: the flattened loss.
+    leaf: the params leaf.
+    uses: `(tap, others, g)` per use, with leading axes `[U, T]` (T may
+      differ between uses) and `g` already scaled.
+
+  Returns:
+    `[U]` squared norms plus the rounding margin, never below the truth.
+  """
+  gradient, magnitude, terms = 0.0, 0.0, len(uses)
+  entries = max(1, _size(jnp.shape(leaf)))
+  for tap, others, g in uses:
+    dtype = _aval(program.nodes[tap.node]).dtype
+
+    def one(others_u, g_u, tap=tap, dtype=dtype):
+      # `g_u` rides along so that the inner vmap always has a batched input.
+      _, vjp = jax.vjp(lambda p: jax.vmap(
+          lambda o, _: _apply_tap(program, tap, p, o))(others_u, g_u), leaf)
+      (grad,) = vjp(g_u.astype(dtype))
+      return grad.astype(jnp.promote_types(grad.dtype, jnp.float32))
+
+    others = tuple(others)
+    gradient = gradient + jax.vmap(one)(others, g)
+    magnitude = magnitude + jnp.abs(jax.vmap(one)(
+        tuple(jnp.abs(o) if jnp.issubdtype(o.dtype, jnp.inexact) else o
+              for o in others), jnp.abs(g)))
+    per_unit = _size(g.shape[1:])
+    terms += (max(1, per_unit // entries) if tap.rule in ('add', 'sub', 'mul')
+              else per_unit + sum(_size(o.shape[1:]) for o in others))
+  roundoff = float(jnp.finfo(gradient.dtype).eps) / 2
+  return _sum_squares(gradient) + 2.0 * (terms + entries + 8) * roundoff * (
+      _sum_squares(magnitude))
+
+
 def squared_norms(plan: GhostPlan, params: PyTree, values: LayerValues,
                   scale: Any, size: int) -> jax.Array:
   """Per-unit squared global gradient norms, times `scale**2`.
@@ -1056,14 +1212,20 @@ def squared_norms(plan: GhostPlan, params: PyTree, values: LayerValues,
   """
   leaves = jax.tree_util.tree_leaves(params)
   total = jnp.zeros((size,), jnp.float32)
+  shared: dict[int, list[tuple[Tap, Any, Any]]] = {}
   for tap, others, g in zip(plan.taps, values.others, values.grads):
     g = g.astype(jnp.promote_types(g.dtype, jnp.float32)) * scale
+    if tap.shared:   # the norm of the sum of its uses, below
+      shared.setdefault(tap.leaf, []).append((tap, others, g))
+      continue
     rule = LAYER_RULES[tap.rule]
     layer = rule.squared_norms(tap, plan.program, leaves[tap.leaf], others, g)
     # A Gram form sums products of both signs: rounding can take an exact 0
     # (a difference at x' = x, a = b) slightly below it, and rsqrt of a
     # negative number would be NaN. `maximum` keeps NaN (dropped rows).
     total = total + jnp.maximum(layer, 0.0)
+  for leaf, uses in shared.items():
+    total = total + _shared_squared_norms(plan.program, leaves[leaf], uses)
   return total
 
 
@@ -1121,5 +1283,6 @@ def weighted_grad_sum(plan: GhostPlan, params: PyTree, values: LayerValues,
             lambda o, _: _apply_tap(plan.program, tap, p, o))(others, c),
         leaf)
     (grad,) = vjp(cotangent)
-    sums[tap.leaf] = grad.astype(sums[tap.leaf].dtype)
+    # A shared leaf (tied weights) sums its uses' gradients.
+    sums[tap.leaf] = sums[tap.leaf] + grad.astype(sums[tap.leaf].dtype)
   return jax.tree_util.tree_unflatten(plan.treedef, sums)

@@ -405,7 +405,7 @@ if __name__ == '__main__':
 
 
 def _tied_loss(params, example):
-  # The weights are used twice: no ghost-norm rule applies.
+  # The weights are used twice, once by `integer_pow`: no ghost-norm rule.
   return (example['x'] @ params - example['y']) ** 2 + jnp.sum(params ** 2)
 
 
