@@ -17,7 +17,7 @@ for `d` buffer decays `theta_i` in [0, 1) and output scales `w_i`
 * the column norms, the sensitivity under min-separation participation and
   the error on any Toeplitz workload are one `scipy.signal.lfilter` each:
   O(T d) time, so the 2 d parameters are optimized in float64 on the CPU
-  in about a second for T = 10,000 (`optimize`).
+  in seconds for T = 10,000 (`optimize`).
 
 Streaming `C^-1 z` (derivation): with buffers `b_t` (one per decay,
 `b_0 = 0`), `x_t = z_t - sum_i w_i b_{t,i}` and
@@ -367,7 +367,7 @@ def optimize(num_steps: int, num_buffers: int = 4, *,
   the min-separation sensitivity is exact), by L-BFGS-B in float64 on the
   2 d unconstrained parameters, from a few starting points with decays
   spread over the time scales 1 .. T. Each evaluation is O(T d); T = 10,000
-  with 4 buffers takes about a second on one CPU core.
+  with 4 buffers takes 1 to 5 seconds on a shared CPU core.
 
   Example:
     >>> p = optimize(1000, 4, max_participations=10, min_separation=100)

@@ -52,6 +52,7 @@ import optax
 
 from dpsco_jax import accounting
 from dpsco_jax import batching
+from dpsco_jax import blt
 from dpsco_jax import checks
 from dpsco_jax import estimators
 from dpsco_jax import ledger as ledger_lib
@@ -235,6 +236,8 @@ class Plan:
         'delta': self.delta, 'method': self.method,
         'num_steps': self.num_steps, 'num_examples': self.num_examples,
         'hyperparameters': dict(self.hyperparameters),
+        # The noise state's memory, in params-sized buffers.
+        'noise_buffers': noise.noise_buffer_count(self.mechanism),
         'releases': [dataclasses.asdict(release) for release in (
             self.ledger.releases if self.ledger is not None else ())],
     }
@@ -571,19 +574,48 @@ def dpftrl(
                        'restart_every': restart_every, 'honaker': honaker})
 
 
+# The default cap on the noise state of an MF plan, in params-sized buffers.
+MAX_NOISE_BUFFERS = 64
+
+
 def _matrix_factorization(num_examples: int, batch_size: int, epochs: int,
                           seed: Optional[int],
-                          strategy: Optional[np.ndarray], momentum: float,
-                          decay: float, bands: Optional[int]):
+                          strategy: Union[np.ndarray, str, None],
+                          momentum: float, decay: float, bands: Optional[int],
+                          n_buffers: int, max_noise_buffers: int):
   """The fixed-order sampler, strategy and mechanism of an MF plan.
 
   Returns:
-    `(sampler, strategy, mechanism)`; the strategy is optimized for
-    `workload(k b, 'true', momentum, decay)` when not given.
+    `(sampler, strategy, mechanism)`: for `strategy=None` a matrix optimized
+    for `workload(k b, 'true', momentum, decay)`; for `strategy='blt'`,
+    `None` and a BLT mechanism optimized for the same workload under
+    `FixedOrder(k, b)` (`blt.optimize`); a given matrix is used as is.
+
+  Raises:
+    ValueError: if the noise state would keep more than `max_noise_buffers`
+      params-sized buffers (checked before a dense strategy is optimized).
   """
   sampler = _sampler('fixed', num_examples, batch_size, epochs, seed)
   steps, b = sampler.num_steps, sampler.steps_per_epoch
+  max_noise_buffers = checks.positive_int(max_noise_buffers,
+                                          'max_noise_buffers')
+  if isinstance(strategy, str):
+    if strategy != 'blt':
+      raise ValueError("strategy must be a matrix, None (optimized here) or "
+                       f"'blt', got {strategy!r}")
+    if bands is not None:
+      raise ValueError("bands applies to an optimized matrix strategy, not "
+                       "strategy='blt' (set n_buffers)")
+    params = blt.optimize(
+        steps, n_buffers, max_participations=epochs, min_separation=b,
+        workload_column=blt.toeplitz_workload_column(
+            steps, momentum=momentum, decay=decay))
+    mechanism = blt.mechanism(params, steps)
+    _check_noise_buffers(mechanism, max_noise_buffers, steps)
+    return sampler, None, mechanism
   if strategy is None:
+    _check_noise_buffers(None, max_noise_buffers, steps,
+                         planned=min(bands or steps, steps) - 1)
     strategy = strategies.optimize_strategy(
         strategies.workload(steps, 'true', momentum=momentum, decay=decay),
         epochs, bands=bands)
@@ -592,7 +624,24 @@ def _matrix_factorization(num_examples: int, batch_size: int, epochs: int,
   if mechanism.num_steps != steps:
     raise ValueError(f'the strategy covers {mechanism.num_steps} steps; the '
                      f'run has {steps} ({epochs} epochs of {b})')
+  _check_noise_buffers(mechanism, max_noise_buffers, steps)
   return sampler, strategy, mechanism
+
+
+def _check_noise_buffers(mechanism: Optional[noise.NoiseMechanism],
+                         limit: int, steps: int,
+                         planned: Optional[int] = None) -> None:
+  """Refuses a noise state of more than `limit` params-sized buffers."""
+  count = planned if mechanism is None else noise.noise_buffer_count(
+      mechanism)
+  if count > limit:
+    raise ValueError(
+        f'the matrix-factorization noise of this plan keeps {count} '
+        f'params-sized buffers ({count} x the params\' memory, in float32), '
+        f'over max_noise_buffers={limit}. Use strategy=\'blt\' (n_buffers '
+        f'buffers, near the dense error), a banded strategy (bands=b keeps '
+        f'b - 1), or raise max_noise_buffers to at least {count} when the '
+        f'memory is there ({steps} steps).')
 
 
 def dpmemf(
@@ -606,9 +655,11 @@ def dpmemf(
     delta: float,
     epsilon: Optional[float] = None,
     noise_multiplier: Optional[float] = None,
-    strategy: Optional[np.ndarray] = None,
+    strategy: Union[np.ndarray, str, None] = None,
     momentum: float = 0.0,
     bands: Optional[int] = None,
+    n_buffers: int = 4,
+    max_noise_buffers: int = MAX_NOISE_BUFFERS,
     seed: Optional[int] = None,
     key: estimators.KeyLike = None,
     method: str = 'pld',
@@ -641,9 +692,18 @@ def dpmemf(
     delta: target delta.
     epsilon: target epsilon (or give `noise_multiplier`).
     noise_multiplier: the noise to use (or give `epsilon`).
-    strategy: the lower-triangular `[k b, k b]` strategy, or None.
+    strategy: the lower-triangular `[k b, k b]` strategy; None (optimized
+      here, dense or with `bands`); or 'blt': a buffered-linear-Toeplitz
+      strategy optimized here for the same workload under (k, b)
+      participation (`dpsco_jax.blt`), whose noise keeps `n_buffers`
+      params-sized buffers instead of `k b - 1`.
     momentum: the workload's momentum when the strategy is optimized here.
     bands: bands of the optimized strategy (None: dense).
+    n_buffers: buffers of the BLT strategy (2 to 5 come within a few
+      percent of the dense error).
+    max_noise_buffers: the most params-sized noise buffers the plan may
+      keep (`Plan.describe()['noise_buffers']`); a dense strategy keeps
+      `k b - 1` and is refused above it. Raise it when the memory is there.
     seed: the order's seed (None: fresh from OS entropy).
     key: the noise key (None: fresh from OS entropy).
     method: accounting method.
@@ -664,12 +724,14 @@ def dpmemf(
     A `Plan`.
   """
   sampler, c, mechanism = _matrix_factorization(
-      num_examples, batch_size, epochs, seed, strategy, momentum, 0.0, bands)
+      num_examples, batch_size, epochs, seed, strategy, momentum, 0.0, bands,
+      n_buffers, max_noise_buffers)
   b = sampler.steps_per_epoch
   return _batched_plan(
       'dpmemf',
       lambda z, divisor: mf.dpmemf(
           loss_fn, l2_clip=l2_clip, noise_multiplier=z, strategy=c,
+          mechanism=None if c is not None else mechanism,
           steps_per_epoch=b, key=key, check_order=False,
           neighboring_relation=neighboring_relation, normalize_by=divisor,
           microbatch_size=microbatch_size,
@@ -679,8 +741,13 @@ def dpmemf(
       method=method, relation=neighboring_relation,
       axis_name=axis_name, releases=releases,
       hyperparameters={'l2_clip': l2_clip, 'epochs': epochs,
-                       'strategy_given': strategy is not None,
-                       'momentum': momentum, 'bands': bands})
+                       'strategy_given': not (strategy is None or
+                                              isinstance(strategy, str)),
+                       'strategy': strategy if isinstance(strategy, str)
+                                   else None,
+                       'momentum': momentum, 'bands': bands,
+                       'n_buffers': n_buffers if isinstance(strategy, str) else None,
+                       'max_noise_buffers': max_noise_buffers})
 
 
 def _single_pass(algorithm: str, loss_fn: LossFn, *, num_examples: int,
@@ -876,9 +943,11 @@ def dp_srg_memf(
     delta: float,
     epsilon: Optional[float] = None,
     noise_multiplier: Optional[float] = None,
-    strategy: Optional[np.ndarray] = None,
+    strategy: Union[np.ndarray, str, None] = None,
     momentum: float = 0.0,
     bands: Optional[int] = None,
+    n_buffers: int = 4,
+    max_noise_buffers: int = MAX_NOISE_BUFFERS,
     seed: Optional[int] = None,
     key: estimators.KeyLike = None,
     method: str = 'pld',
@@ -911,9 +980,18 @@ def dp_srg_memf(
     delta: target delta.
     epsilon: target epsilon (or give `noise_multiplier`).
     noise_multiplier: the noise to use (or give `epsilon`).
-    strategy: the lower-triangular `[k b, k b]` strategy, or None.
+    strategy: the lower-triangular `[k b, k b]` strategy; None (optimized
+      here, dense or with `bands`); or 'blt': a buffered-linear-Toeplitz
+      strategy optimized here for the same workload under (k, b)
+      participation (`dpsco_jax.blt`), whose noise keeps `n_buffers`
+      params-sized buffers instead of `k b - 1`.
     momentum: the workload's momentum when the strategy is optimized here.
     bands: bands of the optimized strategy (None: dense).
+    n_buffers: buffers of the BLT strategy (2 to 5 come within a few
+      percent of the dense error).
+    max_noise_buffers: the most params-sized noise buffers the plan may
+      keep (`Plan.describe()['noise_buffers']`); a dense strategy keeps
+      `k b - 1` and is refused above it. Raise it when the memory is there.
     seed: the order's seed (None: fresh from OS entropy).
     key: the noise key (None: fresh from OS entropy).
     method: accounting method.
@@ -935,12 +1013,14 @@ def dp_srg_memf(
   """
   decay = srg.validate_decay(decay)
   sampler, c, mechanism = _matrix_factorization(
-      num_examples, batch_size, epochs, seed, strategy, momentum, decay, bands)
+      num_examples, batch_size, epochs, seed, strategy, momentum, decay, bands,
+      n_buffers, max_noise_buffers)
   b = sampler.steps_per_epoch
   return _batched_plan(
       'dp_srg_memf',
       lambda z, divisor: srg.dp_srg_memf(
           loss_fn, l2_clip=l2_clip, noise_multiplier=z, strategy=c,
+          mechanism=None if c is not None else mechanism,
           steps_per_epoch=b, decay=decay, key=key, check_order=False,
           neighboring_relation=neighboring_relation, normalize_by=divisor,
           microbatch_size=microbatch_size,
@@ -950,8 +1030,13 @@ def dp_srg_memf(
       method=method, relation=neighboring_relation,
       axis_name=axis_name, releases=releases,
       hyperparameters={'l2_clip': l2_clip, 'epochs': epochs, 'decay': decay,
-                       'strategy_given': strategy is not None,
-                       'momentum': momentum, 'bands': bands})
+                       'strategy_given': not (strategy is None or
+                                              isinstance(strategy, str)),
+                       'strategy': strategy if isinstance(strategy, str)
+                                   else None,
+                       'momentum': momentum, 'bands': bands,
+                       'n_buffers': n_buffers if isinstance(strategy, str) else None,
+                       'max_noise_buffers': max_noise_buffers})
 
 
 def diff2_gd(

@@ -1,16 +1,20 @@
 """BLT strategies: streamed noise, sensitivity, optimization, identity."""
 
 import itertools
+import math
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 import scipy.linalg
 
 from dpsco_jax import accounting
 from dpsco_jax import blt
 from dpsco_jax import noise
+from dpsco_jax import plans
 from dpsco_jax import strategies
 
 TEMPLATE = {'w': np.zeros((4, 3), np.float32), 'b': np.zeros((5,), np.float32)}
@@ -189,3 +193,64 @@ def test_refuses_past_its_capacity():
 def test_bad_parameters(decays, scales, match):
   with pytest.raises(ValueError, match=match):
     blt.parameters(decays, scales)
+
+
+def _loss(params, example):
+  return jnp.sum(params['w'] * example['x']) ** 2
+
+
+def _noise_state(opt_state):
+  found = [leaf for leaf in jax.tree_util.tree_leaves(
+      opt_state, is_leaf=lambda x: isinstance(x, noise.NoiseState))
+           if isinstance(leaf, noise.NoiseState)]
+  assert len(found) == 1
+  return found[0]
+
+
+def test_a_36m_parameter_plan_of_1000_steps_keeps_at_most_8_buffers():
+  # A 35.8M-parameter model for T = 1,000 (2 epochs of 500 batches): the
+  # dense strategy would keep 999 params-sized buffers (143 GB); the BLT
+  # plan's noise state, traced with eval_shape (nothing allocated), keeps
+  # n_buffers of them.
+  params = {'embed': jax.ShapeDtypeStruct((32_000, 512), jnp.float32),
+            'blocks': jax.ShapeDtypeStruct((12, 512, 3_148), jnp.float32),
+            'head': jax.ShapeDtypeStruct((2_000,), jnp.float32)}
+  num_params = sum(math.prod(leaf.shape)
+                   for leaf in jax.tree_util.tree_leaves(params))
+  assert 35_700_000 < num_params < 35_900_000
+  common = dict(optimizer=optax.sgd(0.1, momentum=0.9),
+                num_examples=100_000, batch_size=200, epochs=2, l2_clip=1.0,
+                delta=1e-6, epsilon=4.0, momentum=0.9, seed=0, key=0)
+  plan = plans.dpmemf(_loss, strategy='blt', n_buffers=4, **common)
+  assert plan.num_steps == 1000
+  state = _noise_state(jax.eval_shape(plan.transformation.init, params))
+  buffer_floats = sum(math.prod(leaf.shape)
+                      for leaf in jax.tree_util.tree_leaves(state.buffers))
+  assert buffer_floats == 4 * num_params
+  assert buffer_floats <= 8 * num_params
+  assert plan.describe()['noise_buffers'] == 4
+  # The dense plan is refused before its strategy is optimized, with the
+  # numbers and the fixes.
+  with pytest.raises(ValueError, match=r'999 params-sized buffers.*'
+                     r"max_noise_buffers=64.*strategy='blt'"):
+    plans.dpmemf(_loss, **common)
+
+
+def test_every_mf_plan_reports_its_noise_buffers_and_the_limit_can_be_raised():
+  common = dict(optimizer=optax.sgd(0.1), num_examples=60, batch_size=10,
+                epochs=2, l2_clip=1.0, delta=1e-5, epsilon=2.0, seed=0)
+  strategy = strategies.optimize_strategy(strategies.workload(12), 2,
+                                          cache_dir=False)
+  dense = plans.dpmemf(_loss, strategy=strategy, **common)
+  assert dense.describe()['noise_buffers'] == 11
+  banded = plans.dpmemf(_loss, bands=3, **common)
+  assert banded.describe()['noise_buffers'] == 2
+  srg_blt = plans.dp_srg_memf(_loss, decay=0.5, strategy='blt', n_buffers=2,
+                              **common)
+  assert srg_blt.describe()['noise_buffers'] == 2
+  with pytest.raises(ValueError, match='11 params-sized buffers'):
+    plans.dp_srg_memf(_loss, decay=0.5, strategy=strategy,
+                      max_noise_buffers=10, **common)
+  raised = plans.dp_srg_memf(_loss, decay=0.5, strategy=strategy,
+                             max_noise_buffers=11, **common)
+  assert raised.describe()['noise_buffers'] == 11
