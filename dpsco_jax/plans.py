@@ -71,7 +71,7 @@ from dpsco_jax.algorithms import user_level
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree], jax.Array]
 Sampler = Union[batching.FixedOrderBatches, batching.ShuffledBatches,
-                batching.PoissonBatches]
+                batching.PoissonBatches, batching.CyclicPoissonBatches]
 Relation = neighboring.NeighboringRelation
 
 SAMPLINGS = ('poisson', 'shuffled', 'fixed')
@@ -287,7 +287,8 @@ def _sampler(sampling: str, num_examples: int, batch_size: int, epochs: int,
 
 
 def _normalize_by(sampler: Sampler) -> float:
-  if isinstance(sampler, batching.PoissonBatches):
+  if isinstance(sampler, (batching.PoissonBatches,
+                          batching.CyclicPoissonBatches)):
     return sampler.expected_batch_size
   return float(sampler.batch_size)
 
@@ -578,31 +579,92 @@ def dpftrl(
 MAX_NOISE_BUFFERS = 64
 
 
+MF_SAMPLINGS = ('fixed', 'cyclic_poisson')
+
+
+def _cyclic_poisson_sampler(num_examples: int, batch_size: int, epochs: int,
+                            bands: Optional[int], seed: Optional[int]
+                            ) -> batching.CyclicPoissonBatches:
+  """Cyclic Poisson batches over `bands` partitions, `epochs` expected
+  passes: q = B b / n, T = round(k n / B)."""
+  num_examples = checks.positive_int(num_examples, 'num_examples')
+  batch_size = checks.positive_int(batch_size, 'batch_size')
+  epochs = checks.positive_int(epochs, 'epochs')
+  if bands is None:
+    raise ValueError("sampling='cyclic_poisson' needs bands=b: the examples "
+                     'are split into b partitions and the banded strategy '
+                     'keeps at most b bands (Amplified BandMF)')
+  bands = checks.positive_int(bands, 'bands')
+  q = batch_size * bands / num_examples
+  if q > 1.0:
+    raise ValueError(
+        f'batch_size {batch_size} x bands {bands} exceeds num_examples '
+        f'{num_examples}: a partition of n / b examples cannot give batches '
+        'of that expected size; lower bands or batch_size')
+  steps = max(1, round(epochs * num_examples / batch_size))
+  return batching.CyclicPoissonBatches(num_examples, q, steps, bands,
+                                       seed=_fresh_seed(seed))
+
+
 def _matrix_factorization(num_examples: int, batch_size: int, epochs: int,
                           seed: Optional[int],
                           strategy: Union[np.ndarray, str, None],
                           momentum: float, decay: float, bands: Optional[int],
-                          n_buffers: int, max_noise_buffers: int):
-  """The fixed-order sampler, strategy and mechanism of an MF plan.
+                          n_buffers: int, max_noise_buffers: int,
+                          sampling: str = 'fixed'):
+  """The sampler, strategy and mechanism of an MF plan.
 
   Returns:
-    `(sampler, strategy, mechanism)`: for `strategy=None` a matrix optimized
-    for `workload(k b, 'true', momentum, decay)`; for `strategy='blt'`,
-    `None` and a BLT mechanism optimized for the same workload under
-    `FixedOrder(k, b)` (`blt.optimize`); a given matrix is used as is.
+    `(sampler, strategy, mechanism)`: for `strategy=None` or 'banded' a
+    matrix optimized for `workload(T, 'true', momentum, decay)` (under
+    `FixedOrder(k, b)`, or with unit column norms and `bands` bands for
+    cyclic Poisson sampling); for `strategy='blt'`, `None` and a BLT
+    mechanism optimized for the same workload under `FixedOrder(k, b)`
+    (`blt.optimize`); a given matrix is used as is.
 
   Raises:
     ValueError: if the noise state would keep more than `max_noise_buffers`
       params-sized buffers (checked before a dense strategy is optimized).
   """
-  sampler = _sampler('fixed', num_examples, batch_size, epochs, seed)
-  steps, b = sampler.num_steps, sampler.steps_per_epoch
+  if sampling not in MF_SAMPLINGS:
+    raise ValueError(f'sampling must be one of {MF_SAMPLINGS}, got '
+                     f'{sampling!r}')
   max_noise_buffers = checks.positive_int(max_noise_buffers,
                                           'max_noise_buffers')
+  if isinstance(strategy, str) and strategy not in ('blt', 'banded'):
+    raise ValueError("strategy must be a matrix, None (optimized here), "
+                     f"'banded' or 'blt', got {strategy!r}")
+  kind = strategy if isinstance(strategy, str) else None
+  if kind == 'banded' and bands is None:
+    raise ValueError("strategy='banded' needs bands=")
+  if sampling == 'cyclic_poisson':
+    if strategy is None or kind == 'blt':
+      raise ValueError(
+          "sampling='cyclic_poisson' is accounted for a banded strategy "
+          "(Amplified BandMF): use strategy='banded' with bands=b, or a "
+          'given matrix of at most b bands')
+    sampler = _cyclic_poisson_sampler(num_examples, batch_size, epochs, bands,
+                                      seed)
+    steps = sampler.num_steps
+    if kind == 'banded':
+      _check_noise_buffers(None, max_noise_buffers, steps,
+                           planned=min(bands, steps) - 1)
+      # One participation per column in the amplified accounting: unit
+      # column norms (k = 1), at most b bands.
+      strategy = strategies.optimize_strategy(
+          strategies.workload(steps, 'true', momentum=momentum, decay=decay),
+          1, bands=bands)
+    mechanism = mf.epoch_mechanism(np.asarray(strategy), 'buffer', steps)
+    if mechanism.num_steps != steps:
+      raise ValueError(f'the strategy covers {mechanism.num_steps} steps; '
+                       f'the run has {steps}')
+    _check_noise_buffers(mechanism, max_noise_buffers, steps)
+    return sampler, np.asarray(strategy), mechanism
+  if kind == 'banded':
+    strategy = None
+  sampler = _sampler('fixed', num_examples, batch_size, epochs, seed)
+  steps, b = sampler.num_steps, sampler.steps_per_epoch
   if isinstance(strategy, str):
-    if strategy != 'blt':
-      raise ValueError("strategy must be a matrix, None (optimized here) or "
-                       f"'blt', got {strategy!r}")
     if bands is not None:
       raise ValueError("bands applies to an optimized matrix strategy, not "
                        "strategy='blt' (set n_buffers)")
@@ -660,6 +722,7 @@ def dpmemf(
     bands: Optional[int] = None,
     n_buffers: int = 4,
     max_noise_buffers: int = MAX_NOISE_BUFFERS,
+    sampling: str = 'fixed',
     seed: Optional[int] = None,
     key: estimators.KeyLike = None,
     method: str = 'pld',
@@ -704,6 +767,11 @@ def dpmemf(
     max_noise_buffers: the most params-sized noise buffers the plan may
       keep (`Plan.describe()['noise_buffers']`); a dense strategy keeps
       `k b - 1` and is refused above it. Raise it when the memory is there.
+    sampling: 'fixed' (the same batches every epoch, `FixedOrder(k, b)`) or
+      'cyclic_poisson' (Amplified BandMF: `bands` partitions, step t draws
+      partition t mod b with probability B b / n for round(k n / B) steps,
+      accounted with amplification, `accounting.CyclicPoissonSampling`;
+      with strategy='banded' or a matrix of at most `bands` bands).
     seed: the order's seed (None: fresh from OS entropy).
     key: the noise key (None: fresh from OS entropy).
     method: accounting method.
@@ -725,8 +793,8 @@ def dpmemf(
   """
   sampler, c, mechanism = _matrix_factorization(
       num_examples, batch_size, epochs, seed, strategy, momentum, 0.0, bands,
-      n_buffers, max_noise_buffers)
-  b = sampler.steps_per_epoch
+      n_buffers, max_noise_buffers, sampling)
+  b = getattr(sampler, 'steps_per_epoch', sampler.num_steps)
   return _batched_plan(
       'dpmemf',
       lambda z, divisor: mf.dpmemf(
@@ -746,7 +814,8 @@ def dpmemf(
                        'strategy': strategy if isinstance(strategy, str)
                                    else None,
                        'momentum': momentum, 'bands': bands,
-                       'n_buffers': n_buffers if isinstance(strategy, str) else None,
+                       'n_buffers': (n_buffers if isinstance(strategy, str)
+                                     and strategy == 'blt' else None),
                        'max_noise_buffers': max_noise_buffers})
 
 
@@ -948,6 +1017,7 @@ def dp_srg_memf(
     bands: Optional[int] = None,
     n_buffers: int = 4,
     max_noise_buffers: int = MAX_NOISE_BUFFERS,
+    sampling: str = 'fixed',
     seed: Optional[int] = None,
     key: estimators.KeyLike = None,
     method: str = 'pld',
@@ -992,6 +1062,11 @@ def dp_srg_memf(
     max_noise_buffers: the most params-sized noise buffers the plan may
       keep (`Plan.describe()['noise_buffers']`); a dense strategy keeps
       `k b - 1` and is refused above it. Raise it when the memory is there.
+    sampling: 'fixed' (the same batches every epoch, `FixedOrder(k, b)`) or
+      'cyclic_poisson' (Amplified BandMF: `bands` partitions, step t draws
+      partition t mod b with probability B b / n for round(k n / B) steps,
+      accounted with amplification, `accounting.CyclicPoissonSampling`;
+      with strategy='banded' or a matrix of at most `bands` bands).
     seed: the order's seed (None: fresh from OS entropy).
     key: the noise key (None: fresh from OS entropy).
     method: accounting method.
@@ -1014,8 +1089,8 @@ def dp_srg_memf(
   decay = srg.validate_decay(decay)
   sampler, c, mechanism = _matrix_factorization(
       num_examples, batch_size, epochs, seed, strategy, momentum, decay, bands,
-      n_buffers, max_noise_buffers)
-  b = sampler.steps_per_epoch
+      n_buffers, max_noise_buffers, sampling)
+  b = getattr(sampler, 'steps_per_epoch', sampler.num_steps)
   return _batched_plan(
       'dp_srg_memf',
       lambda z, divisor: srg.dp_srg_memf(
@@ -1035,7 +1110,8 @@ def dp_srg_memf(
                        'strategy': strategy if isinstance(strategy, str)
                                    else None,
                        'momentum': momentum, 'bands': bands,
-                       'n_buffers': n_buffers if isinstance(strategy, str) else None,
+                       'n_buffers': (n_buffers if isinstance(strategy, str)
+                                     and strategy == 'blt' else None),
                        'max_noise_buffers': max_noise_buffers})
 
 
