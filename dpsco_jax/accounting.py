@@ -346,6 +346,13 @@ def mechanism_sensitivity(mechanism: noise_lib.NoiseMechanism,
       return float(mechanism.single_participation_sensitivity())
     encoder = np.asarray(_encoder_for(mechanism, participation), np.float64)
     return float(np.sqrt(np.max(np.sum(encoder ** 2, axis=0))))
+  if (isinstance(participation, FixedOrder) and
+      mechanism.fixed_order_sensitivity is not None and
+      mechanism.num_steps == participation.num_steps):
+    value = mechanism.fixed_order_sensitivity(participation.num_epochs,
+                                              participation.steps_per_epoch)
+    if value is not None:
+      return float(value)
   return participation_sensitivity(_encoder_for(mechanism, participation),
                                    participation)
 

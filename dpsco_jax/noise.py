@@ -100,6 +100,10 @@ class NoiseMechanism(NamedTuple):
       that determines its noise (`mechanism_identity`); the states it makes
       carry it (`NoiseState.mechanism_id`) and `next` refuses any other.
       Empty only for mechanisms built by hand for accounting.
+    fixed_order_sensitivity: optional `(k, b) -> float or None`, the exact
+      sensitivity under `FixedOrder(k, b)` without building C (a BLT's
+      closed form; O(T) instead of the O(T^3) Gram matrix). None, or a
+      None result: the accountant computes it from `encoder_matrix`.
   """
 
   init: Callable[[PyTree, jax.Array], NoiseState]
@@ -111,6 +115,8 @@ class NoiseMechanism(NamedTuple):
   decoder_matrix: Optional[Callable[[], np.ndarray]] = None
   single_participation_sensitivity: Optional[Callable[[], float]] = None
   identity: str = ''
+  fixed_order_sensitivity: Optional[Callable[[int, int],
+                                             Optional[float]]] = None
 
 
 def mechanism_identity(kind: str, **parameters: Any) -> str:
