@@ -13,6 +13,7 @@ import scipy.linalg
 
 from dpsco_jax import accounting
 from dpsco_jax import blt
+from dpsco_jax import ledger
 from dpsco_jax import noise
 from dpsco_jax import plans
 from dpsco_jax import strategies
@@ -265,3 +266,16 @@ def test_every_mf_plan_reports_its_noise_buffers_and_the_limit_can_be_raised():
   raised = plans.dp_srg_memf(_loss, decay=0.5, strategy=strategy,
                              max_noise_buffers=11, **common)
   assert raised.describe()['noise_buffers'] == 11
+
+
+def test_the_ledger_refuses_the_state_of_another_blt():
+  # A transformation built with other BLT parameters than the ones its
+  # ledger accounts for is refused before a step is taken.
+  common = dict(optimizer=optax.sgd(0.1), num_examples=60, batch_size=10,
+                epochs=2, l2_clip=1.0, delta=1e-5, noise_multiplier=2.0,
+                seed=0, method='rdp', strategy='blt')
+  two, three = (plans.dpmemf(_loss, n_buffers=n, **common) for n in (2, 3))
+  params = {'w': jnp.zeros(3)}
+  two.ledger.check_state(two.transformation.init(params))
+  with pytest.raises(ledger.LedgerMismatchError, match='another mechanism'):
+    two.ledger.check_state(three.transformation.init(params))
