@@ -11,6 +11,11 @@ is computed for the batches it actually used:
 * `PoissonBatches` -> `accounting.PoissonSampling`: every example joins every
   batch independently with probability q; batches are padded to a multiple
   of a fixed size with a mask, so only a few shapes are ever compiled;
+* `CyclicPoissonBatches` -> `accounting.CyclicPoissonSampling`: example i
+  in partition i mod b, step t samples partition t mod b with probability
+  q (Amplified BandMF, with a strategy of at most b bands); padded and
+  masked like `PoissonBatches`, checked by `poisson_batch_guard(...,
+  num_partitions=b)`;
 * `AnchoredSinglePass` -> `accounting.single_epoch`: one pass with anchor
   batches every `period` steps and smaller batches between (paper 004).
 

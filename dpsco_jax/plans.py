@@ -756,10 +756,12 @@ def dpmemf(
     epsilon: target epsilon (or give `noise_multiplier`).
     noise_multiplier: the noise to use (or give `epsilon`).
     strategy: the lower-triangular `[k b, k b]` strategy; None (optimized
-      here, dense or with `bands`); or 'blt': a buffered-linear-Toeplitz
-      strategy optimized here for the same workload under (k, b)
-      participation (`dpsco_jax.blt`), whose noise keeps `n_buffers`
-      params-sized buffers instead of `k b - 1`.
+      here, dense or with `bands`); 'banded' (optimized here with `bands`
+      bands; the one choice with `sampling='cyclic_poisson'` besides a
+      given matrix); or 'blt': a buffered-linear-Toeplitz strategy
+      optimized here for the same workload under (k, b) participation
+      (`dpsco_jax.blt`), whose noise keeps `n_buffers` params-sized buffers
+      instead of `k b - 1`.
     momentum: the workload's momentum when the strategy is optimized here.
     bands: bands of the optimized strategy (None: dense).
     n_buffers: buffers of the BLT strategy (2 to 5 come within a few
@@ -1051,10 +1053,12 @@ def dp_srg_memf(
     epsilon: target epsilon (or give `noise_multiplier`).
     noise_multiplier: the noise to use (or give `epsilon`).
     strategy: the lower-triangular `[k b, k b]` strategy; None (optimized
-      here, dense or with `bands`); or 'blt': a buffered-linear-Toeplitz
-      strategy optimized here for the same workload under (k, b)
-      participation (`dpsco_jax.blt`), whose noise keeps `n_buffers`
-      params-sized buffers instead of `k b - 1`.
+      here, dense or with `bands`); 'banded' (optimized here with `bands`
+      bands; the one choice with `sampling='cyclic_poisson'` besides a
+      given matrix); or 'blt': a buffered-linear-Toeplitz strategy
+      optimized here for the same workload under (k, b) participation
+      (`dpsco_jax.blt`), whose noise keeps `n_buffers` params-sized buffers
+      instead of `k b - 1`.
     momentum: the workload's momentum when the strategy is optimized here.
     bands: bands of the optimized strategy (None: dense).
     n_buffers: buffers of the BLT strategy (2 to 5 come within a few
