@@ -414,7 +414,7 @@ def dp_event(mechanism: noise_lib.NoiseMechanism, noise_multiplier: float,
       + [event])
 
 
-@functools.lru_cache(maxsize=32)
+@functools.lru_cache(maxsize=8)  # Each entry keeps its mechanism's encoder.
 def cyclic_poisson_structure(mechanism: noise_lib.NoiseMechanism,
                              participation: CyclicPoissonSampling
                              ) -> tuple[float, int]:
