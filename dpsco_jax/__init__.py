@@ -12,6 +12,9 @@ The curated public API. Modules, one concern each:
   behind one interface;
 * `dpsco_jax.strategies`: matrix-factorization workloads, strategy
   optimization and the error of any mechanism on a workload;
+* `dpsco_jax.blt`: buffered-linear-Toeplitz strategies: noise streamed with
+  a few params-sized buffers, their min-separation sensitivity, errors and
+  optimization;
 * `dpsco_jax.accounting`: epsilon spent and noise calibration
   (`dp_accounting` PLD/RDP, the papers' zCDP and GDP closed forms);
 * `dpsco_jax.estimators`: private gradient estimators as optax
@@ -63,6 +66,7 @@ The curated public API. Modules, one concern each:
 from dpsco_jax import accounting
 from dpsco_jax import audit
 from dpsco_jax import batching
+from dpsco_jax import blt
 from dpsco_jax import checkpoint
 from dpsco_jax import clipping
 from dpsco_jax import data

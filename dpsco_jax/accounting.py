@@ -13,6 +13,11 @@ participation pattern:
 * `PoissonSampling(sampling_probability, num_steps)`: every example joins
   every batch independently with probability q (privacy amplification), for
   i.i.d. Gaussian noise only.
+* `CyclicPoissonSampling(sampling_probability, num_steps, num_partitions)`:
+  examples in b fixed partitions (example i in partition i mod b), step t
+  samples partition t mod b with probability q: b-min-separation
+  participation with amplification, for banded matrix-factorization noise
+  (Amplified BandMF; `dp_event` states the events).
 
 Without amplification every mechanism of `dpsco_jax.noise` is ONE Gaussian
 mechanism `C x + z` on the whole stream: its sensitivity is derived from the
@@ -103,7 +108,34 @@ class PoissonSampling:
   num_steps: int
 
 
-Participation = Union[FixedOrder, Shuffled, PoissonSampling]
+@dataclasses.dataclass(frozen=True)
+class CyclicPoissonSampling:
+  """Cyclic Poisson sampling over fixed partitions (Amplified BandMF).
+
+  Example i belongs to partition `i mod num_partitions`; step t draws each
+  example of partition `t mod num_partitions` independently with
+  probability q. Any two steps one example can take part in are at least b
+  = `num_partitions` apart (b-min-separation), and it takes part in at most
+  `ceil(T / b)` of them, each with probability q (Choquette-Choo et al.
+  2023, "(Amplified) banded matrix factorization").
+
+  Attributes:
+    sampling_probability: q in (0, 1].
+    num_steps: T.
+    num_partitions: b.
+  """
+
+  sampling_probability: float
+  num_steps: int
+  num_partitions: int
+
+  @property
+  def max_participations(self) -> int:
+    return -(-self.num_steps // self.num_partitions)
+
+
+Participation = Union[FixedOrder, Shuffled, PoissonSampling,
+                      CyclicPoissonSampling]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,8 +245,10 @@ def _validate_participation(participation: Participation) -> None:
   if isinstance(participation, (FixedOrder, Shuffled)):
     checks.positive_int(participation.num_epochs, 'num_epochs')
     checks.positive_int(participation.steps_per_epoch, 'steps_per_epoch')
-  elif isinstance(participation, PoissonSampling):
+  elif isinstance(participation, (PoissonSampling, CyclicPoissonSampling)):
     checks.positive_int(participation.num_steps, 'num_steps')
+    if isinstance(participation, CyclicPoissonSampling):
+      checks.positive_int(participation.num_partitions, 'num_partitions')
     q = float(participation.sampling_probability)
     if not 0.0 < q <= 1.0:
       raise ValueError(f'sampling_probability must be in (0, 1], got {q!r}')
@@ -249,7 +283,7 @@ def participation_sensitivity(encoder: np.ndarray,
     ValueError: if the pattern's step count differs from the encoder's.
   """
   _validate_participation(participation)
-  if isinstance(participation, PoissonSampling):
+  if isinstance(participation, (PoissonSampling, CyclicPoissonSampling)):
     raise ValueError('Poisson sampling has no fixed participation; it is '
                      'accounted by amplification instead')
   encoder = np.asarray(encoder, dtype=np.float64)
@@ -299,6 +333,8 @@ def mechanism_sensitivity(mechanism: noise_lib.NoiseMechanism,
     The run's l2 sensitivity in units of one step's sensitivity.
   """
   _validate_participation(participation)
+  if isinstance(participation, CyclicPoissonSampling):
+    return cyclic_poisson_structure(mechanism, participation)[0]
   if (not isinstance(participation, PoissonSampling) and
       participation.num_epochs == 1):
     # One participation per example: the largest column norm of C, exactly.
@@ -310,6 +346,13 @@ def mechanism_sensitivity(mechanism: noise_lib.NoiseMechanism,
       return float(mechanism.single_participation_sensitivity())
     encoder = np.asarray(_encoder_for(mechanism, participation), np.float64)
     return float(np.sqrt(np.max(np.sum(encoder ** 2, axis=0))))
+  if (isinstance(participation, FixedOrder) and
+      mechanism.fixed_order_sensitivity is not None and
+      mechanism.num_steps == participation.num_steps):
+    value = mechanism.fixed_order_sensitivity(participation.num_epochs,
+                                              participation.steps_per_epoch)
+    if value is not None:
+      return float(value)
   return participation_sensitivity(_encoder_for(mechanism, participation),
                                    participation)
 
@@ -331,8 +374,10 @@ def dp_event(mechanism: noise_lib.NoiseMechanism, noise_multiplier: float,
 
   Raises:
     ValueError: for bad inputs (a negative, NaN or infinite noise
-      multiplier among them), or Poisson sampling with correlated noise (its
-      amplification is not accounted here).
+      multiplier among them), Poisson sampling with correlated noise (its
+      amplification is not accounted here), or cyclic Poisson sampling with
+      an encoder whose columns of one partition overlap
+      (`cyclic_poisson_structure`).
   """
   _validate_participation(participation)
   noise_multiplier = checks.noise_multiplier(noise_multiplier)
@@ -350,6 +395,14 @@ def dp_event(mechanism: noise_lib.NoiseMechanism, noise_multiplier: float,
             participation.sampling_probability,
             dp_accounting.GaussianDpEvent(noise_multiplier)),
         participation.num_steps)
+  elif isinstance(participation, CyclicPoissonSampling):
+    sensitivity, compositions = cyclic_poisson_structure(mechanism,
+                                                         participation)
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(
+            participation.sampling_probability,
+            dp_accounting.GaussianDpEvent(noise_multiplier / sensitivity)),
+        compositions)
   else:
     sensitivity = mechanism_sensitivity(mechanism, participation)
     event = dp_accounting.GaussianDpEvent(noise_multiplier / sensitivity)
@@ -359,6 +412,67 @@ def dp_event(mechanism: noise_lib.NoiseMechanism, noise_multiplier: float,
   return dp_accounting.ComposedDpEvent(
       [dp_accounting.GaussianDpEvent(r.noise_multiplier) for r in releases]
       + [event])
+
+
+@functools.lru_cache(maxsize=8)  # Each entry keeps its mechanism's encoder.
+def cyclic_poisson_structure(mechanism: noise_lib.NoiseMechanism,
+                             participation: CyclicPoissonSampling
+                             ) -> tuple[float, int]:
+  """What the amplified accounting of cyclic Poisson sampling needs.
+
+  Amplified BandMF (Choquette-Choo et al. 2023, restated here): an
+  example of partition j can only contribute at steps
+  `S_j = {j, j + b, ...}`. If the encoder's columns for two distinct steps
+  of `S_j` never share a non-zero row (true for a lower-triangular C with
+  at most b bands), the rows of `C x + z` that depend on the example split
+  into disjoint blocks, one per step of `S_j`; the block of step s is a
+  Gaussian mechanism of sensitivity `||C e_s||` applied to a contribution
+  that is present with probability q, independently across steps (Poisson
+  coins), and the other rows are post-processing of what is common to both
+  neighbours. The release is then the adaptive composition (rows are
+  streamed, later batches may depend on earlier outputs) of at most
+  `|S_j|` Poisson-subsampled Gaussians of noise multiplier
+  `z / max_s ||C e_s||`: the `dp_accounting` event
+  `SelfComposed(PoissonSampled(q, Gaussian(z / s)), m)`, m the largest
+  number of non-zero columns of one partition (`ceil(T / b)` for a whole
+  run; fewer for the prefix of a run, whose later columns are zero). This
+  is DP-SGD's event with the same q for m steps. Valid under add/remove
+  or zero-out neighbours of an example whose partition does not move
+  (plans use zero-out: the data set keeps its size and order).
+
+  Example:
+    >>> cyclic_poisson_structure(noise.matrix_factorization(c),
+    ...                          CyclicPoissonSampling(0.1, 100, 10))
+
+  Args:
+    mechanism: the noise mechanism (its `encoder_matrix()` is read).
+    participation: the cyclic Poisson sampling.
+
+  Returns:
+    `(sensitivity, compositions)`: the largest column norm of C and m.
+
+  Raises:
+    ValueError: if two steps of one partition share a row of C (e.g. more
+      than b bands): the blocks are not disjoint and this accounting does
+      not hold.
+  """
+  _validate_participation(participation)
+  encoder = np.asarray(_encoder_for(mechanism, participation), np.float64)
+  steps, b = participation.num_steps, participation.num_partitions
+  magnitude = np.abs(encoder)
+  overlap = magnitude.T @ magnitude
+  same_partition = np.equal.outer(np.arange(steps) % b, np.arange(steps) % b)
+  np.fill_diagonal(same_partition, False)
+  if np.any(overlap[same_partition] > 0):
+    raise ValueError(
+        f'{mechanism.name}: two steps of one partition (b = {b} apart) share '
+        'a row of the encoder, so their noise is correlated and the '
+        'amplified cyclic-Poisson accounting does not hold. Use a banded '
+        f'strategy with at most {b} bands (optimize_strategy(..., bands=b)).')
+  norms = np.sqrt(np.diag(overlap))
+  used = norms > 0
+  compositions = max(int(np.sum(used[j::b])) for j in range(min(b, steps)))
+  return float(norms.max()), max(compositions, 1)
 
 
 def tree_aggregation_event(noise_multiplier: float, num_steps: int,
@@ -459,8 +573,8 @@ def quiet_excluded_orders():
 def _check_method(method: str, participation: Participation) -> None:
   if method not in METHODS:
     raise ValueError(f'method must be one of {METHODS}, got {method!r}')
-  if method in ('zcdp', 'gdp_paper') and isinstance(participation,
-                                                   PoissonSampling):
+  if method in ('zcdp', 'gdp_paper') and isinstance(
+      participation, (PoissonSampling, CyclicPoissonSampling)):
     raise ValueError(f"method '{method}' has no Poisson amplification; use "
                      "'pld' or 'rdp'")
 
@@ -695,7 +809,8 @@ def calibrate_noise_multiplier(
   # bound for PLD's. Without amplification the closed form is a good start.
   if method == 'rdp':
     upper = 1.0
-    if not isinstance(participation, PoissonSampling):
+    if not isinstance(participation,
+                      (PoissonSampling, CyclicPoissonSampling)):
       with warnings.catch_warnings():  # Announced once, by the outer call.
         warnings.simplefilter('ignore', checks.NoPrivacyWarning)
         # Without the releases: only a start (the doubling below ends it).

@@ -11,6 +11,11 @@ is computed for the batches it actually used:
 * `PoissonBatches` -> `accounting.PoissonSampling`: every example joins every
   batch independently with probability q; batches are padded to a multiple
   of a fixed size with a mask, so only a few shapes are ever compiled;
+* `CyclicPoissonBatches` -> `accounting.CyclicPoissonSampling`: example i
+  in partition i mod b, step t samples partition t mod b with probability
+  q (Amplified BandMF, with a strategy of at most b bands); padded and
+  masked like `PoissonBatches`, checked by `poisson_batch_guard(...,
+  num_partitions=b)`;
 * `AnchoredSinglePass` -> `accounting.single_epoch`: one pass with anchor
   batches every `period` steps and smaller batches between (paper 004).
 
@@ -346,6 +351,111 @@ class PoissonBatches:
       indices[:len(chosen)] = chosen
       mask = np.arange(size) < len(chosen)
       yield indices, mask
+
+
+def _padded(chosen: np.ndarray, pad_to_multiple: int
+            ) -> tuple[np.ndarray, np.ndarray]:
+  """`(indices, mask)`: `chosen` padded with index 0 to a multiple."""
+  size = max(1, -(-len(chosen) // pad_to_multiple)) * pad_to_multiple
+  indices = np.zeros(size, dtype=np.int64)
+  indices[:len(chosen)] = chosen
+  return indices, np.arange(size) < len(chosen)
+
+
+@dataclasses.dataclass(frozen=True)
+class CyclicPoissonBatches:
+  """Cyclic Poisson sampling: partition t mod b, each member w.p. q.
+
+  Example i belongs to partition `i mod num_partitions` (public and fixed:
+  shuffle the data once beforehand if its order means something); step t
+  draws each example of partition `t mod num_partitions` independently with
+  probability q. Accounted as `accounting.CyclicPoissonSampling` (Amplified
+  BandMF, Choquette-Choo et al. 2023): with a strategy of at most b bands,
+  DP-SGD's amplification for `ceil(T / b)` steps. Yields `(indices, mask)`
+  padded like `PoissonBatches`; divide by `expected_batch_size`.
+
+  Example:
+    >>> batches = CyclicPoissonBatches(1000, sampling_probability=0.5,
+    ...                                num_steps=40, num_partitions=10,
+    ...                                seed=0)
+    >>> for indices, mask in batches: ...
+
+  Attributes:
+    num_examples: data set size.
+    sampling_probability: q in (0, 1].
+    num_steps: number of batches.
+    num_partitions: b, the minimum separation between two steps of one
+      example.
+    seed: sampling seed (use a fresh one per run).
+    pad_to_multiple: batches are padded to a multiple of this (default: the
+      expected size plus four standard deviations, as `PoissonBatches`).
+  """
+
+  num_examples: int
+  sampling_probability: float
+  num_steps: int
+  num_partitions: int
+  seed: int
+  pad_to_multiple: Optional[int] = None
+
+  def __post_init__(self):
+    checks.positive_int(self.num_examples, 'num_examples')
+    checks.positive_int(self.num_steps, 'num_steps')
+    checks.positive_int(self.num_partitions, 'num_partitions')
+    if self.num_partitions > self.num_examples:
+      raise ValueError(f'{self.num_partitions} partitions of '
+                       f'{self.num_examples} examples leave some empty')
+    if not 0.0 < float(self.sampling_probability) <= 1.0:
+      raise ValueError('sampling_probability must be in (0, 1], got '
+                       f'{self.sampling_probability!r}')
+    if self.pad_to_multiple is None:
+      q, size = self.sampling_probability, self.largest_partition
+      std = math.sqrt(size * q * (1.0 - q))
+      object.__setattr__(self, 'pad_to_multiple', 32 * math.ceil(
+          (q * size + 4.0 * std) / 32))
+    checks.positive_int(self.pad_to_multiple, 'pad_to_multiple')
+
+  @property
+  def largest_partition(self) -> int:
+    return -(-self.num_examples // self.num_partitions)
+
+  @property
+  def expected_batch_size(self) -> float:
+    """q n / b: the mean over steps of the expected batch size."""
+    return self.sampling_probability * self.num_examples / self.num_partitions
+
+  @property
+  def participation(self) -> accounting.CyclicPoissonSampling:
+    return accounting.CyclicPoissonSampling(
+        self.sampling_probability, self.num_steps, self.num_partitions)
+
+  def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    return self.iterate()
+
+  def iterate(self, start_step: int = 0
+              ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """The batches from `start_step` on, as iterating from 0 would give them.
+
+    Skipped steps' draws are made and discarded, as in `PoissonBatches`.
+
+    Example:
+      >>> for indices, mask in batches.iterate(start_step=20): ...
+
+    Args:
+      start_step: the first step to yield, in `[0, num_steps]`.
+
+    Returns:
+      An iterator over `(indices, mask)` pairs.
+    """
+    start_step = _check_start_step(start_step, self.num_steps)
+    rng = np.random.default_rng(self.seed)
+    for step in range(self.num_steps):
+      members = np.arange(step % self.num_partitions, self.num_examples,
+                          self.num_partitions)
+      draws = rng.random(len(members))
+      if step >= start_step:
+        yield _padded(members[draws < self.sampling_probability],
+                      self.pad_to_multiple)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -844,6 +954,7 @@ def poisson_batch_guard(
     sampling_probability: float,
     pad_to_multiple: int,
     axis_name: Optional[str] = None,
+    num_partitions: Optional[int] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Refuses batches that a `PoissonBatches` sampler could not have made.
 
@@ -858,7 +969,11 @@ def poisson_batch_guard(
     step is traced: the shape is static);
   * whose number of real examples exceeds `poisson_size_bound(n, q)` (a
     true Poisson batch does so with probability below 1e-12 per step);
-  * holding an id outside `[0, num_examples)` or a real id twice.
+  * holding an id outside `[0, num_examples)` or a real id twice;
+  * with `num_partitions` (b, cyclic Poisson sampling,
+    `CyclicPoissonBatches`): holding an example of another partition than
+    `step mod b` (example i is in partition `i mod b`); the size bound is
+    then that of one partition.
 
   It cannot tell a Poisson batch from another random batch of a plausible
   size: use `batching.PoissonBatches` (or a plan) to form them.
@@ -874,6 +989,7 @@ def poisson_batch_guard(
     sampling_probability: q.
     pad_to_multiple: the sampler's `pad_to_multiple`.
     axis_name: the device axis when each device holds a shard of the batch.
+    num_partitions: b for cyclic Poisson sampling (None: plain Poisson).
 
   Returns:
     An `optax.GradientTransformationExtraArgs`: `update(updates, state,
@@ -884,7 +1000,11 @@ def poisson_batch_guard(
   if not 0.0 < float(sampling_probability) <= 1.0:
     raise ValueError('sampling_probability must be in (0, 1], got '
                      f'{sampling_probability!r}')
-  largest = poisson_size_bound(num_examples, float(sampling_probability))
+  population = num_examples
+  if num_partitions is not None:
+    num_partitions = checks.positive_int(num_partitions, 'num_partitions')
+    population = -(-num_examples // num_partitions)
+  largest = poisson_size_bound(population, float(sampling_probability))
 
   def init_fn(params):
     del params
@@ -911,15 +1031,24 @@ def poisson_batch_guard(
     found = _check_ids(ids, keep, jnp.zeros((-(-num_examples // 32),),
                                             jnp.uint32), num_examples)
     where = _where(state.step)
-    updates = guards.refuse_any(_id_refusals(
+    refusals = _id_refusals(
         found, where, num_examples,
         ': Poisson sampling includes an example at most once') + [
         (jnp.sum(keep) > largest,
          f'the batch at {where} holds more than {largest} examples, which a '
-         f'Poisson batch at q = {sampling_probability} of {num_examples} '
+         f'Poisson batch at q = {sampling_probability} of {population} '
          'examples practically never does: it was not formed by Poisson '
          'sampling, and its epsilon is not the one accounted.'),
-    ], updates)
+    ]
+    if num_partitions is not None:
+      partition = state.step % num_partitions
+      refusals.append((
+          jnp.any(keep & (ids % num_partitions != partition)),
+          f'the batch at {where} holds an example of another partition than '
+          f'step mod {num_partitions}: cyclic Poisson accounting assumes '
+          'example i only in the steps t with t = i (mod b), at least b '
+          'apart. Use batching.CyclicPoissonBatches.'))
+    updates = guards.refuse_any(refusals, updates)
     return updates, PoissonGuardState(step=state.step + 1)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -936,8 +1065,8 @@ def participation_guard(
   """The in-step check of the batches an accounting assumes.
 
   `FixedOrder` -> `fixed_order_guard`; `Shuffled` -> `shuffled_order_guard`
-  (needs `batch_size`); `PoissonSampling` -> `poisson_batch_guard` (needs
-  `pad_to_multiple`).
+  (needs `batch_size`); `PoissonSampling` and `CyclicPoissonSampling` ->
+  `poisson_batch_guard` (needs `pad_to_multiple`).
 
   Example:
     >>> guard = participation_guard(sampler.participation, num_examples=n,
@@ -965,13 +1094,15 @@ def participation_guard(
     return shuffled_order_guard(participation.steps_per_epoch,
                                 num_examples=num_examples,
                                 batch_size=batch_size, axis_name=axis_name)
-  if isinstance(participation, accounting.PoissonSampling):
+  if isinstance(participation, (accounting.PoissonSampling,
+                                accounting.CyclicPoissonSampling)):
     if pad_to_multiple is None:
       raise ValueError('the Poisson guard needs pad_to_multiple')
     return poisson_batch_guard(
         num_examples=num_examples,
         sampling_probability=participation.sampling_probability,
-        pad_to_multiple=pad_to_multiple, axis_name=axis_name)
+        pad_to_multiple=pad_to_multiple, axis_name=axis_name,
+        num_partitions=getattr(participation, 'num_partitions', None))
   raise ValueError(f'unknown participation pattern {participation!r}')
 
 

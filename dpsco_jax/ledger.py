@@ -36,7 +36,8 @@ from dpsco_jax import noise as noise_lib
 PyTree = Any
 
 _PARTICIPATIONS = {cls.__name__: cls for cls in (
-    accounting.FixedOrder, accounting.Shuffled, accounting.PoissonSampling)}
+    accounting.FixedOrder, accounting.Shuffled, accounting.PoissonSampling,
+    accounting.CyclicPoissonSampling)}
 
 
 class LedgerMismatchError(ValueError):

@@ -100,6 +100,10 @@ class NoiseMechanism(NamedTuple):
       that determines its noise (`mechanism_identity`); the states it makes
       carry it (`NoiseState.mechanism_id`) and `next` refuses any other.
       Empty only for mechanisms built by hand for accounting.
+    fixed_order_sensitivity: optional `(k, b) -> float or None`, the exact
+      sensitivity under `FixedOrder(k, b)` without building C (a BLT's
+      closed form; O(T) instead of the O(T^3) Gram matrix). None, or a
+      None result: the accountant computes it from `encoder_matrix`.
   """
 
   init: Callable[[PyTree, jax.Array], NoiseState]
@@ -111,6 +115,8 @@ class NoiseMechanism(NamedTuple):
   decoder_matrix: Optional[Callable[[], np.ndarray]] = None
   single_participation_sensitivity: Optional[Callable[[], float]] = None
   identity: str = ''
+  fixed_order_sensitivity: Optional[Callable[[int, int],
+                                             Optional[float]]] = None
 
 
 def mechanism_identity(kind: str, **parameters: Any) -> str:
@@ -874,3 +880,28 @@ def _regenerated_noise(decoder: np.ndarray, num_steps: int, name: str,
     return noise, state._replace(step=state.step + 1)
 
   return next_noise, init
+
+
+def noise_buffer_count(mechanism: NoiseMechanism) -> int:
+  """How many params-sized buffers the mechanism's state keeps.
+
+  Found by tracing `init` on a scalar template with `jax.eval_shape` (so
+  nothing is allocated): every buffer leaf then has one entry per
+  params-sized buffer. The noise state takes about this many times the
+  memory of the params (in float32 or wider).
+
+  Example:
+    >>> noise_buffer_count(matrix_factorization(np.eye(5)))   # dense: T - 1
+    4
+
+  Args:
+    mechanism: a noise mechanism.
+
+  Returns:
+    The number of params-sized buffers (0 for i.i.d. noise, `bands - 1`
+    for a banded strategy, the number of buffers of a BLT).
+  """
+  state = jax.eval_shape(mechanism.init, jax.ShapeDtypeStruct((), jnp.float32),
+                         jax.random.key(0))
+  return int(sum(math.prod(leaf.shape)
+                 for leaf in jax.tree_util.tree_leaves(state.buffers)))

@@ -55,6 +55,7 @@ import optax
 
 from dpsco_jax import accounting
 from dpsco_jax import batching
+from dpsco_jax import blt
 from dpsco_jax import checks
 from dpsco_jax import estimators
 from dpsco_jax import guards
@@ -75,7 +76,7 @@ from dpsco_jax.algorithms import user_level
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree], jax.Array]
 Sampler = Union[batching.FixedOrderBatches, batching.ShuffledBatches,
-                batching.PoissonBatches]
+                batching.PoissonBatches, batching.CyclicPoissonBatches]
 Relation = neighboring.NeighboringRelation
 
 SAMPLINGS = ('poisson', 'shuffled', 'fixed')
@@ -240,6 +241,8 @@ class Plan:
         'delta': self.delta, 'method': self.method,
         'num_steps': self.num_steps, 'num_examples': self.num_examples,
         'hyperparameters': dict(self.hyperparameters),
+        # The noise state's memory, in params-sized buffers.
+        'noise_buffers': noise.noise_buffer_count(self.mechanism),
         'releases': [dataclasses.asdict(release) for release in (
             self.ledger.releases if self.ledger is not None else ())],
     }
@@ -364,7 +367,8 @@ def _sampler(sampling: str, num_examples: int, batch_size: int, epochs: int,
 
 
 def _normalize_by(sampler: Sampler) -> float:
-  if isinstance(sampler, batching.PoissonBatches):
+  if isinstance(sampler, (batching.PoissonBatches,
+                          batching.CyclicPoissonBatches)):
     return sampler.expected_batch_size
   return float(sampler.batch_size)
 
@@ -706,19 +710,109 @@ def dpftrl(
                        'restart_every': restart_every, 'honaker': honaker})
 
 
+# The default cap on the noise state of an MF plan, in params-sized buffers.
+MAX_NOISE_BUFFERS = 64
+
+
+MF_SAMPLINGS = ('fixed', 'cyclic_poisson')
+
+
+def _cyclic_poisson_sampler(num_examples: int, batch_size: int, epochs: int,
+                            bands: Optional[int], seed: Optional[int]
+                            ) -> batching.CyclicPoissonBatches:
+  """Cyclic Poisson batches over `bands` partitions, `epochs` expected
+  passes: q = B b / n, T = round(k n / B)."""
+  num_examples = checks.positive_int(num_examples, 'num_examples')
+  batch_size = checks.positive_int(batch_size, 'batch_size')
+  epochs = checks.positive_int(epochs, 'epochs')
+  if bands is None:
+    raise ValueError("sampling='cyclic_poisson' needs bands=b: the examples "
+                     'are split into b partitions and the banded strategy '
+                     'keeps at most b bands (Amplified BandMF)')
+  bands = checks.positive_int(bands, 'bands')
+  q = batch_size * bands / num_examples
+  if q > 1.0:
+    raise ValueError(
+        f'batch_size {batch_size} x bands {bands} exceeds num_examples '
+        f'{num_examples}: a partition of n / b examples cannot give batches '
+        'of that expected size; lower bands or batch_size')
+  steps = max(1, round(epochs * num_examples / batch_size))
+  return batching.CyclicPoissonBatches(num_examples, q, steps, bands,
+                                       seed=_fresh_seed(seed))
+
+
 def _matrix_factorization(num_examples: int, batch_size: int, epochs: int,
                           seed: Optional[int],
-                          strategy: Optional[np.ndarray], momentum: float,
-                          decay: float, bands: Optional[int]):
-  """The fixed-order sampler, strategy and mechanism of an MF plan.
+                          strategy: Union[np.ndarray, str, None],
+                          momentum: float, decay: float, bands: Optional[int],
+                          n_buffers: int, max_noise_buffers: int,
+                          sampling: str = 'fixed'):
+  """The sampler, strategy and mechanism of an MF plan.
 
   Returns:
-    `(sampler, strategy, mechanism)`; the strategy is optimized for
-    `workload(k b, 'true', momentum, decay)` when not given.
+    `(sampler, strategy, mechanism)`: for `strategy=None` or 'banded' a
+    matrix optimized for `workload(T, 'true', momentum, decay)` (under
+    `FixedOrder(k, b)`, or with unit column norms and `bands` bands for
+    cyclic Poisson sampling); for `strategy='blt'`, `None` and a BLT
+    mechanism optimized for the same workload under `FixedOrder(k, b)`
+    (`blt.optimize`); a given matrix is used as is.
+
+  Raises:
+    ValueError: if the noise state would keep more than `max_noise_buffers`
+      params-sized buffers (checked before a dense strategy is optimized).
   """
+  if sampling not in MF_SAMPLINGS:
+    raise ValueError(f'sampling must be one of {MF_SAMPLINGS}, got '
+                     f'{sampling!r}')
+  max_noise_buffers = checks.positive_int(max_noise_buffers,
+                                          'max_noise_buffers')
+  if isinstance(strategy, str) and strategy not in ('blt', 'banded'):
+    raise ValueError("strategy must be a matrix, None (optimized here), "
+                     f"'banded' or 'blt', got {strategy!r}")
+  kind = strategy if isinstance(strategy, str) else None
+  if kind == 'banded' and bands is None:
+    raise ValueError("strategy='banded' needs bands=")
+  if sampling == 'cyclic_poisson':
+    if strategy is None or kind == 'blt':
+      raise ValueError(
+          "sampling='cyclic_poisson' is accounted for a banded strategy "
+          "(Amplified BandMF): use strategy='banded' with bands=b, or a "
+          'given matrix of at most b bands')
+    sampler = _cyclic_poisson_sampler(num_examples, batch_size, epochs, bands,
+                                      seed)
+    steps = sampler.num_steps
+    if kind == 'banded':
+      _check_noise_buffers(None, max_noise_buffers, steps,
+                           planned=min(bands, steps) - 1)
+      # One participation per column in the amplified accounting: unit
+      # column norms (k = 1), at most b bands.
+      strategy = strategies.optimize_strategy(
+          strategies.workload(steps, 'true', momentum=momentum, decay=decay),
+          1, bands=bands)
+    mechanism = mf.epoch_mechanism(np.asarray(strategy), 'buffer', steps)
+    if mechanism.num_steps != steps:
+      raise ValueError(f'the strategy covers {mechanism.num_steps} steps; '
+                       f'the run has {steps}')
+    _check_noise_buffers(mechanism, max_noise_buffers, steps)
+    return sampler, np.asarray(strategy), mechanism
+  if kind == 'banded':
+    strategy = None
   sampler = _sampler('fixed', num_examples, batch_size, epochs, seed)
   steps, b = sampler.num_steps, sampler.steps_per_epoch
+  if isinstance(strategy, str):
+    if bands is not None:
+      raise ValueError("bands applies to an optimized matrix strategy, not "
+                       "strategy='blt' (set n_buffers)")
+    params = blt.optimize(
+        steps, n_buffers, max_participations=epochs, min_separation=b,
+        workload_column=blt.toeplitz_workload_column(
+            steps, momentum=momentum, decay=decay))
+    mechanism = blt.mechanism(params, steps)
+    _check_noise_buffers(mechanism, max_noise_buffers, steps)
+    return sampler, None, mechanism
   if strategy is None:
+    _check_noise_buffers(None, max_noise_buffers, steps,
+                         planned=min(bands or steps, steps) - 1)
     strategy = strategies.optimize_strategy(
         strategies.workload(steps, 'true', momentum=momentum, decay=decay),
         epochs, bands=bands)
@@ -727,7 +821,24 @@ def _matrix_factorization(num_examples: int, batch_size: int, epochs: int,
   if mechanism.num_steps != steps:
     raise ValueError(f'the strategy covers {mechanism.num_steps} steps; the '
                      f'run has {steps} ({epochs} epochs of {b})')
+  _check_noise_buffers(mechanism, max_noise_buffers, steps)
   return sampler, strategy, mechanism
+
+
+def _check_noise_buffers(mechanism: Optional[noise.NoiseMechanism],
+                         limit: int, steps: int,
+                         planned: Optional[int] = None) -> None:
+  """Refuses a noise state of more than `limit` params-sized buffers."""
+  count = planned if mechanism is None else noise.noise_buffer_count(
+      mechanism)
+  if count > limit:
+    raise ValueError(
+        f'the matrix-factorization noise of this plan keeps {count} '
+        f'params-sized buffers ({count} x the params\' memory, in float32), '
+        f'over max_noise_buffers={limit}. Use strategy=\'blt\' (n_buffers '
+        f'buffers, near the dense error), a banded strategy (bands=b keeps '
+        f'b - 1), or raise max_noise_buffers to at least {count} when the '
+        f'memory is there ({steps} steps).')
 
 
 def dpmemf(
@@ -741,9 +852,12 @@ def dpmemf(
     delta: float,
     epsilon: Optional[float] = None,
     noise_multiplier: Optional[float] = None,
-    strategy: Optional[np.ndarray] = None,
+    strategy: Union[np.ndarray, str, None] = None,
     momentum: float = 0.0,
     bands: Optional[int] = None,
+    n_buffers: int = 4,
+    max_noise_buffers: int = MAX_NOISE_BUFFERS,
+    sampling: str = 'fixed',
     seed: Optional[int] = None,
     key: estimators.KeyLike = None,
     method: str = 'pld',
@@ -776,9 +890,25 @@ def dpmemf(
     delta: target delta.
     epsilon: target epsilon (or give `noise_multiplier`).
     noise_multiplier: the noise to use (or give `epsilon`).
-    strategy: the lower-triangular `[k b, k b]` strategy, or None.
+    strategy: the lower-triangular `[k b, k b]` strategy; None (optimized
+      here, dense or with `bands`); 'banded' (optimized here with `bands`
+      bands; the one choice with `sampling='cyclic_poisson'` besides a
+      given matrix); or 'blt': a buffered-linear-Toeplitz strategy
+      optimized here for the same workload under (k, b) participation
+      (`dpsco_jax.blt`), whose noise keeps `n_buffers` params-sized buffers
+      instead of `k b - 1`.
     momentum: the workload's momentum when the strategy is optimized here.
     bands: bands of the optimized strategy (None: dense).
+    n_buffers: buffers of the BLT strategy (2 to 5 come within a few
+      percent of the dense error).
+    max_noise_buffers: the most params-sized noise buffers the plan may
+      keep (`Plan.describe()['noise_buffers']`); a dense strategy keeps
+      `k b - 1` and is refused above it. Raise it when the memory is there.
+    sampling: 'fixed' (the same batches every epoch, `FixedOrder(k, b)`) or
+      'cyclic_poisson' (Amplified BandMF: `bands` partitions, step t draws
+      partition t mod b with probability B b / n for round(k n / B) steps,
+      accounted with amplification, `accounting.CyclicPoissonSampling`;
+      with strategy='banded' or a matrix of at most `bands` bands).
     seed: the order's seed (None: fresh from OS entropy).
     key: the noise key (None: fresh from OS entropy).
     method: accounting method.
@@ -799,12 +929,14 @@ def dpmemf(
     A `Plan`.
   """
   sampler, c, mechanism = _matrix_factorization(
-      num_examples, batch_size, epochs, seed, strategy, momentum, 0.0, bands)
-  b = sampler.steps_per_epoch
+      num_examples, batch_size, epochs, seed, strategy, momentum, 0.0, bands,
+      n_buffers, max_noise_buffers, sampling)
+  b = getattr(sampler, 'steps_per_epoch', sampler.num_steps)
   return _batched_plan(
       'dpmemf',
       lambda z, divisor: mf.dpmemf(
           loss_fn, l2_clip=l2_clip, noise_multiplier=z, strategy=c,
+          mechanism=None if c is not None else mechanism,
           steps_per_epoch=b, key=key, check_order=False,
           neighboring_relation=neighboring_relation, normalize_by=divisor,
           microbatch_size=microbatch_size,
@@ -814,8 +946,14 @@ def dpmemf(
       method=method, relation=neighboring_relation,
       axis_name=axis_name, releases=releases,
       hyperparameters={'l2_clip': l2_clip, 'epochs': epochs,
-                       'strategy_given': strategy is not None,
-                       'momentum': momentum, 'bands': bands})
+                       'strategy_given': not (strategy is None or
+                                              isinstance(strategy, str)),
+                       'strategy': strategy if isinstance(strategy, str)
+                                   else None,
+                       'momentum': momentum, 'bands': bands,
+                       'n_buffers': (n_buffers if isinstance(strategy, str)
+                                     and strategy == 'blt' else None),
+                       'max_noise_buffers': max_noise_buffers})
 
 
 def _single_pass(algorithm: str, loss_fn: LossFn, *, num_examples: int,
@@ -1011,9 +1149,12 @@ def dp_srg_memf(
     delta: float,
     epsilon: Optional[float] = None,
     noise_multiplier: Optional[float] = None,
-    strategy: Optional[np.ndarray] = None,
+    strategy: Union[np.ndarray, str, None] = None,
     momentum: float = 0.0,
     bands: Optional[int] = None,
+    n_buffers: int = 4,
+    max_noise_buffers: int = MAX_NOISE_BUFFERS,
+    sampling: str = 'fixed',
     seed: Optional[int] = None,
     key: estimators.KeyLike = None,
     method: str = 'pld',
@@ -1046,9 +1187,25 @@ def dp_srg_memf(
     delta: target delta.
     epsilon: target epsilon (or give `noise_multiplier`).
     noise_multiplier: the noise to use (or give `epsilon`).
-    strategy: the lower-triangular `[k b, k b]` strategy, or None.
+    strategy: the lower-triangular `[k b, k b]` strategy; None (optimized
+      here, dense or with `bands`); 'banded' (optimized here with `bands`
+      bands; the one choice with `sampling='cyclic_poisson'` besides a
+      given matrix); or 'blt': a buffered-linear-Toeplitz strategy
+      optimized here for the same workload under (k, b) participation
+      (`dpsco_jax.blt`), whose noise keeps `n_buffers` params-sized buffers
+      instead of `k b - 1`.
     momentum: the workload's momentum when the strategy is optimized here.
     bands: bands of the optimized strategy (None: dense).
+    n_buffers: buffers of the BLT strategy (2 to 5 come within a few
+      percent of the dense error).
+    max_noise_buffers: the most params-sized noise buffers the plan may
+      keep (`Plan.describe()['noise_buffers']`); a dense strategy keeps
+      `k b - 1` and is refused above it. Raise it when the memory is there.
+    sampling: 'fixed' (the same batches every epoch, `FixedOrder(k, b)`) or
+      'cyclic_poisson' (Amplified BandMF: `bands` partitions, step t draws
+      partition t mod b with probability B b / n for round(k n / B) steps,
+      accounted with amplification, `accounting.CyclicPoissonSampling`;
+      with strategy='banded' or a matrix of at most `bands` bands).
     seed: the order's seed (None: fresh from OS entropy).
     key: the noise key (None: fresh from OS entropy).
     method: accounting method.
@@ -1070,12 +1227,14 @@ def dp_srg_memf(
   """
   decay = srg.validate_decay(decay)
   sampler, c, mechanism = _matrix_factorization(
-      num_examples, batch_size, epochs, seed, strategy, momentum, decay, bands)
-  b = sampler.steps_per_epoch
+      num_examples, batch_size, epochs, seed, strategy, momentum, decay, bands,
+      n_buffers, max_noise_buffers, sampling)
+  b = getattr(sampler, 'steps_per_epoch', sampler.num_steps)
   return _batched_plan(
       'dp_srg_memf',
       lambda z, divisor: srg.dp_srg_memf(
           loss_fn, l2_clip=l2_clip, noise_multiplier=z, strategy=c,
+          mechanism=None if c is not None else mechanism,
           steps_per_epoch=b, decay=decay, key=key, check_order=False,
           neighboring_relation=neighboring_relation, normalize_by=divisor,
           microbatch_size=microbatch_size,
@@ -1085,8 +1244,14 @@ def dp_srg_memf(
       method=method, relation=neighboring_relation,
       axis_name=axis_name, releases=releases,
       hyperparameters={'l2_clip': l2_clip, 'epochs': epochs, 'decay': decay,
-                       'strategy_given': strategy is not None,
-                       'momentum': momentum, 'bands': bands})
+                       'strategy_given': not (strategy is None or
+                                              isinstance(strategy, str)),
+                       'strategy': strategy if isinstance(strategy, str)
+                                   else None,
+                       'momentum': momentum, 'bands': bands,
+                       'n_buffers': (n_buffers if isinstance(strategy, str)
+                                     and strategy == 'blt' else None),
+                       'max_noise_buffers': max_noise_buffers})
 
 
 def diff2_gd(

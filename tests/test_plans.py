@@ -19,6 +19,7 @@ import optax
 
 import dpsco_jax
 from dpsco_jax import accounting
+from dpsco_jax import blt
 from dpsco_jax import noise
 from dpsco_jax import plans
 from dpsco_jax import strategies
@@ -147,7 +148,26 @@ def _cases():
           _loss, optimizer=sgd, epochs=EPOCHS, decay=0.5, epsilon=2.0,
           strategy=srg_strategy, **COMMON),
        'fixed', lambda: dpsco_jax.dpmemf_mechanism(srg_strategy)),
+      ('dpmemf_blt', lambda: plans.dpmemf(
+          _loss, optimizer=sgd, epochs=EPOCHS, epsilon=2.0, strategy='blt',
+          n_buffers=3, momentum=0.9, **COMMON),
+       'fixed', lambda: _blt_mechanism(momentum=0.9)),
+      ('dp_srg_memf_blt', lambda: plans.dp_srg_memf(
+          _loss, optimizer=sgd, epochs=EPOCHS, decay=0.5, epsilon=2.0,
+          strategy='blt', n_buffers=2, **COMMON),
+       'fixed', lambda: _blt_mechanism(n_buffers=2, decay=0.5)),
   ]
+
+
+def _blt_mechanism(n_buffers=3, momentum=0.0, decay=0.0):
+  """The BLT a plan's description calls for, built independently."""
+  steps_per_epoch = N // BATCH
+  params = blt.optimize(
+      STEPS, n_buffers, max_participations=EPOCHS,
+      min_separation=steps_per_epoch,
+      workload_column=blt.toeplitz_workload_column(STEPS, momentum=momentum,
+                                                   decay=decay))
+  return blt.mechanism(params, STEPS)
 
 
 class FixedOrderPlansAreZeroOutTest(absltest.TestCase):

@@ -68,8 +68,9 @@ def dpmemf(
     *,
     l2_clip: float,
     noise_multiplier: float,
-    strategy: np.ndarray,
+    strategy: Optional[np.ndarray] = None,
     steps_per_epoch: int,
+    mechanism: Optional[noise.NoiseMechanism] = None,
     key: estimators.KeyLike = None,
     num_examples: Optional[int] = None,
     check_order: bool = True,
@@ -109,8 +110,11 @@ def dpmemf(
       with `accounting.calibrate_noise_multiplier(dpmemf_mechanism(C),
       FixedOrder(k, b), ...)`).
     strategy: the lower-triangular C, `[k b, k b]` (e.g. from
-      `strategies.optimize_strategy`).
+      `strategies.optimize_strategy`); or give `mechanism`.
     steps_per_epoch: b; the strategy's size must be a multiple of it.
+    mechanism: instead of `strategy`, a per-step noise mechanism of `k b`
+      steps, e.g. a BLT (`blt.mechanism`), whose noise state keeps a few
+      params-sized buffers where a dense `strategy` keeps `k b - 1`.
     key: PRNG key or int seed for the noise (replicated across devices).
       None (default): a fresh secret key from OS entropy
       (`dpsco_jax.keys`); an int seed makes the noise known to anyone
@@ -140,7 +144,7 @@ def dpmemf(
     ValueError: for bad arguments, `num_examples` missing with
       `check_order`.
   """
-  mechanism = epoch_mechanism(strategy, storage, steps_per_epoch)
+  mechanism = epoch_mechanism(strategy, storage, steps_per_epoch, mechanism)
   estimator = estimators.noisy_gradient(
       loss_fn, l2_clip=l2_clip, noise_multiplier=noise_multiplier,
       mechanism=mechanism, key=key, neighboring_relation=neighboring_relation,
@@ -151,22 +155,40 @@ def dpmemf(
                           num_examples)
 
 
-def epoch_mechanism(strategy: np.ndarray, storage: str,
-                    steps_per_epoch: int) -> noise.NoiseMechanism:
-  """`dpmemf_mechanism(strategy)`, checked to cover whole epochs of b steps.
+def epoch_mechanism(strategy: Optional[np.ndarray], storage: str,
+                    steps_per_epoch: int,
+                    mechanism: Optional[noise.NoiseMechanism] = None
+                    ) -> noise.NoiseMechanism:
+  """`dpmemf_mechanism(strategy)` (or `mechanism`), checked to cover epochs.
+
+  Example:
+    >>> mech = epoch_mechanism(None, 'buffer', 100,
+    ...                        blt.mechanism(blt.optimize(600, 4), 600))
 
   Args:
-    strategy: the lower-triangular C, `[k b, k b]`.
-    storage: 'buffer' or 'regenerate'.
+    strategy: the lower-triangular C, `[k b, k b]`, or None with
+      `mechanism`.
+    storage: 'buffer' or 'regenerate' (for `strategy`).
     steps_per_epoch: b.
+    mechanism: a per-step mechanism instead of `strategy`.
 
   Returns:
     The mechanism.
 
   Raises:
-    ValueError: if b is not a positive integer dividing the strategy's size.
+    ValueError: unless exactly one of `strategy` and `mechanism` is given,
+      if the mechanism does not release per-step noise, or if b is not a
+      positive integer dividing the number of steps.
   """
-  mechanism = dpmemf_mechanism(strategy, storage)
+  if (strategy is None) == (mechanism is None):
+    raise ValueError('give exactly one of strategy= (a matrix) and '
+                     'mechanism= (e.g. blt.mechanism(...))')
+  if mechanism is None:
+    mechanism = dpmemf_mechanism(strategy, storage)
+  elif mechanism.release != 'per_step' or mechanism.num_steps is None:
+    raise ValueError(f'matrix-factorization noise is added to each step\'s '
+                     f'gradient: use a per-step mechanism with a capacity, '
+                     f'got {mechanism.name}')
   steps_per_epoch = checks.positive_int(steps_per_epoch, 'steps_per_epoch')
   if mechanism.num_steps % steps_per_epoch:
     raise ValueError(

@@ -870,9 +870,10 @@ def dp_srg_memf(
     *,
     l2_clip: float,
     noise_multiplier: float,
-    strategy: np.ndarray,
+    strategy: Optional[np.ndarray] = None,
     steps_per_epoch: int,
     decay: float,
+    mechanism: Optional[noise.NoiseMechanism] = None,
     key: estimators.KeyLike = None,
     num_examples: Optional[int] = None,
     check_order: bool = True,
@@ -919,9 +920,12 @@ def dp_srg_memf(
     noise_multiplier: noise std over one step's sensitivity; calibrate it
       with `accounting.calibrate_noise_multiplier(mf.dpmemf_mechanism(C),
       FixedOrder(k, b), ...)` (the same mechanism as DP-MEMF).
-    strategy: the lower-triangular strategy C, `[k b, k b]`.
+    strategy: the lower-triangular strategy C, `[k b, k b]`; or give
+      `mechanism`.
     steps_per_epoch: b.
     decay: c in [0, 1].
+    mechanism: instead of `strategy`, a per-step noise mechanism of `k b`
+      steps, e.g. a BLT (`blt.mechanism`).
     key: PRNG key or int seed of the noise (replicated across devices).
       None (default): a fresh secret key from OS entropy
       (`dpsco_jax.keys`); an int seed makes the noise known to anyone
@@ -951,7 +955,8 @@ def dp_srg_memf(
       `check_order`.
   """
   decay = validate_decay(decay)
-  mechanism = mf.epoch_mechanism(strategy, storage, steps_per_epoch)
+  mechanism = mf.epoch_mechanism(strategy, storage, steps_per_epoch,
+                                 mechanism)
 
   def coefficients(step):
     # c_0 = 0: the first step is a plain clipped gradient (DP-MEMF's).

@@ -1,0 +1,193 @@
+r"""Noise error against T for dense, banded, BLT, tree and i.i.d. noise.
+
+For each number of steps T (single participation, prefix-sum workload A,
+the noise of DP-FTRL / DP-MF), reports the root-mean-square error
+`||A N||_F / sqrt(T)` and the worst step's error `max_t ||(A N)_t||_2`,
+both times the mechanism's sensitivity: the noise error for a unit noise
+multiplier at equal privacy (every mechanism here is one Gaussian
+mechanism, so equal sensitivity-scaled noise is equal epsilon), for:
+
+* identity (DP-SGD's i.i.d. noise);
+* the binary tree and Honaker's tree;
+* the optimized dense strategy (`strategies.optimize_strategy`, which
+  minimizes the Frobenius error);
+* optimized banded strategies (`bands=`);
+* BLT strategies with 2 to 5 buffers (`blt.optimize(error='mean')`, the
+  same objective), their noise state `d` params-sized buffers where the
+  dense strategy keeps `T - 1`.
+
+Dense and banded strategies are optimized only up to `--max_dense_steps`
+(their optimization is the expensive part); BLT and the closed-form rows
+continue beyond.
+
+Usage:
+  python -m experiments.blt_report --steps=64,128,256,512,2048,10000
+
+Writes `blt_report.csv`, `blt_report.md`, `blt_report.png` and
+`run_record.json` to `--output_dir`.
+"""
+
+import math
+import os
+import time
+from typing import Sequence
+
+from absl import app
+from absl import flags
+from absl import logging
+
+from dpsco_jax import accounting
+from dpsco_jax import blt
+from dpsco_jax import noise
+from dpsco_jax import strategies
+from experiments import outputs
+
+FLAGS = flags.FLAGS
+
+HEADER = ('num_steps', 'mechanism', 'noise_buffers', 'sensitivity',
+          'rmse', 'max_error', 'rmse_vs_dense')
+
+
+def _define_flags() -> None:
+  flags.DEFINE_list('steps', ['64', '128', '256', '512', '2048', '10000'],
+                    'Numbers of steps T.')
+  flags.DEFINE_list('bands', ['8', '32'], 'Band counts of banded strategies.')
+  flags.DEFINE_list('buffers', ['2', '3', '4', '5'], 'BLT buffer counts.')
+  flags.DEFINE_integer('max_dense_steps', 512,
+                       'Largest T for the materialized (dense, banded, tree) '
+                       'rows.')
+  flags.DEFINE_string('output_dir', 'results/blt_report',
+                      'Where the tables and the plot go.')
+
+
+def compare(num_steps: int, bands: Sequence[int], buffers: Sequence[int],
+            max_dense_steps: int) -> list[dict]:
+  """The rows of one T.
+
+  Args:
+    num_steps: T.
+    bands: band counts of the banded strategies.
+    buffers: BLT buffer counts.
+    max_dense_steps: materialized mechanisms only up to this T.
+
+  Returns:
+    One dict per mechanism, keys as `HEADER`.
+  """
+  participation = accounting.single_epoch(num_steps)
+  rows = []
+
+  def add(name, buffers_kept, sensitivity, frobenius, worst):
+    rows.append({'num_steps': num_steps, 'mechanism': name,
+                 'noise_buffers': buffers_kept, 'sensitivity': sensitivity,
+                 'rmse': frobenius / math.sqrt(num_steps),
+                 'max_error': worst, 'rmse_vs_dense': math.nan})
+
+  # i.i.d. noise in closed form: row t of A has t + 1 ones.
+  add('identity (DP-SGD)', 0, 1.0,
+      math.sqrt(num_steps * (num_steps + 1) / 2), math.sqrt(num_steps))
+  if num_steps <= max_dense_steps:
+    workload = strategies.workload(num_steps)
+    mechanisms = {
+        'binary tree': noise.tree(num_steps),
+        'Honaker tree': noise.tree(num_steps, honaker=True),
+        'optimized dense': noise.matrix_factorization(
+            strategies.optimize_strategy(workload, 1)),
+    }
+    for band_count in bands:
+      if band_count < num_steps:
+        mechanisms[f'optimized {band_count}-banded'] = (
+            noise.matrix_factorization(strategies.optimize_strategy(
+                workload, 1, bands=band_count)))
+    for name, mechanism in mechanisms.items():
+      frobenius, worst = strategies.workload_errors(workload, mechanism,
+                                                    participation)
+      add(name, noise.noise_buffer_count(mechanism),
+          accounting.mechanism_sensitivity(mechanism, participation),
+          frobenius, worst)
+  column = blt.toeplitz_workload_column(num_steps)
+  for count in buffers:
+    start = time.perf_counter()
+    params = blt.optimize(num_steps, count, error='mean')
+    logging.info('T=%d: BLT with %d buffers optimized in %.1f s', num_steps,
+                 count, time.perf_counter() - start)
+    frobenius, worst = blt.errors(params, column)
+    add(f'BLT, {count} buffers', count, blt.sensitivity(params, num_steps),
+        frobenius, worst)
+  dense = [row['rmse'] for row in rows if row['mechanism'] == 'optimized dense']
+  for row in rows:
+    if dense:
+      row['rmse_vs_dense'] = row['rmse'] / dense[0]
+  return rows
+
+
+def markdown(rows: list[dict]) -> str:
+  lines = ['| T | mechanism | noise buffers | sensitivity | RMSE | '
+           'max error | RMSE / dense |', '|---|---|---|---|---|---|---|']
+  for row in rows:
+    ratio = ('' if math.isnan(row['rmse_vs_dense'])
+             else f"{row['rmse_vs_dense']:.4f}")
+    lines.append(
+        f"| {row['num_steps']} | {row['mechanism']} | "
+        f"{row['noise_buffers']} | {row['sensitivity']:.3f} | "
+        f"{row['rmse']:.3f} | {row['max_error']:.3f} | {ratio} |")
+  return '\n'.join(lines)
+
+
+def run(steps: Sequence[int], bands: Sequence[int], buffers: Sequence[int],
+        max_dense_steps: int, output_dir: str) -> list[dict]:
+  """Compares the mechanisms at every T; writes the report files.
+
+  Example:
+    >>> rows = run([64, 256], [8], [2, 4], 256, 'results/blt_report')
+
+  Args:
+    steps: the numbers of steps.
+    bands: band counts of the banded strategies.
+    buffers: BLT buffer counts.
+    max_dense_steps: materialized mechanisms only up to this T.
+    output_dir: where the files go.
+
+  Returns:
+    The rows.
+  """
+  start = time.perf_counter()
+  rows = []
+  for num_steps in steps:
+    rows.extend(compare(num_steps, bands, buffers, max_dense_steps))
+  outputs.write_csv(os.path.join(output_dir, 'blt_report.csv'), rows,
+                    columns=HEADER)
+  with open(os.path.join(output_dir, 'blt_report.md'), 'w') as f:
+    f.write(markdown(rows) + '\n')
+  names = list(dict.fromkeys(row['mechanism'] for row in rows))
+  curves = []
+  for name in names:
+    points = [(row['num_steps'], row['rmse']) for row in rows
+              if row['mechanism'] == name]
+    curves.append(outputs.Curve(name, [p[0] for p in points],
+                                [p[1] for p in points]))
+  outputs.plot_curves(os.path.join(output_dir, 'blt_report.png'), curves,
+                      xlabel='steps T', ylabel='RMSE of the prefix sums',
+                      title='noise error at equal privacy (unit multiplier)',
+                      xscale='log', yscale='log', markers=True)
+  outputs.write_json(
+      os.path.join(output_dir, 'run_record.json'),
+      outputs.run_record(
+          {'steps': list(steps), 'bands': list(bands),
+           'buffers': list(buffers), 'max_dense_steps': max_dense_steps},
+          wall_seconds=time.perf_counter() - start,
+          extra={'experiment': 'experiments.blt_report'}))
+  return rows
+
+
+def main(argv: Sequence[str]) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  rows = run([int(t) for t in FLAGS.steps], [int(b) for b in FLAGS.bands],
+             [int(d) for d in FLAGS.buffers], FLAGS.max_dense_steps,
+             FLAGS.output_dir)
+  print(markdown(rows))
+
+
+if __name__ == '__main__':
+  _define_flags()
+  app.run(main)

@@ -1,0 +1,37 @@
+"""The BLT error report on small settings."""
+
+import json
+import math
+
+from experiments import blt_report
+
+
+def test_blt_is_near_the_dense_strategy_and_below_the_others():
+  rows = {row['mechanism']: row
+          for row in blt_report.compare(48, bands=[4], buffers=[2, 3],
+                                        max_dense_steps=64)}
+  dense = rows['optimized dense']
+  assert dense['rmse_vs_dense'] == 1.0
+  for name, row in rows.items():
+    assert row['rmse'] >= dense['rmse'] * (1 - 1e-6), name
+  assert rows['BLT, 3 buffers']['rmse_vs_dense'] < 1.05
+  for other in ('identity (DP-SGD)', 'binary tree', 'Honaker tree',
+                'optimized 4-banded'):
+    assert rows['BLT, 3 buffers']['rmse'] < rows[other]['rmse'], other
+  assert rows['BLT, 3 buffers']['noise_buffers'] == 3
+  assert rows['optimized dense']['noise_buffers'] == 47
+  # The closed-form i.i.d. row equals the materialized one.
+  assert math.isclose(rows['identity (DP-SGD)']['rmse'],
+                      math.sqrt(49 / 2), rel_tol=1e-12)
+
+
+def test_run_writes_the_report_and_its_record(tmp_path):
+  rows = blt_report.run([16, 100], [4], [2], 16, str(tmp_path))
+  assert {row['num_steps'] for row in rows} == {16, 100}
+  # Beyond max_dense_steps only the closed-form and BLT rows.
+  assert {row['mechanism'] for row in rows if row['num_steps'] == 100} == {
+      'identity (DP-SGD)', 'BLT, 2 buffers'}
+  for name in ('blt_report.md', 'blt_report.csv', 'blt_report.png'):
+    assert (tmp_path / name).exists()
+  record = json.loads((tmp_path / 'run_record.json').read_text())
+  assert record['config']['steps'] == [16, 100]
