@@ -9,11 +9,14 @@ layer's output `g_i` (notes/fast-clipping.md):
 * dense layer, no sequence axis: `||a_i g_i^T||_F^2 = ||a_i||^2 ||g_i||^2`;
 * dense layer over positions p: `sum_{p,q} (a_ip . a_iq)(g_ip . g_iq)` (the
   Gram form) when that is cheaper than materializing the `d_in x d_out`
-  per-example gradient, else the per-example gradient of that layer alone;
+  per-example gradient, else the per-example gradient of that layer alone
+  (the cost model `clipping_choice` decides per layer, and whether the
+  vmap path is cheaper for the whole loss);
 * bias add and elementwise scale: the per-example gradient of that
   parameter (small) is materialized;
 * embedding lookup (a `gather` of whole rows of a 2-D table): the
-  token-equality Gram form `sum_{p,q} [i_p = i_q] (g_p . g_q)`;
+  token-equality Gram form `sum_{p,q} [i_p = i_q] (g_p . g_q)`, or the
+  per-example table gradient for a small vocabulary;
 * convolution (`conv_general_dilated`, any layout, strides, padding,
   dilations, groups): the input unfolded into patches (im2col) makes it a
   dense layer over the output positions, so the dense identities apply.
@@ -39,7 +42,8 @@ How a batch is processed (`clipping.ClippedStatistic` composes the steps):
 3. The clipped sum is assembled from the same `a_i` and `g_i`: each layer's
    parameter gradient is the layer's vector-Jacobian product at the
    cotangents `w_i g_i`, summed over examples (one matrix product per dense
-   layer, as in a non-private backward pass). This equals the backward pass
+   layer, as in a non-private backward pass); a layer whose per-example
+   gradients step 2 formed sums those very arrays times `w_i`. This equals the backward pass
    of `sum_i w_i loss_i` with the weights held constant, without a second
    forward pass. Rows dropped by the mask or for a non-finite norm are
    removed with `where` from both `a_i` and `g_i` (a zero weight would not
@@ -58,8 +62,10 @@ over every term.
 Adding a layer type is one rule: a `LayerRule` registered in `LAYER_RULES`
 under the primitive's name (as `gather` for embeddings and
 `conv_general_dilated` for convolutions).
-A rule only computes per-example squared norms; the clipped sum is the
-generic vector-Jacobian product and needs nothing new.
+A rule only computes per-example squared norms (upper bounds, rounding
+included: see the rounding notes before `LayerNorms`), and may return the
+per-example gradients it formed; the clipped sum is the generic
+vector-Jacobian product, or the sum of those, and needs nothing new.
 
 Example:
   >>> stat = dpsco_jax.clipped_grad_sum(loss_fn, l2_clip=1.0)  # 'auto'
@@ -476,7 +482,9 @@ def _gram_squared_norms(a: jax.Array, g: jax.Array,
 
   1. By F1, `|A' - A| <= gamma_C n_p n_q` and `|G' - G| <= gamma_F m_p m_q`,
      so `sum |A'G' - AG| <= gamma_C sum n_p n_q |G'| + gamma_F sum |A'| m_p
-     m_q + gamma_C gamma_F S^2`, all computed from the values formed.
+     m_q + gamma_C gamma_F S^2`, all computed from the values formed. (With
+     at most `_FEW_POSITIONS` columns the dot products are summed in two
+     levels, and `gamma_C` becomes `gamma_{d+1}`, d about `2 sqrt(C)`.)
   2. The products `A'G'` are rounded (u each) and summed in two levels
      (F1 with d additions per term): within `gamma_{d+1} sum |A'G'|`.
   3. So `||M||^2 = sum AG <= total + error` with `error` the sum of the
@@ -523,15 +531,17 @@ def _gram_squared_norms(a: jax.Array, g: jax.Array,
     for p in range(columns):
       for q in range(p, columns):
         both = 1.0 if p == q else 2.0   # (p, q) and (q, p)
-        gram_a = jnp.sum(cols_a[p] * cols_a[q], axis=-1)
-        gram_g = jnp.sum(cols_g[p] * cols_g[q], axis=-1)
+        # Dot products in two levels: within gamma_{d+1} (d about
+        # 2 sqrt(C)) rather than gamma_C of their absolute values.
+        gram_a, depth_a = _sum_in_two_levels(cols_a[p] * cols_a[q])
+        gram_g, depth_g = _sum_in_two_levels(cols_g[p] * cols_g[q])
         product = both * (gram_a * gram_g)
         total = total + product
         absolute = absolute + jnp.abs(product)
         cross = cross + both * (
-            _gamma(contract, acc) * norms_a[p] * norms_a[q] * jnp.abs(gram_g)
-            + _gamma(features, acc) * jnp.abs(gram_a) * norms_g[p] *
-            norms_g[q])
+            _gamma(depth_a + 1, acc) * norms_a[p] * norms_a[q] *
+            jnp.abs(gram_g) + _gamma(depth_g + 1, acc) * jnp.abs(gram_a) *
+            norms_g[p] * norms_g[q])
     total, absolute, cross = (jnp.sum(x, axis=1)
                               for x in (total, absolute, cross))
     # Every term of `total` passes through at most all the other additions.
@@ -557,7 +567,8 @@ def _gram_squared_norms(a: jax.Array, g: jax.Array,
             precision=highest))
     magnitude = jnp.sum(norms_a * norms_g, axis=2)
   s_squared = jnp.sum(jnp.square(magnitude), axis=-1)   # sum_b S_b^2
-  error = (cross + _gamma(contract, acc) * _gamma(features, acc) * s_squared
+  error = (cross + _gamma(contract + 1, acc) * _gamma(features + 1, acc) *
+           s_squared
            + _gamma(depth + 1, acc) * absolute)
   u_out = _roundoff(out_dtype) if jnp.finfo(out_dtype).eps > jnp.finfo(
       acc).eps else 0.0

@@ -231,10 +231,11 @@ def _poison_masked_items(items, item_mask):
   return jax.tree_util.tree_map(poison, items)
 
 
-# The ghost norms carry a rounding margin (ghost._with_rounding_margin) that
-# grows with the columns per unit: a user of the sequence model has
-# ITEMS x positions of them, so its clip factor may be smaller than the vmap
-# path's by up to ~1e-4 relative (clipping a little earlier, never later).
+# The ghost norms are upper bounds including rounding (ghost.LayerNorms):
+# a Gram-form layer's bound grows with the columns per unit (a user of the
+# sequence model has ITEMS x positions of them), so its clip factor may be
+# smaller than the vmap path's by up to ~1e-4 relative (clipping a little
+# earlier, never later).
 USER_RTOL = {'logistic_regression': 1e-5, 'mlp': 1e-5, 'sequence': 2e-4,
              'embedding': 2e-4, 'flax_nnx_cnn': 2e-4}
 
