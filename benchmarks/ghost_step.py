@@ -342,6 +342,8 @@ def describe_choice(model: dpsgd_step.Model, batch: dpsgd_step.Batch) -> str:
   """The cost model's choice for `method='auto'` on the batch."""
   statistic = dpsco_jax.clipped_grad_sum(
       dpsgd_step.example_loss_fn(model.apply), dpsgd_step.L2_CLIP)
+  if not hasattr(statistic, 'clipping_choice'):   # an older dpsco_jax
+    return '  auto: no cost model in this dpsco_jax'
   choice = statistic.clipping_choice(batch, model.params)
   if choice is None:
     return "  auto: the ghost path does not apply (vmap)"
@@ -353,6 +355,8 @@ def describe_choice(model: dpsgd_step.Model, batch: dpsgd_step.Batch) -> str:
 def print_auto_ratio(times: dict[str, list[float]]) -> None:
   """`auto / min(ghost, vmap)` from the median step times."""
   medians = {name: statistics.median(ts) for name, ts in times.items()}
+  if not {'auto', 'ghost', 'vmap'} <= set(medians):
+    return
   best = min(medians['ghost'], medians['vmap'])
   print(f'  {"auto / min(ghost, vmap)":<28} {medians["auto"] / best:>7.2f}x')
 
@@ -368,6 +372,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                       help='interleaved timing rounds')
   parser.add_argument('--only', default='',
                       help='time only the models whose name contains this')
+  parser.add_argument('--variants', default='',
+                      help='comma-separated variants to time (default: all)')
   args = parser.parse_args(argv)
   if min(args.iters, args.rounds) < 1 or args.warmup < 0:
     parser.error('--iters and --rounds must be >= 1, --warmup >= 0')
@@ -400,13 +406,17 @@ def main(argv: list[str]) -> None:
       continue
     batch = (problem.batch_fn or make_batch)(rng, problem.batch_size)
     variants = make_variants(problem, jax_privacy)
+    if args.variants:
+      keep = args.variants.split(',')
+      variants = {name: v for name, v in variants.items() if name in keep}
     times = dpsgd_step.benchmark(problem.model, variants, batch,
                                  args.iters * problem.iters_scale,
                                  args.warmup, args.rounds)
     dpsgd_step.print_results(problem.model, times, RATIOS)
     print_auto_ratio(times)
     print(describe_choice(problem.model, batch))
-    print_memory(peak_memory(problem.model, variants, batch))
+    if 'non-private' in variants:
+      print_memory(peak_memory(problem.model, variants, batch))
     print(check_agreement(problem.model, batch))
 
 

@@ -518,6 +518,21 @@ def _gram_squared_norms(a: jax.Array, g: jax.Array,
   units, terms, batch, positions, contract = a.shape
   features = g.shape[-1]
   columns = terms * positions
+  u_out = _roundoff(out_dtype) if jnp.finfo(out_dtype).eps > jnp.finfo(
+      acc).eps else 0.0
+  if columns == 1:
+    # One column (a plain dense layer): `|M|^2 = sum_b |a_b|^2 |g_b|^2`, a
+    # sum of products of sums of squares, all non-negative: by F1 and F2
+    # the computed value is within a relative `gamma` of the truth, and
+    # each released entry is one product `a_c (w g_f)` (two roundings).
+    squares_a = jnp.sum(jnp.square(a[:, 0, :, 0]), axis=-1)
+    squares_g = jnp.sum(jnp.square(g[:, 0, :, 0]), axis=-1)
+    total = jnp.sum(squares_a * squares_g, axis=1)
+    factor = ((1.0 + 2.0 * _gamma(contract, acc)) *
+              (1.0 + 2.0 * _gamma(features, acc)) *
+              (1.0 + 2.0 * _gamma(batch + 1, acc)))
+    release = 1.0 + _gamma(2, acc) + u_out
+    return LayerNorms(total * factor * release * release)
   if columns <= _FEW_POSITIONS:
     # A few columns (a plain dense layer; a difference without sequence
     # axis): one fused product-and-sum per pair of columns, each a pass
@@ -570,8 +585,6 @@ def _gram_squared_norms(a: jax.Array, g: jax.Array,
   error = (cross + _gamma(contract + 1, acc) * _gamma(features + 1, acc) *
            s_squared
            + _gamma(depth + 1, acc) * absolute)
-  u_out = _roundoff(out_dtype) if jnp.finfo(out_dtype).eps > jnp.finfo(
-      acc).eps else 0.0
   release = (_gamma(columns + 1, acc) + u_out) * jnp.sqrt(s_squared)
   # The bound's own terms are non-negative sums of at most
   # batch * columns^2 products of norms (each within gamma_{C+F+2}).
