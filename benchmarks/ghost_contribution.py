@@ -1,4 +1,4 @@
-"""Each example's clipped contribution on the ghost and vmap paths, a decoder LM.
+"""Each example's clipped contribution, ghost and vmap paths, on a decoder LM.
 
 With a clip that binds on every example, each example's contribution to the
 clipped sum should have norm equal to the clip. This script builds a small

@@ -43,9 +43,9 @@ How a batch is processed (`clipping.ClippedStatistic` composes the steps):
    parameter gradient is the layer's vector-Jacobian product at the
    cotangents `w_i g_i`, summed over examples (one matrix product per dense
    layer, as in a non-private backward pass); a layer whose per-example
-   gradients step 2 formed sums those very arrays times `w_i`. This equals the backward pass
-   of `sum_i w_i loss_i` with the weights held constant, without a second
-   forward pass. Rows dropped by the mask or for a non-finite norm are
+   gradients step 2 formed sums those very arrays times `w_i`. This equals
+   the backward pass of `sum_i w_i loss_i` with the weights held constant,
+   without a second forward pass. Rows dropped by the mask or for a non-finite norm are
    removed with `where` from both `a_i` and `g_i` (a zero weight would not
    do: `0 * NaN` is NaN).
 
@@ -452,6 +452,36 @@ def _norm(x: jax.Array) -> jax.Array:
   return jnp.sqrt(jnp.sum(jnp.square(x), axis=-1))
 
 
+def _gram_in_two_levels(x: jax.Array) -> tuple[jax.Array, int]:
+  """Gram matrices `[n, b, K, K]` of `x: [n, b, K, C]`, summed in two levels.
+
+  The contraction over C is split into blocks of about `sqrt(C)`: one
+  batched matrix product per block, then a sum over the blocks behind an
+  optimization barrier. Each entry is then within `gamma_d` of the sum of
+  its products' absolute values, `d = (block) + (blocks - 1)` about
+  `2 sqrt(C)` (F1: one rounded product and at most that many additions per
+  term), rather than `gamma_C` for one product of length C: a layer 1024
+  wide whose output gradients are alike at every position would otherwise
+  have its Gram error bound, `gamma_C K` relative, clip it at 0.998.
+
+  Returns:
+    The Gram matrices and d.
+  """
+  length = x.shape[-1]
+  # Full float32 products even where the default matmul precision is lower
+  # (TPU, TF32 on GPU): the bound assumes them.
+  highest = jax.lax.Precision.HIGHEST
+  if length <= 16:
+    return jnp.einsum('nbpc,nbqc->nbpq', x, x, precision=highest), length
+  block = math.isqrt(length - 1) + 1   # ceil(sqrt(C))
+  count = -(-length // block)
+  x = jnp.pad(x, [(0, 0)] * 3 + [(0, count * block - length)])
+  x = x.reshape(x.shape[:3] + (count, block))
+  partial = jnp.einsum('nbpjc,nbqjc->nbjpq', x, x, precision=highest)
+  partial = jax.lax.optimization_barrier(partial)
+  return jnp.sum(partial, axis=2), block + count - 1
+
+
 def _gram_bound(total: jax.Array, error: jax.Array, release: jax.Array,
                 slack: float) -> jax.Array:
   """`(sqrt(total + error) + release)^2`, the bound of a Gram-form rule.
@@ -482,9 +512,10 @@ def _gram_squared_norms(a: jax.Array, g: jax.Array,
 
   1. By F1, `|A' - A| <= gamma_C n_p n_q` and `|G' - G| <= gamma_F m_p m_q`,
      so `sum |A'G' - AG| <= gamma_C sum n_p n_q |G'| + gamma_F sum |A'| m_p
-     m_q + gamma_C gamma_F S^2`, all computed from the values formed. (With
-     at most `_FEW_POSITIONS` columns the dot products are summed in two
-     levels, and `gamma_C` becomes `gamma_{d+1}`, d about `2 sqrt(C)`.)
+     m_q + gamma_C gamma_F S^2`, all computed from the values formed. (The
+     dot products are summed in two levels, `_gram_in_two_levels`, and
+     `gamma_C` in the first two terms becomes `gamma_d`, d about
+     `2 sqrt(C)`.)
   2. The products `A'G'` are rounded (u each) and summed in two levels
      (F1 with d additions per term): within `gamma_{d+1} sum |A'G'|`.
   3. So `||M||^2 = sum AG <= total + error` with `error` the sum of the
@@ -566,18 +597,16 @@ def _gram_squared_norms(a: jax.Array, g: jax.Array,
     # A unit's terms are more positions of the same layer.
     a = jnp.swapaxes(a, 1, 2).reshape(units, batch, columns, contract)
     g = jnp.swapaxes(g, 1, 2).reshape(units, batch, columns, features)
-    # Full float32 products even where the default matmul precision is
-    # lower (TPU, TF32 on GPU): the bound assumes them.
     highest = jax.lax.Precision.HIGHEST
-    gram_a = jnp.einsum('nbpc,nbqc->nbpq', a, a, precision=highest)
-    gram_g = jnp.einsum('nbpf,nbqf->nbpq', g, g, precision=highest)
+    gram_a, depth_a = _gram_in_two_levels(a)
+    gram_g, depth_g = _gram_in_two_levels(g)
     products = (gram_a * gram_g).reshape(units, -1)
     total, depth = _sum_in_two_levels(products)
     absolute, _ = _sum_in_two_levels(jnp.abs(products))
     norms_a, norms_g = _norm(a), _norm(g)    # [units, batch, columns]
-    cross = (_gamma(contract, acc) * jnp.einsum(
+    cross = (_gamma(depth_a, acc) * jnp.einsum(
         'nbp,nbpq,nbq->n', norms_a, jnp.abs(gram_g), norms_a,
-        precision=highest) + _gamma(features, acc) * jnp.einsum(
+        precision=highest) + _gamma(depth_g, acc) * jnp.einsum(
             'nbp,nbpq,nbq->n', norms_g, jnp.abs(gram_a), norms_g,
             precision=highest))
     magnitude = jnp.sum(norms_a * norms_g, axis=2)
