@@ -9,6 +9,9 @@ classes, softmax cross-entropy), for:
   mechanism, then ``optax.sgd``;
 * ``ghost``: the same with ``method='ghost'`` (ghost norms, no per-example
   gradient);
+* ``auto``: the same with ``method='auto'``, which takes the ghost or the
+  vmap path by the cost model of ``dpsco_jax.ghost.clipping_choice`` (its
+  choice and estimates are printed per model);
 * ``dpsgd``: ``optax.chain(dpsco_jax.dpsgd(...), optax.sgd(...))`` as a user
   writes it (its default ``method='auto'`` takes the ghost path here);
 * ``ghost clip only``: the ghost clipped sum divided by B, then
@@ -49,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import warnings
 from typing import Callable, NamedTuple, Optional
@@ -74,6 +78,8 @@ RATIOS = (
     ('jax_privacy', 'non-private'),
     ('ghost clip only', 'non-private'),
     ('vmap', 'ghost'),
+    ('auto', 'ghost'),
+    ('auto', 'vmap'),
 )
 
 
@@ -278,6 +284,7 @@ def make_variants(problem: Problem,
       'non-private': dpsgd_step.non_private_variant(model),
       'vmap': clipped_sum_variant(model, 'vmap', problem.batch_size),
       'ghost': clipped_sum_variant(model, 'ghost', problem.batch_size),
+      'auto': clipped_sum_variant(model, 'auto', problem.batch_size),
       'dpsgd': dpsgd_step.ours_variant(model, dpsco_jax),
       'optax': dpsgd_step.optax_variant(model),
       'ghost clip only': clip_only_variant(model, problem.batch_size),
@@ -331,6 +338,29 @@ def check_agreement(model: dpsgd_step.Model, batch: dpsgd_step.Batch) -> str:
           f'{counters[1]}')
 
 
+def describe_choice(model: dpsgd_step.Model, batch: dpsgd_step.Batch) -> str:
+  """The cost model's choice for `method='auto'` on the batch."""
+  statistic = dpsco_jax.clipped_grad_sum(
+      dpsgd_step.example_loss_fn(model.apply), dpsgd_step.L2_CLIP)
+  if not hasattr(statistic, 'clipping_choice'):   # an older dpsco_jax
+    return '  auto: no cost model in this dpsco_jax'
+  choice = statistic.clipping_choice(batch, model.params)
+  if choice is None:
+    return "  auto: the ghost path does not apply (vmap)"
+  forms = ', '.join(f'{tap.rule}:{tap.form}' for tap in choice.taps)
+  return (f'  auto picks {choice.path} (estimates: ghost {choice.ghost:.3g}, '
+          f'vmap {choice.vmap:.3g}); forms {forms}')
+
+
+def print_auto_ratio(times: dict[str, list[float]]) -> None:
+  """`auto / min(ghost, vmap)` from the median step times."""
+  medians = {name: statistics.median(ts) for name, ts in times.items()}
+  if not {'auto', 'ghost', 'vmap'} <= set(medians):
+    return
+  best = min(medians['ghost'], medians['vmap'])
+  print(f'  {"auto / min(ghost, vmap)":<28} {medians["auto"] / best:>7.2f}x')
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
   """Parses command-line flags."""
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -342,6 +372,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                       help='interleaved timing rounds')
   parser.add_argument('--only', default='',
                       help='time only the models whose name contains this')
+  parser.add_argument('--variants', default='',
+                      help='comma-separated variants to time (default: all)')
   args = parser.parse_args(argv)
   if min(args.iters, args.rounds) < 1 or args.warmup < 0:
     parser.error('--iters and --rounds must be >= 1, --warmup >= 0')
@@ -374,11 +406,17 @@ def main(argv: list[str]) -> None:
       continue
     batch = (problem.batch_fn or make_batch)(rng, problem.batch_size)
     variants = make_variants(problem, jax_privacy)
+    if args.variants:
+      keep = args.variants.split(',')
+      variants = {name: v for name, v in variants.items() if name in keep}
     times = dpsgd_step.benchmark(problem.model, variants, batch,
                                  args.iters * problem.iters_scale,
                                  args.warmup, args.rounds)
     dpsgd_step.print_results(problem.model, times, RATIOS)
-    print_memory(peak_memory(problem.model, variants, batch))
+    print_auto_ratio(times)
+    print(describe_choice(problem.model, batch))
+    if 'non-private' in variants:
+      print_memory(peak_memory(problem.model, variants, batch))
     print(check_agreement(problem.model, batch))
 
 

@@ -323,11 +323,14 @@ def _ghost_clip_and_sum_rows(plan: ghost.GhostPlan, form: GhostForm,
   """
   params, _ = form.signature(rows, *args)
   values = form.terms(plan, rows, *args)
-  squared = ghost.squared_norms(plan, params, values, 1.0 / l2_clip,
-                                mask.shape[0])
+  squared, formed = ghost.squared_norms_and_formed(
+      plan, params, values, 1.0 / l2_clip, mask.shape[0])
   used, factors, counters = _clip_factors(squared, mask)
+  # Where a rule formed the per-unit gradients, the sum releases those very
+  # arrays (measured in clip units: `formed_scale` restores the units).
   return counters._replace(
-      sum=ghost.weighted_grad_sum(plan, params, values, factors, used))
+      sum=ghost.weighted_grad_sum(plan, params, values, factors, used,
+                                  formed=formed, formed_scale=l2_clip))
 
 
 def _validated_mask(mask: Optional[jax.Array], size: int) -> jax.Array:
@@ -603,6 +606,9 @@ class ClippedStatistic:
     size = batch_size_of(batch, self.min_ndim)
     mask = _validated_mask(mask, size)
     plan = self.ghost_plan(batch, *args)
+    if (plan is not None and self.method == 'auto' and
+        self._choice(plan, batch, args).path == 'vmap'):
+      plan = None   # the cost model's choice: no warning, not a failure
     if plan is None:
       return clipped_sum(
           self.contribution_fn, batch, *args, l2_clip=self.l2_clip, mask=mask,
@@ -611,6 +617,44 @@ class ClippedStatistic:
         lambda rows, rows_mask: _ghost_clip_and_sum_rows(
             plan, self.ghost_form, rows, args, rows_mask, self.l2_clip),
         batch, mask, self.microbatch_size)
+
+  def _choice(self, plan: ghost.GhostPlan, batch: PyTree,
+              args: tuple[Any, ...]) -> ghost.ClippingChoice:
+    """`ghost.clipping_choice` for this call's units and terms per tap."""
+    size = batch_size_of(batch, self.min_ndim)
+    # The terms per unit of each tap, from the shapes of one unit's values.
+    values = jax.eval_shape(lambda: self.ghost_form.terms(
+        plan, jax.tree_util.tree_map(lambda x: x[:1], batch), *args))
+    return ghost.clipping_choice(plan, size,
+                                 tuple(g.shape[1] for g in values.grads))
+
+  def clipping_choice(self, batch: PyTree,
+                      *args: Any) -> Optional[ghost.ClippingChoice]:
+    """What `method='auto'` does on this call signature, and the estimates.
+
+    Example:
+      >>> stat = clipped_grad_sum(loss_fn, 1.0)
+      >>> choice = stat.clipping_choice(batch, params)
+      >>> choice.path, [(tap.rule, tap.form) for tap in choice.taps]
+      ('ghost', [('dot_general', 'gram'), ('add', 'materialized')])
+
+    Args:
+      batch: the batch (leading unit axis).
+      *args: the call's arguments (`(params,)`, ...).
+
+    Returns:
+      The `ghost.ClippingChoice` (per tap the form and the cost estimates,
+      and the whole-loss path, 'ghost' or 'vmap'), or None when the ghost
+      path does not apply to the loss (for `'auto'`, announced as by
+      `ghost_plan`) or `method='vmap'`. With `method='ghost'` the path
+      taken is the ghost path whatever the choice says.
+
+    Raises:
+      ghost.GhostClippingUnsupported: for `method='ghost'` when the loss
+        does not qualify.
+    """
+    plan = self.ghost_plan(batch, *args)
+    return None if plan is None else self._choice(plan, batch, args)
 
   def sensitivity(
       self,

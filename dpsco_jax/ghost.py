@@ -9,11 +9,14 @@ layer's output `g_i` (notes/fast-clipping.md):
 * dense layer, no sequence axis: `||a_i g_i^T||_F^2 = ||a_i||^2 ||g_i||^2`;
 * dense layer over positions p: `sum_{p,q} (a_ip . a_iq)(g_ip . g_iq)` (the
   Gram form) when that is cheaper than materializing the `d_in x d_out`
-  per-example gradient, else the per-example gradient of that layer alone;
+  per-example gradient, else the per-example gradient of that layer alone
+  (the cost model `clipping_choice` decides per layer, and whether the
+  vmap path is cheaper for the whole loss);
 * bias add and elementwise scale: the per-example gradient of that
   parameter (small) is materialized;
 * embedding lookup (a `gather` of whole rows of a 2-D table): the
-  token-equality Gram form `sum_{p,q} [i_p = i_q] (g_p . g_q)`;
+  token-equality Gram form `sum_{p,q} [i_p = i_q] (g_p . g_q)`, or the
+  per-example table gradient for a small vocabulary;
 * convolution (`conv_general_dilated`, any layout, strides, padding,
   dilations, groups): the input unfolded into patches (im2col) makes it a
   dense layer over the output positions, so the dense identities apply.
@@ -28,7 +31,7 @@ meeting another in one operation) makes `analyze` raise
 `GhostClippingUnsupported` with the reason, and the caller falls back to
 per-example gradients. A leaf used several times (tied input and output
 embeddings) gets one tap per use; its norm is that of the sum of the uses'
-gradients, formed for that leaf alone (`_shared_squared_norms`).
+gradients, formed for that leaf alone (`_layer_norms`).
 
 How a batch is processed (`clipping.ClippedStatistic` composes the steps):
 
@@ -41,9 +44,10 @@ How a batch is processed (`clipping.ClippedStatistic` composes the steps):
 3. The clipped sum is assembled from the same `a_i` and `g_i`: each layer's
    parameter gradient is the layer's vector-Jacobian product at the
    cotangents `w_i g_i`, summed over examples (one matrix product per dense
-   layer, as in a non-private backward pass). This equals the backward pass
-   of `sum_i w_i loss_i` with the weights held constant, without a second
-   forward pass. Rows dropped by the mask or for a non-finite norm are
+   layer, as in a non-private backward pass); a layer whose per-example
+   gradients step 2 formed sums those very arrays times `w_i`. This equals
+   the backward pass of `sum_i w_i loss_i` with the weights held constant,
+   without a second forward pass. Rows dropped by the mask or for a non-finite norm are
    removed with `where` from both `a_i` and `g_i` (a zero weight would not
    do: `0 * NaN` is NaN).
 
@@ -60,8 +64,10 @@ over every term.
 Adding a layer type is one rule: a `LayerRule` registered in `LAYER_RULES`
 under the primitive's name (as `gather` for embeddings and
 `conv_general_dilated` for convolutions).
-A rule only computes per-example squared norms; the clipped sum is the
-generic vector-Jacobian product and needs nothing new.
+A rule only computes per-example squared norms (upper bounds, rounding
+included: see the rounding notes before `LayerNorms`), and may return the
+per-example gradients it formed; the clipped sum is the generic
+vector-Jacobian product, or the sum of those, and needs nothing new.
 
 Example:
   >>> stat = dpsco_jax.clipped_grad_sum(loss_fn, l2_clip=1.0)  # 'auto'
@@ -166,7 +172,7 @@ class Tap:
       at any two points, which a gradient difference uses.
     shared: whether the leaf has other taps (a leaf used several times, as
       tied input and output embeddings are): its norm is then that of the
-      sum of its uses' gradients (`_shared_squared_norms`), not the rule's.
+      sum of its uses' gradients, formed (`_layer_norms`), not the rule's.
   """
 
   leaf: int
@@ -184,8 +190,11 @@ class LayerRule(NamedTuple):
   Attributes:
     check: `check(tap, program) -> None or reason`; a reason makes the whole
       loss unsupported.
-    squared_norms: `squared_norms(tap, program, leaf, others, g) -> [U]`, the
-      per-unit squared norms of the leaf's gradient, in float32 or wider.
+    squared_norms: `squared_norms(tap, program, leaf, others, g) ->
+      LayerNorms` (or a bare `[U]` array of bounds): upper bounds on the
+      per-unit squared norms of the leaf's gradient as the clipped sum
+      releases it, rounding included, in float32 or wider, and the formed
+      per-unit gradients when the rule forms them (see `LayerNorms`).
       A unit (an example, a difference, a user) is a sum of T terms, each
       one example's gradient at some params: `others` are the operation's
       other operands and `g` the gradient at its output, with leading axes
@@ -288,6 +297,106 @@ def _norm_preserving(chain: Sequence[_Node]) -> bool:
 # Layer rules.
 
 
+# Rounding bounds.
+#
+# A contribution must never leave its clip because of rounding, and must not
+# be clipped harder than the clip asks. Every bound below rests on two facts
+# of IEEE arithmetic with unit roundoff u (2^-24 in float32), which hold
+# whatever order an XLA operation sums in, and whether or not it fuses
+# multiplies into adds:
+#
+# (F1) A sum of n terms formed in ANY order (any tree of additions, each
+#      rounded or exact) differs from the exact sum by at most
+#      gamma_{n-1} sum_i |x_i|, with gamma_m = m u / (1 - m u): each term
+#      passes through at most n - 1 rounded additions (Higham, Accuracy and
+#      Stability of Numerical Algorithms, 2002, section 3.1). Adding an exact
+#      zero is exact, so only the non-zero terms count. A dot product of
+#      length n is such a sum of rounded products: it is within
+#      gamma_n sum_i |x_i y_i| of the truth; a sum of non-negative terms is
+#      within a RELATIVE gamma_{n-1} of the truth.
+# (F2) One multiplication, square root or reciprocal square root is within a
+#      relative few u of the truth (u for IEEE operations; XLA's rsqrt is
+#      within 2 ulp on the backends it supports).
+#
+# A single reduction of n terms is only bounded by gamma_{n-1}; XLA merges
+# consecutive reductions into one (it does on CPU), so the long reductions
+# whose length a bound relies on are split in two levels with an
+# optimization barrier between them (`_sum_in_two_levels`): every term then
+# passes through at most about 2 sqrt(n) additions.
+#
+# How the bounds are used (`LayerNorms`): a layer rule either FORMS each
+# unit's gradient of its leaf (biases, scales, and dense, convolution and
+# embedding layers whose per-unit gradient is cheaper than the Gram form),
+# and the clipped sum then releases exactly that formed gradient times the
+# clip factor, so only the non-negative sum of its squares is rounded; or it
+# takes a Gram form, whose released sum is a separate product (the
+# vector-Jacobian product in `weighted_grad_sum`), and its bound covers both
+# the norm's rounding and the released product's, a posteriori from the
+# values actually formed.
+
+
+class LayerNorms(NamedTuple):
+  """What a layer rule returns for one tap.
+
+  Attributes:
+    bound: `[U]` upper bounds, in the accumulation dtype, on the squared
+      norm of what the clipped sum releases for each unit (in clip units),
+      rounding included (see the rounding notes above).
+    formed: the per-unit gradients of the leaf `[U, *leaf.shape]` when the
+      rule formed them (the clipped sum then releases them, times the clip
+      factors), else None (the clipped sum is the vector-Jacobian product of
+      `weighted_grad_sum`).
+  """
+
+  bound: jax.Array
+  formed: Optional[jax.Array] = None
+
+
+def _roundoff(dtype: Any) -> float:
+  return float(jnp.finfo(dtype).eps) / 2
+
+
+def _gamma(n: Any, dtype: Any) -> Any:
+  """`gamma_n = n u / (1 - n u)` of fact F1 (`n` an int or an array)."""
+  nu = n * _roundoff(dtype)
+  if isinstance(nu, float):
+    return nu / (1.0 - nu) if nu < 0.5 else math.inf
+  return jnp.where(nu < 0.5, nu / (1.0 - jnp.minimum(nu, 0.5)), jnp.inf)
+
+
+def _sum_in_two_levels(x: jax.Array) -> tuple[jax.Array, int]:
+  """Sums `x` over its last axis in blocks of about `sqrt(n)` terms.
+
+  Returns:
+    The sums and the most rounded additions any term passes through:
+    `(b - 1) + (ceil(n / b) - 1)` for blocks of b (fact F1 with that many in
+    place of `n - 1`), whatever order XLA sums each level in.
+  """
+  n = x.shape[-1]
+  if n <= 3:
+    return jnp.sum(x, axis=-1), max(n - 1, 0)
+  block = math.isqrt(n - 1) + 1   # ceil(sqrt(n))
+  count = -(-n // block)
+  x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, count * block - n)])
+  partial = jnp.sum(x.reshape(x.shape[:-1] + (count, block)), axis=-1)
+  # Without the barrier XLA fuses the two reductions into one of n terms.
+  partial = jax.lax.optimization_barrier(partial)
+  return jnp.sum(partial, axis=-1), (block - 1) + (count - 1)
+
+
+def _formed_squared_norms(formed: jax.Array) -> jax.Array:
+  """Upper bounds on the squared norms of formed gradients `[U, ...]`.
+
+  The squares are non-negative: by F1 and F2 the computed sum is at least
+  `(1 - gamma_{d+1})` times the exact one (d additions per term, one
+  rounded square), so multiplying it by `1 + 2 gamma_{d+1}` bounds it from
+  above (`gamma <= 1/2`).
+  """
+  flat = formed.reshape(formed.shape[0], -1)
+  squared, depth = _sum_in_two_levels(jnp.square(flat))
+  return squared * (1.0 + 2.0 * _gamma(depth + 1, flat.dtype))
+
+
 def _apply_tap(program: _Program, tap: Tap, leaf: jax.Array,
                others: Sequence[Any]) -> jax.Array:
   """The tapped operation as a function of the leaf, other operands fixed."""
@@ -299,21 +408,14 @@ def _apply_tap(program: _Program, tap: Tap, leaf: jax.Array,
   return _bind(program.nodes[tap.node].eqn, operands)[0]
 
 
-def _sum_squares(x: jax.Array) -> jax.Array:
-  x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-  return jnp.sum(jnp.square(x), axis=tuple(range(1, x.ndim)))
-
-
-def _materialized_squared_norms(tap: Tap, program: _Program, leaf: jax.Array,
-                                others: Sequence[jax.Array],
-                                g: jax.Array) -> jax.Array:
-  """Squared norms of per-unit gradients of ONE leaf, materialized.
+def _formed_grads(tap: Tap, program: _Program, leaf: jax.Array,
+                  others: Sequence[jax.Array], g: jax.Array) -> jax.Array:
+  """Per-unit gradients of ONE leaf, `[U, *leaf.shape]`, formed.
 
   The gradient of the leaf through its single use is the vector-Jacobian
   product of that use at the output gradient; taken over a unit's terms at
   once (the product of a vmapped use sums over them) and vmapped over units,
-  it is the per-unit gradient of this leaf only (cheap for biases and
-  scales).
+  it is the per-unit gradient of this leaf only.
   """
   dtype = _aval(program.nodes[tap.node]).dtype
 
@@ -323,31 +425,24 @@ def _materialized_squared_norms(tap: Tap, program: _Program, leaf: jax.Array,
         lambda o, _: _apply_tap(program, tap, p, o))(others_u, g_u), leaf)
     return vjp(g_u.astype(dtype))[0]
 
-  others = tuple(others)
-  squared = _sum_squares(jax.vmap(one)(others, g))
-  # The gradient is a sum of products of the operands and the output
-  # gradients (a bias: of the output gradients over positions and terms).
-  # When they cancel (an example built so), its rounding, and that of the
-  # weighted sum formed later in another order, can be far above the
-  # gradient itself: the same products with absolute values bound every
-  # entry's terms, and the margin of `_with_rounding_margin` covers both.
-  magnitude = jnp.abs(jax.vmap(one)(
-      tuple(jnp.abs(o) if jnp.issubdtype(o.dtype, jnp.inexact) else o
-            for o in others), jnp.abs(g)))
-  per_unit, entries = _size(g.shape[1:]), max(1, _size(jnp.shape(leaf)))
-  if tap.rule in ('add', 'sub', 'mul'):
-    # Each parameter entry sums the output-gradient entries broadcast onto it.
-    terms = max(1, per_unit // entries)
-  else:
-    terms = per_unit + sum(_size(o.shape[1:]) for o in others)
-  # Each entry of the computed gradient (and of its share of the weighted
-  # sum) is within gamma_terms of the truth, relative to its absolute-value
-  # counterpart S; the squared norm adds gamma_entries. As for dense layers
-  # (`_with_rounding_margin`), adding 2 (terms + entries + 8) u |S|^2 bounds
-  # (|M| + gamma_terms |S|)^2 from above.
-  roundoff = float(jnp.finfo(jnp.promote_types(dtype, jnp.float32)).eps) / 2
-  return squared + 2.0 * (terms + entries + 8) * roundoff * _sum_squares(
-      magnitude)
+  formed = jax.vmap(one)(tuple(others), g)
+  return formed.astype(jnp.promote_types(formed.dtype, jnp.float32))
+
+
+def _materialized_squared_norms(tap: Tap, program: _Program, leaf: jax.Array,
+                                others: Sequence[jax.Array],
+                                g: jax.Array) -> LayerNorms:
+  """The per-unit gradients of ONE leaf, formed, and their squared norms.
+
+  Cheap for biases and scales (their gradients are small) and for dense,
+  convolution and embedding layers where the cost model says so
+  (`clipping_choice`). The clipped sum releases these very arrays times the
+  clip factors (`weighted_grad_sum`), so their norms need no allowance for
+  cancellation however the terms cancel: only the sum of squares is rounded
+  (`_formed_squared_norms`).
+  """
+  formed = _formed_grads(tap, program, leaf, others, g)
+  return LayerNorms(_formed_squared_norms(formed), formed)
 
 
 def _no_check(tap: Tap, program: _Program) -> Optional[str]:
@@ -385,7 +480,7 @@ def _dense_layout(tap: Tap, program: _Program):
   return a_perm, g_perm, num_batch, num_free_a
 
 
-# Up to this many positions (a unit's terms included) the Gram matrices are
+# Up to this many columns per unit (positions, terms) the Gram matrices are
 # formed by broadcasting rather than by matrix products.
 _FEW_POSITIONS = 4
 
@@ -394,73 +489,201 @@ def _norm(x: jax.Array) -> jax.Array:
   return jnp.sqrt(jnp.sum(jnp.square(x), axis=-1))
 
 
-def _with_rounding_margin(squared: jax.Array, magnitude: jax.Array, *,
-                          contract: int, features: int, columns: int,
-                          dtype: Any, gram: bool = True) -> jax.Array:
-  """A squared norm raised by a bound on its rounding error: never below
-  the truth, so rounding never lets a contribution past the clip.
+def _gram_in_two_levels(x: jax.Array) -> tuple[jax.Array, int]:
+  """Gram matrices `[n, b, K, K]` of `x: [n, b, K, C]`, summed in two levels.
 
-  The dense layer's per-unit gradient is `M = sum_k a_k g_k^T` over its
-  columns k (positions, the terms of a difference in the sum/difference
-  basis), for each shared batch index. Its squared norm is computed as a
-  sum of products of both signs (the Gram form, the cross terms), or as the
-  squared entries of `A^T G`. With `S = sum_k |a_k| |g_k|` (summed in
-  squares over the batch indices), standard bounds on floating-point dot
-  products (`|fl(x . y) - x . y| <= gamma_n |x| |y|`, `gamma_n ~ n u`, u the
-  unit roundoff, whatever the summation order) put the computed value
-  within `(gamma_C + gamma_F + gamma_{K^2} + ...) S^2` of `|M|^2`, and the
-  clipped contribution, itself a product over the K columns, within
-  `gamma_K S` of `M`. Adding `2 (C + F + K^2 + 2 K + 8) u S^2` therefore
-  bounds `(|M| + gamma_K S)^2` from above: the contribution scaled by the
-  clip factor computed from it has norm at most the clip. When the terms
-  do not cancel, S^2 is about |M|^2 and the margin is a relative
-  `~1e-4` (clipping that much earlier); when they cancel (positions or
-  points built to cancel), the margin dominates and such units are clipped
-  hard rather than under-measured (`tests/test_ghost_rounding.py`).
-
-  When `M` itself is formed (`gram=False`: the squared entries of `A^T G`),
-  only its entries are signed sums, each within `gamma_K` of its
-  absolute-value counterpart, so `|M| <= |fl(M)| + gamma_K S` and
-  `2 (2 K + 8) u S^2` suffices; the K^2 pair sum is not formed. (The final
-  sum of squares adds non-negative terms: its rounding is relative to the
-  norm itself, as in every path's norm, the vmap path's included, and
-  cancellation cannot hide a norm there.) With hundreds of positions (a
-  convolution's output positions) the Gram bound's `K^2 u` would be a
-  relative few percent; this one stays near `1e-4`.
-
-  Args:
-    squared: `[units]` computed squared norms.
-    magnitude: `[units, batch]` `S` per shared batch index.
-    contract, features: C and F, the dense layer's dot-product lengths.
-    columns: K, the columns summed per unit.
-    dtype: the accumulation dtype (its unit roundoff is used).
-    gram: whether the squared norm was a sum over pairs of columns (Gram
-      form, cross terms) rather than the squared entries of the formed `M`.
+  The contraction over C is split into blocks of about `sqrt(C)`: one
+  batched matrix product per block, then a sum over the blocks behind an
+  optimization barrier. Each entry is then within `gamma_d` of the sum of
+  its products' absolute values, `d = (block) + (blocks - 1)` about
+  `2 sqrt(C)` (F1: one rounded product and at most that many additions per
+  term), rather than `gamma_C` for one product of length C: a layer 1024
+  wide whose output gradients are alike at every position would otherwise
+  have its Gram error bound, `gamma_C K` relative, clip it at 0.998.
 
   Returns:
-    `[units]` squared norms plus the margin.
+    The Gram matrices and d.
   """
-  roundoff = float(jnp.finfo(dtype).eps) / 2
-  if gram:
-    terms = contract + features + columns * columns + 2 * columns + 8
+  length = x.shape[-1]
+  # Full float32 products even where the default matmul precision is lower
+  # (TPU, TF32 on GPU): the bound assumes them.
+  highest = jax.lax.Precision.HIGHEST
+  if length <= 16:
+    return jnp.einsum('nbpc,nbqc->nbpq', x, x, precision=highest), length
+  block = math.isqrt(length - 1) + 1   # ceil(sqrt(C))
+  count = -(-length // block)
+  x = jnp.pad(x, [(0, 0)] * 3 + [(0, count * block - length)])
+  x = x.reshape(x.shape[:3] + (count, block))
+  partial = jnp.einsum('nbpjc,nbqjc->nbjpq', x, x, precision=highest)
+  partial = jax.lax.optimization_barrier(partial)
+  return jnp.sum(partial, axis=2), block + count - 1
+
+
+def _gram_bound(total: jax.Array, error: jax.Array, release: jax.Array,
+                slack: float) -> jax.Array:
+  """`(sqrt(total + error) + release)^2`, the bound of a Gram-form rule.
+
+  `total` is the computed squared norm, `error` a bound on its rounding
+  (so `||M||^2 <= total + error`), `release` a bound on how far the released
+  product can be from the clip factor times M, per unit of clip factor;
+  `slack` covers the rounding of the bound's own non-negative terms.
+  """
+  inner = jnp.sqrt(jnp.maximum(total + slack * error, 0.0))
+  return jnp.square(inner + slack * release)
+
+
+def _gram_squared_norms(a: jax.Array, g: jax.Array,
+                        out_dtype: Any) -> LayerNorms:
+  """Per-unit `||sum_{t,p} a_tp g_tp^T||_F^2` by the Gram form, bounded.
+
+  The one computation behind every layer whose gradient is a sum of outer
+  products of an input column and an output-gradient column: a dense layer
+  (columns: its positions) and a convolution (columns: the unfolded input
+  patches at each output position); a unit's terms are more columns.
+
+  The bound, for one unit and one shared batch index (the total sums over
+  them). Write `M = sum_k a_k g_k^T` over the K columns, `n_k = |a_k|`,
+  `m_k = |g_k|`, `S = sum_k n_k m_k`, and `A_pq = a_p . a_q`,
+  `G_pq = g_p . g_q` with computed values `A'`, `G'` (dot products of
+  lengths C and F).
+
+  1. By F1, `|A' - A| <= gamma_C n_p n_q` and `|G' - G| <= gamma_F m_p m_q`,
+     so `sum |A'G' - AG| <= gamma_C sum n_p n_q |G'| + gamma_F sum |A'| m_p
+     m_q + gamma_C gamma_F S^2`, all computed from the values formed. (The
+     dot products are summed in two levels, `_gram_in_two_levels`, and
+     `gamma_C` in the first two terms becomes `gamma_d`, d about
+     `2 sqrt(C)`.)
+  2. The products `A'G'` are rounded (u each) and summed in two levels
+     (F1 with d additions per term): within `gamma_{d+1} sum |A'G'|`.
+  3. So `||M||^2 = sum AG <= total + error` with `error` the sum of the
+     terms of 1 and 2: an a posteriori bound, about `gamma_C K / sqrt(F)`
+     relative for unrelated columns (not the `K^2 u S^2` of the worst case).
+  4. The clipped sum releases `R = sum_k a_k (w g_k)^T` from a separate
+     product over the K columns (`weighted_grad_sum`), with the cotangent
+     `w g_k` rounded to the operation's dtype (`u_out`): by F1, `|R - w M|
+     <= w (gamma_K + u_out (1 + gamma_K)) S`.
+  5. The bound returned is `(sqrt(total + error) + (gamma_{K+1} + u_out)
+     S)^2 >= (||M|| + |R/w - M|)^2 >= |R / w|^2`: the clip factor computed
+     from it keeps `|R|` within the clip (`squared_norms` adds F2's
+     allowance for the clip factor itself).
+
+  For unrelated columns (e.g. random positions), `S` is about
+  `sqrt(K) ||M||`, so step 4 costs about `K^1.5 u` relative: the cost model
+  takes the Gram form only up to `_GRAM_MAX_COLUMNS` columns, where this
+  stays near `2e-4`, and forms the per-unit gradient beyond.
+
+  Args:
+    a: `[units, terms, batch, positions, contract]` inputs, in the
+      accumulation dtype.
+    g: `[units, terms, batch, positions, features]` output gradients, alike.
+    out_dtype: the dtype of the tapped operation's output (the released
+      product's cotangent is rounded to it).
+
+  Returns:
+    `LayerNorms` with the bounds and no formed gradient.
+  """
+  acc = a.dtype
+  units, terms, batch, positions, contract = a.shape
+  features = g.shape[-1]
+  columns = terms * positions
+  u_out = _roundoff(out_dtype) if jnp.finfo(out_dtype).eps > jnp.finfo(
+      acc).eps else 0.0
+  if columns == 1:
+    # One column (a plain dense layer): `|M|^2 = sum_b |a_b|^2 |g_b|^2`, a
+    # sum of products of sums of squares, all non-negative: by F1 and F2
+    # the computed value is within a relative `gamma` of the truth, and
+    # each released entry is one product `a_c (w g_f)` (two roundings).
+    squares_a = jnp.sum(jnp.square(a[:, 0, :, 0]), axis=-1)
+    squares_g = jnp.sum(jnp.square(g[:, 0, :, 0]), axis=-1)
+    total = jnp.sum(squares_a * squares_g, axis=1)
+    factor = ((1.0 + 2.0 * _gamma(contract, acc)) *
+              (1.0 + 2.0 * _gamma(features, acc)) *
+              (1.0 + 2.0 * _gamma(batch + 1, acc)))
+    release = 1.0 + _gamma(2, acc) + u_out
+    return LayerNorms(total * factor * release * release)
+  if columns <= _FEW_POSITIONS:
+    # A few columns (a plain dense layer; a difference without sequence
+    # axis): one fused product-and-sum per pair of columns, each a pass
+    # over slices of `a` and `g`. Stacking the columns first, or an einsum
+    # (many tiny matrix products), measured several times slower on CPU.
+    cols_a = [a[:, t, :, p] for t in range(terms) for p in range(positions)]
+    cols_g = [g[:, t, :, p] for t in range(terms) for p in range(positions)]
+    norms_a = [_norm(x) for x in cols_a]
+    norms_g = [_norm(x) for x in cols_g]
+    total = absolute = cross = 0.0
+    for p in range(columns):
+      for q in range(p, columns):
+        both = 1.0 if p == q else 2.0   # (p, q) and (q, p)
+        # Dot products in two levels: within gamma_{d+1} (d about
+        # 2 sqrt(C)) rather than gamma_C of their absolute values.
+        gram_a, depth_a = _sum_in_two_levels(cols_a[p] * cols_a[q])
+        gram_g, depth_g = _sum_in_two_levels(cols_g[p] * cols_g[q])
+        product = both * (gram_a * gram_g)
+        total = total + product
+        absolute = absolute + jnp.abs(product)
+        cross = cross + both * (
+            _gamma(depth_a + 1, acc) * norms_a[p] * norms_a[q] *
+            jnp.abs(gram_g) + _gamma(depth_g + 1, acc) * jnp.abs(gram_a) *
+            norms_g[p] * norms_g[q])
+    total, absolute, cross = (jnp.sum(x, axis=1)
+                              for x in (total, absolute, cross))
+    # Every term of `total` passes through at most all the other additions.
+    depth = batch * columns * (columns + 1) // 2 - 1
+    magnitude = sum(na * ng for na, ng in zip(norms_a, norms_g))
   else:
-    terms = 2 * columns + 8
-  factor = 2.0 * terms * roundoff
-  return squared + factor * jnp.sum(jnp.square(magnitude), axis=-1)
+    # A unit's terms are more positions of the same layer.
+    a = jnp.swapaxes(a, 1, 2).reshape(units, batch, columns, contract)
+    g = jnp.swapaxes(g, 1, 2).reshape(units, batch, columns, features)
+    highest = jax.lax.Precision.HIGHEST
+    gram_a, depth_a = _gram_in_two_levels(a)
+    gram_g, depth_g = _gram_in_two_levels(g)
+    products = (gram_a * gram_g).reshape(units, -1)
+    total, depth = _sum_in_two_levels(products)
+    absolute, _ = _sum_in_two_levels(jnp.abs(products))
+    norms_a, norms_g = _norm(a), _norm(g)    # [units, batch, columns]
+    cross = (_gamma(depth_a, acc) * jnp.einsum(
+        'nbp,nbpq,nbq->n', norms_a, jnp.abs(gram_g), norms_a,
+        precision=highest) + _gamma(depth_g, acc) * jnp.einsum(
+            'nbp,nbpq,nbq->n', norms_g, jnp.abs(gram_a), norms_g,
+            precision=highest))
+    magnitude = jnp.sum(norms_a * norms_g, axis=2)
+  s_squared = jnp.sum(jnp.square(magnitude), axis=-1)   # sum_b S_b^2
+  error = (cross + _gamma(contract + 1, acc) * _gamma(features + 1, acc) *
+           s_squared
+           + _gamma(depth + 1, acc) * absolute)
+  release = (_gamma(columns + 1, acc) + u_out) * jnp.sqrt(s_squared)
+  # The bound's own terms are non-negative sums of at most
+  # batch * columns^2 products of norms (each within gamma_{C+F+2}).
+  slack = 1.0 + 4.0 * _gamma(batch * columns * columns + contract +
+                             features + 8, acc)
+  return LayerNorms(_gram_bound(total, error, release, slack))
+
+
+def _dense_dims(tap: Tap, program: _Program):
+  """`(batch, positions, contract, features)` of a dense tap, per example."""
+  eqn = program.nodes[tap.node].eqn
+  a_perm, g_perm, num_batch, num_free_a = _dense_layout(tap, program)
+  a_shape = [eqn.invars[1 - tap.position].aval.shape[d] for d in a_perm]
+  g_shape = [_aval(program.nodes[tap.node]).shape[d] for d in g_perm]
+  return (_size(a_shape[:num_batch]),
+          _size(a_shape[num_batch:num_batch + num_free_a]),
+          _size(a_shape[num_batch + num_free_a:]),
+          _size(g_shape[num_batch + num_free_a:]))
 
 
 def _dense_squared_norms(tap: Tap, program: _Program, leaf: jax.Array,
                          others: Sequence[jax.Array],
-                         g: jax.Array) -> jax.Array:
+                         g: jax.Array) -> LayerNorms:
   """Per-unit squared norms of a dense (`dot_general`) weight's gradient.
 
   With the activation as `A: [batch, P, C]` (P positions: the activation's
   free axes) and the output gradient as `G: [batch, P, F]` for each of a
   unit's T terms, the weight's per-unit gradient is `sum_batch A^T G` with
-  the terms' positions taken together (P' = T P positions); its squared norm
+  the terms' positions taken together (P' = T P columns); its squared norm
   is `sum_{p,q} (a_p . a_q)(g_p . g_q)` over those P' (Gram form,
-  O(P'^2 (C + F))) or the squared entries of `A^T G` (O(P' C F)), whichever
-  the shapes make cheaper.
+  `_gram_squared_norms`) or that of the formed per-unit gradient
+  (`_materialized_squared_norms`), as the cost model chooses
+  (`clipping_choice`).
 
   A gradient difference `a u1 v1^T - b u2 v2^T` (the cross-term identity)
   arrives from `difference_terms` in the sum/difference basis
@@ -472,7 +695,7 @@ def _dense_squared_norms(tap: Tap, program: _Program, leaf: jax.Array,
   rewritten pair are of the size of the difference itself. The weighted
   sum (`weighted_grad_sum`) is formed from the same terms.
   """
-  if not _norm_preserving(tap.chain):
+  if _tap_estimate(tap, program, g.shape[1]).form != 'gram':
     return _materialized_squared_norms(tap, program, leaf, others, g)
   (a,) = others
   a_perm, g_perm, num_batch, num_free_a = _dense_layout(tap, program)
@@ -480,77 +703,33 @@ def _dense_squared_norms(tap: Tap, program: _Program, leaf: jax.Array,
   a = jnp.transpose(a.astype(acc), (0, 1, *(2 + d for d in a_perm)))
   g = jnp.transpose(g.astype(acc), (0, 1, *(2 + d for d in g_perm)))
   units, terms = a.shape[:2]
-  batch = _size(a.shape[2:2 + num_batch])
-  positions = _size(a.shape[2 + num_batch:2 + num_batch + num_free_a])
-  contract = _size(a.shape[2 + num_batch + num_free_a:])
-  features = _size(g.shape[2 + num_batch + num_free_a:])
+  batch, positions, contract, features = _dense_dims(tap, program)
   a = a.reshape(units, terms, batch, positions, contract)
   g = g.reshape(units, terms, batch, positions, features)
-  return _bilinear_squared_norms(a, g)
+  return _gram_squared_norms(a, g, _aval(program.nodes[tap.node]).dtype)
 
 
-def _bilinear_squared_norms(a: jax.Array, g: jax.Array) -> jax.Array:
-  """Per-unit `||sum_{t,p} a_tp g_tp^T||_F^2`, summed over shared indices.
+def _conv_geometry_supported(tap: Tap, program: _Program) -> bool:
+  params = program.nodes[tap.node].eqn.params
+  return (tap.position == 1 and params['batch_group_count'] == 1 and
+          _norm_preserving(tap.chain))
 
-  The one computation behind every layer whose gradient is a sum of outer
-  products of an input column and an output-gradient column: a dense layer
-  (columns: its positions) and a convolution (columns: the unfolded input
-  patches at each output position).
 
-  Args:
-    a: `[units, terms, batch, positions, contract]` inputs, in the
-      accumulation dtype.
-    g: `[units, terms, batch, positions, features]` output gradients, alike.
-
-  Returns:
-    `[units]` squared norms plus the rounding margin
-    (`_with_rounding_margin`), so never below the truth.
-  """
-  acc = a.dtype
-  units, terms, batch, positions, contract = a.shape
-  features = g.shape[-1]
-  gram = (terms * positions) * (contract + features) <= contract * features
-  if terms * positions == 1 or (gram and
-                                terms * positions <= _FEW_POSITIONS):
-    # A few positions (a plain dense layer; a difference without sequence
-    # axis): one fused product-and-sum per pair of columns, each a pass
-    # over slices of `a` and `g`. Stacking the columns first, or an einsum
-    # (many tiny matrix products), measured several times slower on CPU.
-    cols_a = [a[:, t, :, p] for t in range(terms) for p in range(positions)]
-    cols_g = [g[:, t, :, p] for t in range(terms) for p in range(positions)]
-    total = 0.0
-    for p, (ap, gp) in enumerate(zip(cols_a, cols_g)):
-      for aq, gq in zip(cols_a[p:], cols_g[p:]):
-        both = 1.0 if aq is ap else 2.0   # (p, q) and (q, p)
-        total = total + both * (jnp.sum(ap * aq, axis=-1) *
-                                jnp.sum(gp * gq, axis=-1))
-    magnitude = sum(_norm(ap) * _norm(gp) for ap, gp in zip(cols_a, cols_g))
-    return _with_rounding_margin(
-        jnp.sum(total, axis=1), magnitude, contract=contract,
-        features=features, columns=len(cols_a), dtype=acc)
-  # A unit's terms are more positions of the same layer.
-  positions *= terms
-  a = jnp.swapaxes(a, 1, 2).reshape(units, batch, positions, contract)
-  g = jnp.swapaxes(g, 1, 2).reshape(units, batch, positions, features)
-  # Full float32 products even where the default matmul precision is lower
-  # (TPU): the rounding margin below assumes them.
-  highest = jax.lax.Precision.HIGHEST
-  if gram:
-    gram_a = jnp.einsum('nbpc,nbqc->nbpq', a, a, precision=highest)
-    gram_g = jnp.einsum('nbpf,nbqf->nbpq', g, g, precision=highest)
-    squared = jnp.sum(gram_a * gram_g, axis=(1, 2, 3))
-  else:
-    per_unit = jnp.einsum('nbpc,nbpf->nbcf', a, g, precision=highest)
-    squared = jnp.sum(jnp.square(per_unit), axis=(1, 2, 3))
-  magnitude = jnp.sum(_norm(a) * _norm(g), axis=2)
-  return _with_rounding_margin(squared, magnitude, contract=contract,
-                               features=features, columns=positions,
-                               dtype=acc, gram=gram)
+def _conv_dims(tap: Tap, program: _Program):
+  """`(groups, positions, patch, features)` of a convolution kernel's tap."""
+  eqn = program.nodes[tap.node].eqn
+  _, rhs_spec, _ = eqn.params['dimension_numbers']
+  kernel = eqn.invars[1].aval.shape
+  groups = eqn.params['feature_group_count']
+  out_features = kernel[rhs_spec[0]]
+  patch = kernel[rhs_spec[1]] * _size([kernel[d] for d in rhs_spec[2:]])
+  positions = _size(_aval(program.nodes[tap.node]).shape) // out_features
+  return groups, positions, patch, out_features // groups
 
 
 def _conv_squared_norms(tap: Tap, program: _Program, leaf: jax.Array,
                         others: Sequence[jax.Array],
-                        g: jax.Array) -> jax.Array:
+                        g: jax.Array) -> LayerNorms:
   """Per-unit squared norms of a convolution kernel's gradient.
 
   Unfolding the input into the patches each output position sees (im2col)
@@ -558,22 +737,23 @@ def _conv_squared_norms(tap: Tap, program: _Program, leaf: jax.Array,
   kernel's per-unit gradient is `sum_p patch_p g_p^T` (for grouped and
   depthwise convolutions, one such block per group, as a shared batch
   index), with the patch length `C_in/G * prod(window)` as the contracting
-  size. `_bilinear_squared_norms` then takes the Gram form over positions
-  or the per-unit `patch x C_out` gradient, whichever the shapes make
-  cheaper (usually the latter: many positions, small patches). The order of
-  a patch's entries need not match the kernel's layout: a norm does not
-  depend on it, and the clipped sum is the convolution's own
-  vector-Jacobian product (`weighted_grad_sum`).
+  size. Where the cost model (`clipping_choice`) prefers the Gram form over
+  positions it takes `_gram_squared_norms` on the patches (whose order of
+  entries need not match the kernel's layout: a norm does not depend on
+  it); else, usually (many positions, small patches), it forms the
+  per-unit kernel gradient (`_materialized_squared_norms`). The released
+  product of the Gram form is the convolution's own vector-Jacobian product
+  (`weighted_grad_sum`), assumed to sum products (direct or unfolded
+  algorithms; not FFT or Winograd ones).
 
   A kernel that is resized before use, a convolution with
   `batch_group_count > 1` or one whose parameter is the convolved input
-  takes the per-unit gradient of that leaf alone (still exact, slower).
+  always forms the per-unit gradient of that leaf.
   """
+  if _tap_estimate(tap, program, g.shape[1]).form != 'gram':
+    return _materialized_squared_norms(tap, program, leaf, others, g)
   eqn = program.nodes[tap.node].eqn
   params = eqn.params
-  if (tap.position != 1 or params['batch_group_count'] != 1 or
-      not _norm_preserving(tap.chain)):
-    return _materialized_squared_norms(tap, program, leaf, others, g)
   (x,) = others
   numbers = params['dimension_numbers']
   _, rhs_spec, out_spec = numbers
@@ -605,14 +785,20 @@ def _conv_squared_norms(tap: Tap, program: _Program, leaf: jax.Array,
     y = y.reshape(units, terms, -1, groups, y.shape[-1] // groups)
     return jnp.swapaxes(y, 2, 3)
 
-  return _bilinear_squared_norms(columns(patches),
-                                 columns(g.reshape(flat.shape[:1] +
-                                                   g.shape[2:]).astype(acc)))
+  return _gram_squared_norms(
+      columns(patches),
+      columns(g.reshape(flat.shape[:1] + g.shape[2:]).astype(acc)),
+      _aval(program.nodes[tap.node]).dtype)
 
 
 def dense_uses_gram(tap: Tap, plan: GhostPlan,
                     terms: int = 1) -> Optional[bool]:
   """Whether a dense tap's norms use the Gram form (None: not dense/identity).
+
+  Example:
+    >>> plan = analyze(loss_fn, params, batch)
+    >>> [dense_uses_gram(tap, plan) for tap in plan.taps]
+    [None, None, True, False]
 
   Args:
     tap: a tap of `plan`.
@@ -620,22 +806,16 @@ def dense_uses_gram(tap: Tap, plan: GhostPlan,
     terms: the terms per unit (1: examples, 2: differences, items per user).
 
   Returns:
-    True for the Gram form, False for the per-example `d_in x d_out`
-    materialization, None when the tap is not a norm-preserving dense use
-    with positions (a plain dense layer, a bias, a scale).
+    True for the Gram form, False for the formed per-example
+    `d_in x d_out` gradient, None when the tap is not a norm-preserving
+    dense use with positions (a plain dense layer, a bias, a scale).
   """
   if tap.rule != 'dot_general' or not _norm_preserving(tap.chain):
     return None
-  eqn = plan.program.nodes[tap.node].eqn
-  a_perm, g_perm, num_batch, num_free_a = _dense_layout(tap, plan.program)
-  a_shape = [eqn.invars[1 - tap.position].aval.shape[d] for d in a_perm]
-  g_shape = [_aval(plan.program.nodes[tap.node]).shape[d] for d in g_perm]
-  positions = terms * _size(a_shape[num_batch:num_batch + num_free_a])
-  if positions == 1:
+  _, positions, _, _ = _dense_dims(tap, plan.program)
+  if terms * positions == 1:
     return None
-  contract = _size(a_shape[num_batch + num_free_a:])
-  features = _size(g_shape[num_batch + num_free_a:])
-  return positions * (contract + features) <= contract * features
+  return _tap_estimate(tap, plan.program, terms).form == 'gram'
 
 
 def _embedding_check(tap: Tap, program: _Program) -> Optional[str]:
@@ -661,14 +841,25 @@ def _embedding_check(tap: Tap, program: _Program) -> Optional[str]:
 
 def _embedding_squared_norms(tap: Tap, program: _Program, leaf: jax.Array,
                              others: Sequence[jax.Array],
-                             g: jax.Array) -> jax.Array:
+                             g: jax.Array) -> LayerNorms:
   """Per-unit squared norms of an embedding table's gradient.
 
   The table's per-unit gradient is `M = sum_p e_{i_p} g_p^T` over the unit's
   positions p (its terms' positions together), i_p the row looked up: rows
-  looked up twice add. Its squared norm is the token-equality Gram form
+  looked up twice add. Where the cost model (`clipping_choice`) prefers it,
+  its squared norm is the token-equality Gram form
   `sum_{p,q} [i_p = i_q] (g_p . g_q)`, O(P^2 F) per unit instead of the
-  `V x F` table per unit.
+  `V x F` table per unit; else the per-unit table gradient is formed
+  (`_materialized_squared_norms`, a small vocabulary).
+
+  The Gram form's bound follows `_gram_squared_norms` with exact
+  `a_p . a_q = [i_p = i_q]`: the norm is within
+  `gamma_F Q + gamma_{d+1} sum |[i_p = i_q] G'_pq|` of the computed one,
+  `Q = sum_{p,q} [i_p = i_q] m_p m_q`; the released table gradient adds, in
+  each row, the c positions that look it up, so it is within
+  `(gamma_{c+1} + u_out) sqrt(Q)` of the truth (F1, c the most positions
+  of the unit sharing one id): for distinct ids `Q = ||M||^2`, and the bound
+  is a relative few u whatever the number of positions.
 
   An id outside the table (`0 <= i < V` fails) is clamped, filled or
   dropped depending on the lookup's mode and the backend; whatever happens
@@ -676,27 +867,38 @@ def _embedding_squared_norms(tap: Tap, program: _Program, leaf: jax.Array,
   used is the in-table part plus `sum ||g_p||` over such positions (the
   triangle inequality): never below the truth.
   """
-  del leaf
+  if _tap_estimate(tap, program, g.shape[1]).form != 'gram':
+    return _materialized_squared_norms(tap, program, leaf, others, g)
   (ids,) = others
   vocabulary = program.nodes[tap.node].eqn.invars[0].aval.shape[0]
   acc = jnp.promote_types(g.dtype, jnp.float32)
   units, features = g.shape[0], g.shape[-1]
   ids = ids.reshape(units, -1)
-  g = g.astype(acc).reshape(units, ids.shape[1], features)
+  columns = ids.shape[1]
+  g = g.astype(acc).reshape(units, columns, features)
   inside = (ids >= 0) & (ids < vocabulary)
   g_inside = jnp.where(inside[..., None], g, 0.0)
-  gram = jnp.einsum('upf,uqf->upq', g_inside, g_inside,
-                    precision=jax.lax.Precision.HIGHEST)
+  highest = jax.lax.Precision.HIGHEST
+  gram = jnp.einsum('upf,uqf->upq', g_inside, g_inside, precision=highest)
   same = ids[:, :, None] == ids[:, None, :]
-  squared = jnp.sum(jnp.where(same, gram, 0.0), axis=(1, 2))
+  products = jnp.where(same, gram, 0.0).reshape(units, -1)
+  total, depth = _sum_in_two_levels(products)
+  absolute, _ = _sum_in_two_levels(jnp.abs(products))
   norms = _norm(g)
-  # Each position is a column `e_{i_p} g_p^T` with |e_{i_p}| = 1: the dense
-  # layer's rounding bound with C = 1 and K = P columns.
-  squared = _with_rounding_margin(
-      squared, jnp.sum(jnp.where(inside, norms, 0.0), axis=1, keepdims=True),
-      contract=1, features=features, columns=ids.shape[1], dtype=acc)
+  inside_norms = jnp.where(inside, norms, 0.0)
+  paired = jnp.einsum('up,upq,uq->u', inside_norms, same.astype(acc),
+                      inside_norms, precision=highest)
+  shared = (jnp.max(jnp.sum(same, axis=2), axis=1) +
+            jnp.sum(~inside, axis=1))
+  error = _gamma(features, acc) * paired + _gamma(depth + 1, acc) * absolute
+  out_dtype = _aval(program.nodes[tap.node]).dtype
+  u_out = _roundoff(out_dtype) if jnp.finfo(out_dtype).eps > jnp.finfo(
+      acc).eps else 0.0
+  release = (_gamma(shared + 1, acc) + u_out) * jnp.sqrt(paired)
+  slack = 1.0 + 4.0 * _gamma(columns * columns + features + 8, acc)
   outside = jnp.sum(jnp.where(inside, 0.0, norms), axis=1)
-  return jnp.square(jnp.sqrt(squared) + outside)
+  inner = jnp.sqrt(_gram_bound(total, error, release, slack))
+  return LayerNorms(jnp.square(inner + slack * outside))
 
 
 # One rule per primitive name. `dot_general` covers dense layers (with or
@@ -1138,64 +1340,98 @@ def mean_terms(plan: GhostPlan, params: PyTree, items: PyTree,
   return _weighted_terms(values, coefficients, item_mask)
 
 
-def _shared_squared_norms(program: _Program, leaf: jax.Array,
-                          uses: Sequence[tuple[Tap, Any, Any]]) -> jax.Array:
-  """Per-unit squared norms of a leaf used several times (tied weights).
+def _layer_norms(plan: GhostPlan, params: PyTree, values: LayerValues,
+                 scale: Any) -> tuple[LayerNorms, ...]:
+  """Every tap's `LayerNorms`, gradients multiplied by `scale` first."""
+  leaves = jax.tree_util.tree_leaves(params)
+  norms = []
+  shared: dict[int, int] = {}   # a shared leaf -> the index of its first tap
+  for tap, others, g in zip(plan.taps, values.others, values.grads):
+    g = g.astype(jnp.promote_types(g.dtype, jnp.float32)) * scale
+    if tap.shared:
+      # A leaf used several times (tied weights): its per-unit gradient is
+      # the sum of its uses' vector-Jacobian products, with cross terms no
+      # single rule sees. It is formed here, summed over the uses, and
+      # released as formed (`weighted_grad_sum`), so only its sum of
+      # squares is rounded, as for any formed gradient.
+      formed = _formed_grads(tap, plan.program, leaves[tap.leaf], others, g)
+      if tap.leaf in shared:
+        first = shared[tap.leaf]
+        norms[first] = LayerNorms(norms[first].bound,
+                                  norms[first].formed + formed)
+        norms.append(LayerNorms(jnp.zeros(g.shape[:1], formed.dtype)))
+      else:
+        shared[tap.leaf] = len(norms)
+        norms.append(LayerNorms(None, formed))
+      continue
+    rule = LAYER_RULES[tap.rule]
+    layer = rule.squared_norms(tap, plan.program, leaves[tap.leaf], others, g)
+    if not isinstance(layer, LayerNorms):   # a rule returning bounds only
+      layer = LayerNorms(layer)
+    norms.append(layer)
+  for index in shared.values():
+    norms[index] = LayerNorms(_formed_squared_norms(norms[index].formed),
+                              norms[index].formed)
+  return tuple(norms)
 
-  The leaf's gradient is the sum over its uses of each use's
-  vector-Jacobian product at the gradient at that use's output, the other
-  operands held fixed (the chain rule, all uses at once; `weighted_grad_sum`
-  forms the clipped sum the same way). Its squared norm has cross terms
-  between the uses that no single layer rule sees, so the per-unit gradient
-  of this leaf alone is formed, summed over the uses and squared: exact, at
-  the cost of one leaf-sized gradient per unit (the per-example gradient of
-  the vmap path, for this leaf only).
 
-  Rounding: each entry of a use's gradient is a sum of products within
-  `gamma_n S_k` of the truth (`_materialized_squared_norms`: the same
-  products with absolute values give S_k), adding the K uses' gradients
-  adds `gamma_K`, and the clipped sum forms the same sums in another order.
-  With `S = sum_k S_k` and n the uses' terms added up, adding
-  `2 (n + K + entries + 8) u |S|^2` bounds `(|M| + gamma_{n+K} |S|)^2`
-  from above, as for one use.
+def squared_norms_and_formed(
+    plan: GhostPlan, params: PyTree, values: LayerValues, scale: Any,
+    size: int) -> tuple[jax.Array, tuple[Optional[jax.Array], ...]]:
+  """Per-unit squared global norms (bounds) and the formed gradients.
+
+  Example:
+    >>> values = gradient_terms(plan, params, batch)
+    >>> squared, formed = squared_norms_and_formed(plan, params, values,
+    ...                                            1.0 / clip, batch_size)
+    >>> out = weighted_grad_sum(plan, params, values, weights, keep,
+    ...                         formed=formed, formed_scale=clip)
 
   Args:
-    program: the flattened loss.
-    leaf: the params leaf.
-    uses: `(tap, others, g)` per use, with leading axes `[U, T]` (T may
-      differ between uses) and `g` already scaled.
+    plan: the plan.
+    params: the params.
+    values: from `gradient_terms`, `difference_terms` or `mean_terms`
+      (leading axes `[units, terms]`).
+    scale: multiplies every gradient first (`1 / l2_clip`: norms in clip
+      units stay far from float overflow).
+    size: the number of units.
 
   Returns:
-    `[U]` squared norms plus the rounding margin, never below the truth.
+    `(squared, formed)`: `[size]` float32 (or wider) upper bounds on the
+    squared norms of what `weighted_grad_sum` releases per unit (divided by
+    the unit's weight; see the rounding notes before `LayerNorms`), summed
+    over layers, NaN or Inf for a unit whose gradient is not finite; and per
+    tap the formed per-unit gradients (times `scale`) or None.
+
+  Raises:
+    ValueError: if `size` differs from the units of `values`.
   """
-  gradient, magnitude, terms = 0.0, 0.0, len(uses)
-  entries = max(1, _size(jnp.shape(leaf)))
-  for tap, others, g in uses:
-    dtype = _aval(program.nodes[tap.node]).dtype
-
-    def one(others_u, g_u, tap=tap, dtype=dtype):
-      # `g_u` rides along so that the inner vmap always has a batched input.
-      _, vjp = jax.vjp(lambda p: jax.vmap(
-          lambda o, _: _apply_tap(program, tap, p, o))(others_u, g_u), leaf)
-      (grad,) = vjp(g_u.astype(dtype))
-      return grad.astype(jnp.promote_types(grad.dtype, jnp.float32))
-
-    others = tuple(others)
-    gradient = gradient + jax.vmap(one)(others, g)
-    magnitude = magnitude + jnp.abs(jax.vmap(one)(
-        tuple(jnp.abs(o) if jnp.issubdtype(o.dtype, jnp.inexact) else o
-              for o in others), jnp.abs(g)))
-    per_unit = _size(g.shape[1:])
-    terms += (max(1, per_unit // entries) if tap.rule in ('add', 'sub', 'mul')
-              else per_unit + sum(_size(o.shape[1:]) for o in others))
-  roundoff = float(jnp.finfo(gradient.dtype).eps) / 2
-  return _sum_squares(gradient) + 2.0 * (terms + entries + 8) * roundoff * (
-      _sum_squares(magnitude))
+  norms = _layer_norms(plan, params, values, scale)
+  total = jnp.zeros((size,), jnp.float32)
+  for layer in norms:
+    if layer.bound.shape != (size,):
+      raise ValueError(f'size {size} does not match the units of values '
+                       f'({layer.bound.shape})')
+    # `maximum` keeps NaN (dropped rows) and never lets a negative rounding
+    # of a bound reach rsqrt.
+    total = total + jnp.maximum(layer.bound, 0.0)
+  # F1 for the non-negative sum over layers, and F2 for what follows: the
+  # clip factor min(1, rsqrt(total)) (2 ulp), and for a formed gradient
+  # the products (clip factor * l2_clip) * formed (2 roundings).
+  total = total * (1.0 + 2.0 * _gamma(len(norms) + 16, total.dtype))
+  return total, tuple(layer.formed for layer in norms)
 
 
 def squared_norms(plan: GhostPlan, params: PyTree, values: LayerValues,
                   scale: Any, size: int) -> jax.Array:
   """Per-unit squared global gradient norms, times `scale**2`.
+
+  Upper bounds, rounding included, on the squared norms of what
+  `weighted_grad_sum` releases per unit (`squared_norms_and_formed`, whose
+  formed gradients the clipped sum must then release).
+
+  Example:
+    >>> squared = squared_norms(plan, params, values, 1.0 / clip, batch_size)
 
   Args:
     plan: the plan.
@@ -1210,35 +1446,31 @@ def squared_norms(plan: GhostPlan, params: PyTree, values: LayerValues,
     `[size]` float32 (or wider) squared norms, summed over layers; NaN or
     Inf for a unit whose gradient is not finite.
   """
-  leaves = jax.tree_util.tree_leaves(params)
-  total = jnp.zeros((size,), jnp.float32)
-  shared: dict[int, list[tuple[Tap, Any, Any]]] = {}
-  for tap, others, g in zip(plan.taps, values.others, values.grads):
-    g = g.astype(jnp.promote_types(g.dtype, jnp.float32)) * scale
-    if tap.shared:   # the norm of the sum of its uses, below
-      shared.setdefault(tap.leaf, []).append((tap, others, g))
-      continue
-    rule = LAYER_RULES[tap.rule]
-    layer = rule.squared_norms(tap, plan.program, leaves[tap.leaf], others, g)
-    # A Gram form sums products of both signs: rounding can take an exact 0
-    # (a difference at x' = x, a = b) slightly below it, and rsqrt of a
-    # negative number would be NaN. `maximum` keeps NaN (dropped rows).
-    total = total + jnp.maximum(layer, 0.0)
-  for leaf, uses in shared.items():
-    total = total + _shared_squared_norms(plan.program, leaves[leaf], uses)
-  return total
+  return squared_norms_and_formed(plan, params, values, scale, size)[0]
 
 
 def weighted_grad_sum(plan: GhostPlan, params: PyTree, values: LayerValues,
-                      weights: jax.Array, keep: jax.Array) -> PyTree:
+                      weights: jax.Array, keep: jax.Array, *,
+                      formed: Optional[Sequence[Optional[jax.Array]]] = None,
+                      formed_scale: Any = 1.0) -> PyTree:
   """`sum_u weights_u grad_u` over the units where `keep` is True.
 
-  `grad_u` is unit u's gradient, the sum of its terms' gradients. Each
-  leaf's sum is the vector-Jacobian product of its one use at the
-  cotangents `weights_u g_ut`, over every term of every unit at once (one
-  matrix product per dense layer, as in a non-private backward pass), with
-  the other operands of the dropped units and their gradients set to zero
-  by `where` (so NaN rows contribute exactly zero).
+  `grad_u` is unit u's gradient, the sum of its terms' gradients. A leaf
+  whose per-unit gradients were formed by its rule (`formed`, from
+  `squared_norms_and_formed`) sums exactly those, times
+  `weights_u * formed_scale`, so that what is released is what was
+  measured. Every other leaf's sum is the vector-Jacobian product of its
+  one use at the cotangents `weights_u g_ut`, over every term of every unit
+  at once (one matrix product per dense layer, as in a non-private backward
+  pass). The other operands of the dropped units and their gradients (or
+  formed gradients) are set to zero by `where` (so NaN rows contribute
+  exactly zero).
+
+  Example:
+    >>> squared, formed = squared_norms_and_formed(plan, params, values,
+    ...                                            1.0 / clip, batch_size)
+    >>> total = weighted_grad_sum(plan, params, values, weights, keep,
+    ...                           formed=formed, formed_scale=clip)
 
   Args:
     plan: the plan.
@@ -1246,6 +1478,9 @@ def weighted_grad_sum(plan: GhostPlan, params: PyTree, values: LayerValues,
     values: leading axes `[units, terms]`, as for `squared_norms`.
     weights: `[units]` per-unit weights (clip factors).
     keep: `[units]` bool, the units that contribute.
+    formed: optional, per tap, the formed per-unit gradients or None.
+    formed_scale: multiplies the formed gradients (`l2_clip`, undoing the
+      `scale` they were formed with).
 
   Returns:
     A pytree like `params`, each leaf in its accumulation dtype (float32 or
@@ -1259,7 +1494,23 @@ def weighted_grad_sum(plan: GhostPlan, params: PyTree, values: LayerValues,
   def rows(x):
     return x.reshape((-1,) + x.shape[2:])
 
-  for tap, others, g in zip(plan.taps, values.others, values.grads):
+  if formed is None:
+    formed = (None,) * len(plan.taps)
+  # A leaf whose per-unit gradient was formed (a shared leaf: from all its
+  # uses at once) is released from that array alone.
+  formed_leaves = {tap.leaf for tap, grads in zip(plan.taps, formed)
+                   if grads is not None}
+  for tap, others, g, grads in zip(plan.taps, values.others, values.grads,
+                                   formed):
+    if grads is None and tap.leaf in formed_leaves:
+      continue
+    if grads is not None:
+      kept = jnp.where(keep.reshape((-1,) + (1,) * (grads.ndim - 1)), grads,
+                       jnp.zeros((), grads.dtype))
+      coefficients = jnp.where(keep, weights * formed_scale, 0.0)
+      sums[tap.leaf] = jnp.tensordot(coefficients.astype(grads.dtype), kept,
+                                     axes=1).astype(sums[tap.leaf].dtype)
+      continue
     # Every term is one row of the vector-Jacobian product, weighted like
     # its unit (the number of terms may differ between taps).
     terms = g.shape[1]
@@ -1286,3 +1537,178 @@ def weighted_grad_sum(plan: GhostPlan, params: PyTree, values: LayerValues,
     # A shared leaf (tied weights) sums its uses' gradients.
     sums[tap.leaf] = sums[tap.leaf] + grad.astype(sums[tap.leaf].dtype)
   return jax.tree_util.tree_unflatten(plan.treedef, sums)
+
+
+# ----------------------------------------------------------------------------
+# Cost model: the form of each layer, and ghost or vmap for the whole loss.
+
+# Flops that moving one float to or from memory costs, about (a per-unit
+# gradient, formed on either path, is written once and read twice: for its
+# norm and for the clipped sum).
+_MEMORY_WEIGHT = 8.0
+# The Gram form's released product is bounded by about K^1.5 u relative
+# (`_gram_squared_norms`, step 4): beyond this many columns per unit the
+# per-unit gradient is formed instead, whatever the flops.
+_GRAM_MAX_COLUMNS = 256
+
+
+class TapEstimate(NamedTuple):
+  """The cost model's view of one tap, per unit (flop-equivalents).
+
+  Attributes:
+    leaf: the params leaf index.
+    rule: the layer rule's name.
+    form: 'gram' (Gram form, no per-unit gradient) or 'materialized' (the
+      per-unit gradient of the leaf is formed).
+    gram: cost of the Gram form (its norms and its share of the clipped
+      sum), or None where the rule has none.
+    materialized: cost of forming the per-unit gradient (flops, plus
+      `_MEMORY_WEIGHT` per float written or read).
+    ghost: cost on the ghost path: the chosen form plus recording the
+      tap's operands and output gradients in the first pass.
+    vmap: cost of the leaf's per-example gradients on the vmap path.
+  """
+
+  leaf: int
+  rule: str
+  form: str
+  gram: Optional[float]
+  materialized: float
+  ghost: float
+  vmap: float
+
+
+class ClippingChoice(NamedTuple):
+  """What `method='auto'` does with a loss, and why.
+
+  Attributes:
+    path: 'ghost' or 'vmap' (the cheaper by the estimates).
+    ghost: estimated cost of the ghost path (sum over taps, all units).
+    vmap: estimated cost of the vmap path (alike).
+    taps: one `TapEstimate` per tap, costs for all units.
+  """
+
+  path: str
+  ghost: float
+  vmap: float
+  taps: tuple[TapEstimate, ...]
+
+
+def _tap_estimate(tap: Tap, program: _Program, terms: int) -> TapEstimate:
+  """Per-unit costs of the forms of one tap (see `clipping_choice`)."""
+  kappa = _MEMORY_WEIGHT
+  node = program.nodes[tap.node]
+  eqn = node.eqn
+  out = _size(_aval(node).shape)
+  leaf = _size(tap.chain[0].eqn.invars[0].aval.shape if tap.chain else
+               eqn.invars[tap.position].aval.shape)
+  others = sum(_size(v.aval.shape) for i, v in enumerate(eqn.invars)
+               if i != tap.position)
+  record = kappa * terms * (others + out)
+  gram = None
+  if tap.rule == 'gather':
+    vocabulary, features = eqn.invars[0].aval.shape
+    columns = terms * (out // features)
+    gram = columns * columns * (features + 8) + columns * features
+    flops = columns * features
+    materialized = flops + 3 * kappa * vocabulary * features
+    vmap = flops + 3 * kappa * terms * vocabulary * features
+  else:
+    if tap.rule == 'dot_general':
+      batch, positions, contract, features = _dense_dims(tap, program)
+    elif tap.rule == 'conv_general_dilated':
+      batch, positions, contract, features = _conv_dims(tap, program)
+    else:   # a bias or a scale: one product per output entry
+      batch, positions, contract, features = 1, max(1, out // leaf), 1, leaf
+    columns = terms * positions
+    flops = batch * columns * contract * features
+    materialized = flops + 3 * kappa * batch * contract * features
+    vmap = flops + 3 * kappa * terms * batch * contract * features
+    bilinear = (tap.rule == 'dot_general' and _norm_preserving(tap.chain)) or (
+        tap.rule == 'conv_general_dilated' and
+        _conv_geometry_supported(tap, program))
+    if bilinear and columns <= _GRAM_MAX_COLUMNS:
+      gram = (batch * columns * columns * (contract + features + 8) + flops)
+      if tap.rule == 'conv_general_dilated':   # the unfolded patches
+        gram += kappa * batch * columns * contract
+  form = 'gram' if gram is not None and gram <= materialized else (
+      'materialized')
+  chosen = gram if form == 'gram' else materialized
+  return TapEstimate(tap.leaf, tap.rule, form, gram, materialized,
+                     chosen + record, vmap)
+
+
+def clipping_choice(plan: GhostPlan, units: int,
+                    terms: Union[int, Sequence[int]] = 1) -> ClippingChoice:
+  """The form of each layer, and whether the ghost path pays, by cost.
+
+  A flop-and-memory estimate in the spirit of mixed ghost clipping (Li et
+  al. 2021, "Large language models can be strong differentially private
+  learners"; Bu et al. 2023, "Differentially private optimization on large
+  model at small cost", book-keeping), per unit, summed over units:
+
+  * a dense layer over K columns (a unit's positions and terms), C inputs
+    and F outputs (per shared batch index; a convolution: C the patch
+    length, K the output positions): the Gram form costs
+    `K^2 (C + F + 8)` (its Gram matrices and bound) plus `K C F` (its
+    share of the clipped sum, a matrix product as in a non-private step,
+    plus `_MEMORY_WEIGHT K C` for a convolution's unfolded patches); the
+    formed per-unit gradient costs `K C F` plus `3 _MEMORY_WEIGHT C F`
+    (written once, read for its norm and for the clipped sum). The Gram
+    form is taken when cheaper and K is at most `_GRAM_MAX_COLUMNS` (its
+    rounding bound);
+  * an embedding of V rows of F over K looked-up positions: token-equality
+    Gram form `K^2 (F + 8) + K F`, formed table gradient
+    `K F + 3 _MEMORY_WEIGHT V F`;
+  * biases and scales: formed (`out + 3 _MEMORY_WEIGHT leaf`);
+  * the ghost path also records each tap's operands and output gradients
+    (`_MEMORY_WEIGHT` per float);
+  * the vmap path forms every term's per-example gradient of every leaf:
+    the same flops as the formed form, and `3 _MEMORY_WEIGHT` per entry per
+    term.
+
+  The forward pass and the backward pass through the activations are
+  common to both paths and left out. `method='auto'` takes the vmap path
+  when its estimate is not above the ghost path's; then no warning is
+  issued (it is a choice, not a failure).
+
+  Example:
+    >>> plan = analyze(loss_fn, params, batch)
+    >>> choice = clipping_choice(plan, units=batch_size)
+    >>> choice.path, [(t.rule, t.form) for t in choice.taps]
+    ('ghost', [('gather', 'gram'), ('dot_general', 'materialized'), ...])
+
+  Args:
+    plan: from `analyze`.
+    units: the number of units (examples, differences, users) per call.
+    terms: the terms per unit, one for all taps or one per tap (2 for a
+      difference where the tap's operands depend on the params, the items
+      per user).
+
+  Returns:
+    A `ClippingChoice`.
+
+  Raises:
+    ValueError: for a non-positive `units` or `terms`, or a `terms` sequence
+      whose length is not the number of taps.
+  """
+  if isinstance(terms, int):
+    terms = (terms,) * len(plan.taps)
+  terms = tuple(terms)
+  if len(terms) != len(plan.taps):
+    raise ValueError(f'terms has {len(terms)} entries for {len(plan.taps)} '
+                     'taps')
+  if int(units) < 1 or any(int(t) < 1 for t in terms):
+    raise ValueError(f'units and terms must be positive, got {units} and '
+                     f'{terms}')
+  taps = []
+  for tap, count in zip(plan.taps, terms):
+    estimate = _tap_estimate(tap, plan.program, int(count))
+    scaled = {name: None if value is None else float(units) * value
+              for name, value in estimate._asdict().items()
+              if name in ('gram', 'materialized', 'ghost', 'vmap')}
+    taps.append(estimate._replace(**scaled))
+  ghost_cost = sum(t.ghost for t in taps)
+  vmap_cost = sum(t.vmap for t in taps)
+  return ClippingChoice('ghost' if ghost_cost < vmap_cost else 'vmap',
+                        ghost_cost, vmap_cost, tuple(taps))

@@ -124,3 +124,112 @@ def test_a_bias_whose_positions_cancel_is_still_clipped(seed):
     one = jax.tree.map(lambda v, e=example: v[e:e + 1], batch)
     norm = float(jnp.linalg.norm(stat(one, params).sum['b']))
     assert norm <= 1.0 + 1e-5, (example, norm)
+
+
+# ---------------------------------------------------------------------------
+# Sequence lengths: cancellation still clipped, and no over-clipping.
+
+
+def _sequence_loss(params, example):
+  return jnp.sum((example['x'] @ params['w']) * example['r'])
+
+
+def _cancelling_sequence(rng, positions, width):
+  """Positions that cancel in pairs, 1e6 to 1e9 times what remains."""
+  scale = 10.0 ** rng.uniform(6, 9)
+  base = rng.normal(size=(positions // 2, width))
+  remainder = rng.normal(size=base.shape) * 10.0 ** rng.uniform(0, 2) / scale
+  x = np.concatenate([base, -base + remainder]) * scale
+  r = rng.normal(size=(width,)) / np.sqrt(width)
+  return ({'x': jnp.asarray(x[None], jnp.float32),
+           'r': jnp.asarray(r[None], jnp.float32)},
+          {'w': jnp.zeros((width, width), jnp.float32)})
+
+
+# (positions, width, the form the cost model takes for the weight).
+SEQUENCE_CASES = [(32, 128, 'gram'), (256, 16, 'materialized'),
+                  (2048, 16, 'materialized')]
+
+
+@pytest.mark.parametrize('positions,width,form', SEQUENCE_CASES)
+@pytest.mark.parametrize('seed', range(2))
+def test_cancelling_long_sequences_are_still_clipped(positions, width, form,
+                                                     seed):
+  rng = np.random.default_rng(seed)
+  batch, params = _cancelling_sequence(rng, positions, width)
+  stat = clipping.clipped_grad_sum(_sequence_loss, 1.0, method='ghost')
+  choice = stat.clipping_choice(batch, params)
+  assert [tap.form for tap in choice.taps] == [form]
+  norm = float(jnp.linalg.norm(stat(batch, params).sum['w']))
+  assert norm <= 1.0 + 1e-5, norm
+
+
+def _decoder_loss(params, example):
+  """A small next-token model over T positions (batch axis of one)."""
+  h = jnp.take(params['embed'], example['tokens'][None], axis=0)
+  h = jnp.tanh(h @ params['mix'] + params['mix_bias']) * params['scale']
+  logits = h @ params['head']
+  log_probs = jax.nn.log_softmax(logits)
+  picked = jnp.sum(log_probs * jax.nn.one_hot(example['targets'][None],
+                                              logits.shape[-1]), axis=-1)
+  return -jnp.mean(picked)
+
+
+def _decoder_case(positions, width, vocabulary=32, examples=3, seed=0):
+  rng = np.random.default_rng(seed)
+  normal = lambda *shape: jnp.asarray(rng.normal(size=shape) / np.sqrt(
+      shape[0]), jnp.float32)
+  params = {'embed': normal(vocabulary, width) * np.sqrt(vocabulary),
+            'mix': normal(width, width), 'mix_bias': jnp.zeros(width),
+            'scale': jnp.ones(width), 'head': normal(width, vocabulary)}
+  tokens = rng.integers(0, vocabulary, (examples, positions + 1))
+  batch = {'tokens': jnp.asarray(tokens[:, :-1], jnp.int32),
+           'targets': jnp.asarray(tokens[:, 1:], jnp.int32)}
+  return params, batch
+
+
+def _contribution_ratios(loss_fn, params, batch):
+  """||clipped contribution|| / clip per example, with a binding clip."""
+  size = len(jax.tree_util.tree_leaves(batch)[0])
+  grads = jax.vmap(jax.grad(loss_fn), (None, 0))(params, batch)
+  norms = np.sqrt(sum(np.sum(np.asarray(g, np.float64).reshape(size, -1)**2,
+                             axis=1) for g in jax.tree_util.tree_leaves(grads)))
+  clip = float(0.01 * norms.min())
+  stat = jax.jit(clipping.clipped_grad_sum(loss_fn, clip, method='ghost'))
+  ratios = []
+  for i in range(size):
+    total = stat(batch, params, mask=np.arange(size) == i).sum
+    ratios.append(np.sqrt(sum(np.sum(np.asarray(v, np.float64)**2)
+                              for v in jax.tree_util.tree_leaves(total)))
+                  / clip)
+  return np.array(ratios)
+
+
+@pytest.mark.parametrize('positions', [256, 2048])
+def test_binding_clip_gives_contributions_at_the_clip(positions):
+  # With a clip far below every example's norm, each example's contribution
+  # has norm equal to the clip up to rounding: the vmap path gives 1.000.
+  # A margin that grows with the positions clips harder than asked.
+  params, batch = _decoder_case(positions, width=16)
+  ratios = _contribution_ratios(_decoder_loss, params, batch)
+  assert np.all(ratios >= 0.999) and np.all(ratios <= 1.0 + 1e-6), ratios
+
+
+@pytest.mark.parametrize('positions,width', [(32, 128), (64, 1024)])
+def test_binding_clip_gives_contributions_at_the_clip_in_the_gram_form(
+    positions, width):
+  # The output gradient is the same at every position (correlated
+  # columns): the bound on the input Gram matrix's rounding then weighs
+  # K times the norm, and at width 1024 a one-level bound (gamma_C) would
+  # clip at 0.998.
+  rng = np.random.default_rng(1)
+  params = {'w': jnp.asarray(rng.normal(size=(width, width)) / np.sqrt(width),
+                             jnp.float32)}
+  batch = {'x': jnp.asarray(rng.normal(size=(2, positions, width)),
+                            jnp.float32),
+           'r': jnp.asarray(rng.normal(size=(2, width)), jnp.float32)}
+  choice = clipping.clipped_grad_sum(_sequence_loss, 1.0).clipping_choice(
+      batch, params)
+  assert [tap.form for tap in choice.taps] == ['gram']
+  ratios = _contribution_ratios(_sequence_loss, params, batch)
+  assert np.all(ratios >= 0.999) and np.all(ratios <= 1.0 + 1e-6), ratios
