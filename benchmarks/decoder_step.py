@@ -703,7 +703,9 @@ def header_lines(args: argparse.Namespace, config: DecoderConfig,
   return [
       f'device: {device_name()} (JAX backend {jax.default_backend()}, '
       f'{jax.device_count()} device(s)){torch_device}; '
-      f'{os.cpu_count()} CPU cores; python {platform.python_version()}',
+      f'{os.cpu_count()} CPU cores, load average '
+      f'{", ".join(f"{x:.1f}" for x in os.getloadavg())} at the start; '
+      f'python {platform.python_version()}',
       'versions: ' + ', '.join(versions),
       f'variant: {args.variant} ({config}); '
       f'{count_params(config):,} parameters',
