@@ -587,7 +587,8 @@ def build_rows(config: DecoderConfig, names: tuple[str, ...]
       skipped.update({n: f'opacus {opacus_reason}' for n in torch_names
                       if n != 'torch non-private'})
       torch_names = tuple(n for n in torch_names if n == 'torch non-private')
-    for name, row in torch_rows(config, batch, torch_names, opacus).items():
+    built = torch_rows(config, batch, torch_names, opacus) if torch_names else {}
+    for name, row in built.items():
       if isinstance(row, Row):
         rows[name] = row
       else:
@@ -700,13 +701,18 @@ def header_lines(args: argparse.Namespace, config: DecoderConfig,
     torch_device = ('; torch device ' + torch_module.cuda.get_device_name(0)
                     if torch_module.cuda.is_available() else
                     '; torch device cpu')
+    # Float32 matmul precision differs by default between the frameworks on
+    # GPUs (TF32 or not): the header says which each used.
+    torch_device += (' (float32 matmul precision '
+                     f'{torch_module.get_float32_matmul_precision()})')
   return [
       f'device: {device_name()} (JAX backend {jax.default_backend()}, '
       f'{jax.device_count()} device(s)){torch_device}; '
       f'{os.cpu_count()} CPU cores, load average '
       f'{", ".join(f"{x:.1f}" for x in os.getloadavg())} at the start; '
       f'python {platform.python_version()}',
-      'versions: ' + ', '.join(versions),
+      'versions: ' + ', '.join(versions) + '; JAX default matmul '
+      f'precision {jax.config.jax_default_matmul_precision or "default"}',
       f'variant: {args.variant} ({config}); '
       f'{count_params(config):,} parameters',
       f'clip {L2_CLIP}, noise multiplier {NOISE_MULTIPLIER}, adam lr '

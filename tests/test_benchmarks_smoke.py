@@ -88,3 +88,14 @@ def test_a_failing_row_is_skipped_with_its_reason():
   times = decoder_step.time_rows(rows, iters=1, warmup=1, rounds=2,
                                  skipped=skipped)
   assert list(times) == ['ok'] and skipped == {'bad': 'RuntimeError: oom'}
+
+
+def test_missing_frameworks_skip_their_rows_with_a_reason():
+  names = ('torch non-private', 'opacus hooks')
+  rows, skipped = decoder_step.build_rows(TINY, names)
+  assert set(rows) | set(skipped) == set(names)
+  assert not set(rows) & set(skipped)
+  torch_module, _ = decoder_step.dpsgd_step.optional_import('torch')
+  if torch_module is None:
+    assert rows == {} and all(reason.startswith('torch not installed')
+                              for reason in skipped.values())
