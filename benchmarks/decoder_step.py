@@ -13,8 +13,9 @@ Variants (`--variant`):
   512-2048-512, T = 256, batch 32 sequences: 35,840,000 parameters;
 * ``wide``: the same four times wider (width 2048, 16 heads of 128, MLP
   2048-8192-2048): 369,803,264 parameters, 1.4 GiB in float32. Its ghost
-  and non-private steps fit one 80 GB GPU; rows that hold per-example
-  gradients (32 x 1.4 GiB) may not, and then print why;
+  and non-private steps should fit one 80 GB GPU (an estimate from the
+  shapes); rows that hold per-example gradients (32 x 1.4 GiB more) may
+  not, and then print why;
 * ``tiny``: vocabulary 32, width 16, 2 blocks of 2 heads, MLP 16-64-16,
   T = 16, batch 4 (7,904 parameters): a smoke run on a CPU, not a speed
   claim.
