@@ -49,10 +49,14 @@ For PyTorch rows, `torch.cuda.max_memory_allocated()` over one step after
 `reset_peak_memory_stats()` (the model, optimizer state and batch
 included); not reported on a CPU.
 
+`--compile_only` compiles the JAX rows from shapes alone and reports their
+memory analysis, with no device memory used, no timing and no PyTorch rows.
+
 Usage (from the repository root)::
 
     python benchmarks/decoder_step.py [--variant default|wide|tiny]
         [--rounds 7] [--iters 10] [--warmup 2] [--rows ROW,ROW]
+        [--compile_only]
         [--output benchmarks/results/decoder_step_<device>.md]
 """
 
@@ -321,16 +325,36 @@ class Row:
   note: str = ''
 
 
+def _is_abstract(tree: PyTree) -> bool:
+  """Whether `tree` holds shapes (`jax.ShapeDtypeStruct`), not arrays."""
+  return any(isinstance(leaf, jax.ShapeDtypeStruct)
+             for leaf in jax.tree_util.tree_leaves(tree))
+
+
+def _init(init_fn: Callable[[PyTree], PyTree], params: PyTree) -> PyTree:
+  """`init_fn(params)`, or its shapes when `params` are shapes."""
+  return (jax.eval_shape(init_fn, params) if _is_abstract(params)
+          else init_fn(params))
+
+
 def _jax_row(name: str, step: Callable, params: dict, state: PyTree,
              batch: Batch, note: str = '') -> Row:
-  """Compiles `step(params, state, batch)` (params and state donated)."""
+  """Compiles `step(params, state, batch)` (params and state donated).
+
+  With shapes (`jax.ShapeDtypeStruct`) in place of arrays the step is only
+  compiled: its memory is known, running it raises.
+  """
+  abstract = _is_abstract((params, state, batch))
   # Each row owns its buffers: donation invalidates what it is passed.
-  carry = jax.tree_util.tree_map(jnp.copy, (params, state))
+  carry = ((params, state) if abstract else
+           jax.tree_util.tree_map(jnp.copy, (params, state)))
   compiled = jax.jit(step, donate_argnums=(0, 1)).lower(
       *carry, batch).compile()
 
   def run(n: int) -> None:
     nonlocal carry
+    if abstract:
+      raise RuntimeError(f'{name} was compiled from shapes only')
     for _ in range(n):
       carry = compiled(*carry, batch)
     jax.block_until_ready(carry)
@@ -356,7 +380,8 @@ def jax_non_private_row(config: DecoderConfig, params: dict,
     updates, state = adam.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
-  return _jax_row('jax non-private', step, params, adam.init(params), batch)
+  return _jax_row('jax non-private', step, params,
+                  _init(adam.init, params), batch)
 
 
 def dpsgd_row(config: DecoderConfig, params: dict, batch: Batch,
@@ -376,12 +401,13 @@ def dpsgd_row(config: DecoderConfig, params: dict, batch: Batch,
   note = ''
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter('always', dpsco_jax.GhostClippingFallbackWarning)
-    row = _jax_row(f'dpsgd {method}', step, params, tx.init(params), batch)
+    row = _jax_row(f'dpsgd {method}', step, params, _init(tx.init, params),
+                   batch)
   fallbacks = [w for w in caught if issubclass(
       w.category, dpsco_jax.GhostClippingFallbackWarning)]
   if method == 'auto':
     plan = dpsco_jax.clipped_grad_sum(loss, L2_CLIP).ghost_plan(
-        jax.tree_util.tree_map(jnp.asarray, batch), params)
+        batch, params)
     note = 'took the vmap path' if plan is None else 'took the ghost path'
     if fallbacks:
       note += f' ({str(fallbacks[0].message).splitlines()[0][:120]})'
@@ -405,7 +431,8 @@ def jax_privacy_row(config: DecoderConfig, params: dict, batch: Batch,
     updates, state = tx.update(clipped_sum(params, batch), state, params)
     return optax.apply_updates(params, updates), state
 
-  return _jax_row('jax_privacy', step, params, tx.init(params), batch)
+  return _jax_row('jax_privacy', step, params, _init(tx.init, params),
+                  batch)
 
 
 def torch_decoder(config: DecoderConfig):
@@ -538,13 +565,17 @@ def _reason(err: BaseException) -> str:
   return f'{type(err).__name__}: {text[0][:200] if text else ""}'
 
 
-def build_rows(config: DecoderConfig, names: tuple[str, ...]
+def build_rows(config: DecoderConfig, names: tuple[str, ...],
+               compile_only: bool = False
                ) -> tuple[dict[str, Row], dict[str, str]]:
   """Builds (compiles, warms) each row in `names`.
 
   Args:
     config: the shapes.
     names: rows to build, a subset of `ROWS`.
+    compile_only: compile the JAX rows from shapes alone (nothing is
+      allocated or run: their memory analysis without the device memory);
+      the PyTorch rows are then skipped.
 
   Returns:
     `(rows, skipped)`: the rows built, and for each row that could not be
@@ -555,8 +586,14 @@ def build_rows(config: DecoderConfig, names: tuple[str, ...]
   skipped: dict[str, str] = {}
   jax_names = [n for n in names if framework_of(n) == 'jax']
   if jax_names:
-    params = decoder_init(jax.random.key(DATA_SEED), config)
-    jax_batch = jax.tree_util.tree_map(jnp.asarray, batch)
+    if compile_only:
+      params = jax.eval_shape(lambda k: decoder_init(k, config),
+                              jax.random.key(DATA_SEED))
+      jax_batch = jax.tree_util.tree_map(
+          lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batch)
+    else:
+      params = decoder_init(jax.random.key(DATA_SEED), config)
+      jax_batch = jax.tree_util.tree_map(jnp.asarray, batch)
     jax_privacy, reason = dpsgd_step.optional_import('jax_privacy')
     builders = {
         'jax non-private': lambda: jax_non_private_row(config, params,
@@ -573,11 +610,16 @@ def build_rows(config: DecoderConfig, names: tuple[str, ...]
         continue
       try:
         rows[name] = builders[name]()
-        rows[name].run(1)
+        if not compile_only:
+          rows[name].run(1)
       except Exception as err:  # pylint: disable=broad-except
         rows.pop(name, None)
         skipped[name] = _reason(err)
   torch_names = tuple(n for n in names if framework_of(n) == 'torch')
+  if compile_only:
+    skipped.update({n: 'not built with --compile_only (JAX rows only)'
+                    for n in torch_names})
+    torch_names = ()
   if torch_names:
     torch_module, reason = dpsgd_step.optional_import('torch')
     opacus, opacus_reason = dpsgd_step.optional_import('opacus')
@@ -638,9 +680,10 @@ def device_slug(name: str) -> str:
   return re.sub(r'[^a-z0-9]+', '_', name.lower()).strip('_') or 'device'
 
 
-def default_output(variant: str) -> str:
-  """`benchmarks/results/decoder_step[_<variant>]_<device>.md`."""
+def default_output(variant: str, compile_only: bool = False) -> str:
+  """`benchmarks/results/decoder_step[_<variant>][_compiled]_<device>.md`."""
   stem = 'decoder_step' + ('' if variant == 'default' else f'_{variant}')
+  stem += '_compiled' if compile_only else ''
   return os.path.join(os.path.dirname(os.path.abspath(__file__)), 'results',
                       f'{stem}_{device_slug(device_name())}.md')
 
@@ -648,19 +691,23 @@ def default_output(variant: str) -> str:
 def table_records(times: dict[str, list[float]],
                   peaks: dict[str, Optional[int]],
                   notes: dict[str, str]) -> list[dict[str, str]]:
-  """One record per timed row: times, ratios to its baseline, memory."""
-  medians = {n: statistics.median(ts) for n, ts in times.items()}
+  """One record per row: times, ratios to its baseline, memory.
+
+  A row with no times (compiled only) gets 'n/a' for them.
+  """
+  medians = {n: statistics.median(ts) for n, ts in times.items() if ts}
+  ms = lambda seconds: f'{1e3 * seconds:.3f}'
   records = []
   for name, ts in times.items():
     base = BASELINE[framework_of(name)]
     peak, base_peak = peaks.get(name), peaks.get(base)
     records.append({
         'row': name,
-        'median ms': f'{1e3 * medians[name]:.3f}',
-        'min ms': f'{1e3 * min(ts):.3f}',
-        'max ms': f'{1e3 * max(ts):.3f}',
+        'median ms': ms(medians[name]) if ts else 'n/a',
+        'min ms': ms(min(ts)) if ts else 'n/a',
+        'max ms': ms(max(ts)) if ts else 'n/a',
         'time / non-private': (f'{medians[name] / medians[base]:.2f}x'
-                               if base in medians else 'n/a'),
+                               if ts and base in medians else 'n/a'),
         'peak MiB': f'{peak / 2**20:.1f}' if peak is not None else 'n/a',
         'memory / non-private': (f'{peak / base_peak:.2f}x'
                                  if peak is not None and base_peak
@@ -675,14 +722,17 @@ def versus_jax_privacy(times: dict[str, list[float]],
   """Lines `dpsgd <m> / jax_privacy: time ..x, memory ..x`."""
   if 'jax_privacy' not in times:
     return []
-  ref = statistics.median(times['jax_privacy'])
+  ref = times['jax_privacy']
   lines = []
   for name in ('dpsgd ghost', 'dpsgd vmap', 'dpsgd auto'):
     if name in times:
       memory = ('n/a' if peaks.get(name) is None or not peaks.get(
           'jax_privacy') else f'{peaks[name] / peaks["jax_privacy"]:.2f}x')
-      lines.append(f'{name} / jax_privacy: time '
-                   f'{statistics.median(times[name]) / ref:.2f}x, memory '
+      time_ratio = 'n/a'
+      if times[name] and ref:
+        ratio = statistics.median(times[name]) / statistics.median(ref)
+        time_ratio = f'{ratio:.2f}x'
+      lines.append(f'{name} / jax_privacy: time {time_ratio}, memory '
                    f'{memory}')
   return lines
 
@@ -771,6 +821,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                       help='untimed steps per row after compilation')
   parser.add_argument('--rounds', type=int, default=7,
                       help='interleaved timing rounds')
+  parser.add_argument('--compile_only', action='store_true',
+                      help='compile the JAX rows from shapes and report '
+                      'their memory analysis only (no device memory, no '
+                      'timing, no PyTorch rows)')
   parser.add_argument('--output', default='',
                       help='markdown path (CSV beside it); default '
                       'benchmarks/results/decoder_step[_<variant>]_'
@@ -799,12 +853,15 @@ def main(argv: list[str]) -> None:
   header = header_lines(args, config, argv)
   print('\n'.join(header), flush=True)
   start = time.perf_counter()
-  rows, skipped = build_rows(config, args.rows)
+  rows, skipped = build_rows(config, args.rows, args.compile_only)
   print(f'built {len(rows)} rows in {time.perf_counter() - start:.1f} s',
         flush=True)
   for name, reason in skipped.items():
     print(f'skipped {name}: {reason}', flush=True)
-  times = time_rows(rows, args.iters, args.warmup, args.rounds, skipped)
+  if args.compile_only:
+    times = {name: [] for name in rows}
+  else:
+    times = time_rows(rows, args.iters, args.warmup, args.rounds, skipped)
   peaks = {}
   for name in times:
     try:
@@ -816,7 +873,7 @@ def main(argv: list[str]) -> None:
   extra = versus_jax_privacy(times, peaks)
   markdown = render_markdown(header, records, skipped, extra)
   print(markdown)
-  path = args.output or default_output(args.variant)
+  path = args.output or default_output(args.variant, args.compile_only)
   csv_path = write_outputs(path, markdown, records)
   print(f'wrote {path} and {csv_path}')
 

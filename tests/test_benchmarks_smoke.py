@@ -99,3 +99,16 @@ def test_missing_frameworks_skip_their_rows_with_a_reason():
   if torch_module is None:
     assert rows == {} and all(reason.startswith('torch not installed')
                               for reason in skipped.values())
+
+
+def test_compile_only_reports_memory_without_running():
+  rows, skipped = decoder_step.build_rows(
+      TINY, ('jax non-private', 'dpsgd vmap', 'torch non-private'),
+      compile_only=True)
+  assert list(rows) == ['jax non-private', 'dpsgd vmap']
+  assert skipped['torch non-private'].startswith('not built')
+  peaks = {name: row.peak_bytes() for name, row in rows.items()}
+  # Per-example gradients of 4 sequences take more than one gradient.
+  assert peaks['dpsgd vmap'] > peaks['jax non-private'] > 0
+  with pytest.raises(RuntimeError, match='shapes only'):
+    rows['dpsgd vmap'].run(1)
