@@ -95,23 +95,10 @@ def _fallbacks(caught):
           if issubclass(w.category, clipping.GhostClippingFallbackWarning)]
 
 
-# Cases that miss an assertion on the current rounding margin
-# (`ghost._with_rounding_margin`), with the numbers measured; strict, so the
-# case reports when the margin work makes it pass.
-MARGIN_MISSES = {
-    ('cnn_groupnorm_nnx', 'user'): (
-        'rounding margin: a user\'s contribution measured 0.99979 of the clip '
-        '(vmap 1.0000001), so the clipped sums differ by 1.9e-4 relative l2 '
-        '> 1e-4 (tests/test_ghost_zoo.py, CPU, jax 0.10.2)'),
-}
-
-
 def _cases():
   for name in sorted(zoo.MODELS):
     for kind in STATISTICS:
-      reason = MARGIN_MISSES.get((name, kind))
-      marks = [pytest.mark.xfail(reason=reason, strict=True)] if reason else []
-      yield pytest.param(name, kind, id=f'{name}-{kind}', marks=marks)
+      yield pytest.param(name, kind, id=f'{name}-{kind}')
 
 
 @pytest.mark.parametrize('name,kind', list(_cases()))
