@@ -56,9 +56,9 @@ def get_config() -> ml_collections.ConfigDict:
   # (every base parameter).
   config.finetune = ('lora', 'full')
   # Clipping methods of the private runs (dpsco_jax.plans.dpsgd's
-  # clipping_method). 'auto' (the ghost path) raises a TypeError on this
-  # loss today (issue 30); 'vmap' is per-example gradients.
-  config.clipping_methods = ('vmap',)
+  # clipping_method): 'auto' (the default: ghost norms where they are
+  # cheaper, by the cost model) and 'vmap' (per-example gradients).
+  config.clipping_methods = ('auto', 'vmap')
   # Also fine-tune without privacy (the reference).
   config.nonprivate = True
   # Privacy target of each private run (one sequence per privacy unit).

@@ -493,14 +493,21 @@ def test_docs_examples_run(tmp_path, monkeypatch):
   import re  # pylint: disable=g-import-not-at-top
   docs = pathlib.Path(__file__).resolve().parents[1] / 'docs' / 'audit.md'
   blocks = re.findall(r'```python\n(.*?)```', docs.read_text(), re.S)
-  assert len(blocks) == 3
+  assert len(blocks) == 4
   monkeypatch.chdir(tmp_path)     # the first block writes roc.png
-  for block in blocks:
+  for block in blocks[:3]:
     namespace = {'print': lambda *args: None}
     exec(compile(block, str(docs), 'exec'), namespace)  # pylint: disable=exec-used
     report = namespace['report']
     assert 0.0 < report.epsilon_lower_bound < report.claimed_epsilon
   assert (tmp_path / 'roc.png').exists()
+  # "How to audit a plan": as written but with 150 runs per arm instead of
+  # 1000 (the full audits are test_audit_plan_poisson_dpsgd_below_...).
+  plan_block = blocks[3].replace('num_runs=1000', 'num_runs=150')
+  assert plan_block.count('num_runs=150') == 2
+  namespace = {'print': lambda *args: None}
+  exec(compile(plan_block, str(docs), 'exec'), namespace)  # pylint: disable=exec-used
+  assert namespace['report'].claimed_epsilon == namespace['plan'].epsilon
 
 
 def test_refused_step_is_not_scored():
