@@ -30,6 +30,7 @@ def tiny_config():
   config.learning_rates.lora = 0.03
   config.accounting = 'rdp'      # calibrates faster than 'pld'
   config.seeds = (0,)
+  config.clipping_methods = ('auto',)   # the default path, end to end
   return config
 
 
@@ -39,8 +40,8 @@ def test_pretrain_then_finetune_privately_end_to_end(tmp_path):
     warnings.simplefilter('ignore')
     result = lora_finetune.run(config, str(tmp_path))
   runs = {row['run']: row for row in result.summary}
-  assert set(runs) == {'lora/dp/vmap', 'lora/nonprivate'}
-  private, reference = runs['lora/dp/vmap'], runs['lora/nonprivate']
+  assert set(runs) == {'lora/dp/auto', 'lora/nonprivate'}
+  private, reference = runs['lora/dp/auto'], runs['lora/nonprivate']
   assert 7.9 < private['epsilon'] <= config.epsilon + 1e-9
   assert private['noise_multiplier'] > 0
   # Only the adapters are trained: 2 r (d + d_out) per dense layer.
@@ -55,7 +56,7 @@ def test_pretrain_then_finetune_privately_end_to_end(tmp_path):
   # Fine-tuning on the private domain helps, without privacy for sure.
   assert reference['perplexity_after'] < 0.9 * before, reference
   rows = outputs.read_csv(str(tmp_path / 'metrics.csv'))
-  assert {r['algorithm'] for r in rows} == {'pretrain', 'lora/dp/vmap',
+  assert {r['algorithm'] for r in rows} == {'pretrain', 'lora/dp/auto',
                                             'lora/nonprivate'}
   assert os.path.getsize(tmp_path / 'perplexity.png') > 0
   with open(tmp_path / 'run_record.json') as f:
