@@ -62,10 +62,11 @@ def moved(points, index, position):
 
 
 # The same layouts translated far from the origin (every coordinate moved).
-OFFSETS = [0.0, 1e3, 1e6, 1e30]
+# (1e3 is in the reproducer's test below.)
+OFFSETS = [0.0, 1e6, 1e30]
 # Offsets at which the layouts survive float32 exactly (the clusters' 2 tau
 # steps are representable), so the tightness checks still bite there.
-EXACT_OFFSETS = [0.0, 1e3, 1e6]
+EXACT_OFFSETS = [0.0, 1e6]
 
 
 def translated(pairs, offset):
