@@ -86,6 +86,8 @@ import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
 
+from dpsco_jax import rounding
+
 PyTree = Any
 
 # Call primitives whose body is inlined, so that a parameter passed into a
@@ -321,7 +323,7 @@ def _norm_preserving(chain: Sequence[_Node]) -> bool:
 # A single reduction of n terms is only bounded by gamma_{n-1}; XLA merges
 # consecutive reductions into one (it does on CPU), so the long reductions
 # whose length a bound relies on are split in two levels with an
-# optimization barrier between them (`_sum_in_two_levels`): every term then
+# optimization barrier between them (`rounding.sum_in_two_levels`): every term then
 # passes through at most about 2 sqrt(n) additions.
 #
 # How the bounds are used (`LayerNorms`): a layer rule either FORMS each
@@ -352,38 +354,6 @@ class LayerNorms(NamedTuple):
   formed: Optional[jax.Array] = None
 
 
-def _roundoff(dtype: Any) -> float:
-  return float(jnp.finfo(dtype).eps) / 2
-
-
-def _gamma(n: Any, dtype: Any) -> Any:
-  """`gamma_n = n u / (1 - n u)` of fact F1 (`n` an int or an array)."""
-  nu = n * _roundoff(dtype)
-  if isinstance(nu, float):
-    return nu / (1.0 - nu) if nu < 0.5 else math.inf
-  return jnp.where(nu < 0.5, nu / (1.0 - jnp.minimum(nu, 0.5)), jnp.inf)
-
-
-def _sum_in_two_levels(x: jax.Array) -> tuple[jax.Array, int]:
-  """Sums `x` over its last axis in blocks of about `sqrt(n)` terms.
-
-  Returns:
-    The sums and the most rounded additions any term passes through:
-    `(b - 1) + (ceil(n / b) - 1)` for blocks of b (fact F1 with that many in
-    place of `n - 1`), whatever order XLA sums each level in.
-  """
-  n = x.shape[-1]
-  if n <= 3:
-    return jnp.sum(x, axis=-1), max(n - 1, 0)
-  block = math.isqrt(n - 1) + 1   # ceil(sqrt(n))
-  count = -(-n // block)
-  x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, count * block - n)])
-  partial = jnp.sum(x.reshape(x.shape[:-1] + (count, block)), axis=-1)
-  # Without the barrier XLA fuses the two reductions into one of n terms.
-  partial = jax.lax.optimization_barrier(partial)
-  return jnp.sum(partial, axis=-1), (block - 1) + (count - 1)
-
-
 def _formed_squared_norms(formed: jax.Array) -> jax.Array:
   """Upper bounds on the squared norms of formed gradients `[U, ...]`.
 
@@ -393,8 +363,8 @@ def _formed_squared_norms(formed: jax.Array) -> jax.Array:
   above (`gamma <= 1/2`).
   """
   flat = formed.reshape(formed.shape[0], -1)
-  squared, depth = _sum_in_two_levels(jnp.square(flat))
-  return squared * (1.0 + 2.0 * _gamma(depth + 1, flat.dtype))
+  squared, depth = rounding.sum_in_two_levels(jnp.square(flat))
+  return squared * (1.0 + 2.0 * rounding.gamma(depth + 1, flat.dtype))
 
 
 def _apply_tap(program: _Program, tap: Tap, leaf: jax.Array,
@@ -586,8 +556,8 @@ def _gram_squared_norms(a: jax.Array, g: jax.Array,
   units, terms, batch, positions, contract = a.shape
   features = g.shape[-1]
   columns = terms * positions
-  u_out = _roundoff(out_dtype) if jnp.finfo(out_dtype).eps > jnp.finfo(
-      acc).eps else 0.0
+  u_out = (rounding.unit_roundoff(out_dtype)
+           if jnp.finfo(out_dtype).eps > jnp.finfo(acc).eps else 0.0)
   if columns == 1:
     # One column (a plain dense layer): `|M|^2 = sum_b |a_b|^2 |g_b|^2`, a
     # sum of products of sums of squares, all non-negative: by F1 and F2
@@ -596,10 +566,10 @@ def _gram_squared_norms(a: jax.Array, g: jax.Array,
     squares_a = jnp.sum(jnp.square(a[:, 0, :, 0]), axis=-1)
     squares_g = jnp.sum(jnp.square(g[:, 0, :, 0]), axis=-1)
     total = jnp.sum(squares_a * squares_g, axis=1)
-    factor = ((1.0 + 2.0 * _gamma(contract, acc)) *
-              (1.0 + 2.0 * _gamma(features, acc)) *
-              (1.0 + 2.0 * _gamma(batch + 1, acc)))
-    release = 1.0 + _gamma(2, acc) + u_out
+    factor = ((1.0 + 2.0 * rounding.gamma(contract, acc)) *
+              (1.0 + 2.0 * rounding.gamma(features, acc)) *
+              (1.0 + 2.0 * rounding.gamma(batch + 1, acc)))
+    release = 1.0 + rounding.gamma(2, acc) + u_out
     return LayerNorms(total * factor * release * release)
   if columns <= _FEW_POSITIONS:
     # A few columns (a plain dense layer; a difference without sequence
@@ -616,14 +586,14 @@ def _gram_squared_norms(a: jax.Array, g: jax.Array,
         both = 1.0 if p == q else 2.0   # (p, q) and (q, p)
         # Dot products in two levels: within gamma_{d+1} (d about
         # 2 sqrt(C)) rather than gamma_C of their absolute values.
-        gram_a, depth_a = _sum_in_two_levels(cols_a[p] * cols_a[q])
-        gram_g, depth_g = _sum_in_two_levels(cols_g[p] * cols_g[q])
+        gram_a, depth_a = rounding.sum_in_two_levels(cols_a[p] * cols_a[q])
+        gram_g, depth_g = rounding.sum_in_two_levels(cols_g[p] * cols_g[q])
         product = both * (gram_a * gram_g)
         total = total + product
         absolute = absolute + jnp.abs(product)
         cross = cross + both * (
-            _gamma(depth_a + 1, acc) * norms_a[p] * norms_a[q] *
-            jnp.abs(gram_g) + _gamma(depth_g + 1, acc) * jnp.abs(gram_a) *
+            rounding.gamma(depth_a + 1, acc) * norms_a[p] * norms_a[q] *
+            jnp.abs(gram_g) + rounding.gamma(depth_g + 1, acc) * jnp.abs(gram_a) *
             norms_g[p] * norms_g[q])
     total, absolute, cross = (jnp.sum(x, axis=1)
                               for x in (total, absolute, cross))
@@ -638,23 +608,23 @@ def _gram_squared_norms(a: jax.Array, g: jax.Array,
     gram_a, depth_a = _gram_in_two_levels(a)
     gram_g, depth_g = _gram_in_two_levels(g)
     products = (gram_a * gram_g).reshape(units, -1)
-    total, depth = _sum_in_two_levels(products)
-    absolute, _ = _sum_in_two_levels(jnp.abs(products))
+    total, depth = rounding.sum_in_two_levels(products)
+    absolute, _ = rounding.sum_in_two_levels(jnp.abs(products))
     norms_a, norms_g = _norm(a), _norm(g)    # [units, batch, columns]
-    cross = (_gamma(depth_a, acc) * jnp.einsum(
+    cross = (rounding.gamma(depth_a, acc) * jnp.einsum(
         'nbp,nbpq,nbq->n', norms_a, jnp.abs(gram_g), norms_a,
-        precision=highest) + _gamma(depth_g, acc) * jnp.einsum(
+        precision=highest) + rounding.gamma(depth_g, acc) * jnp.einsum(
             'nbp,nbpq,nbq->n', norms_g, jnp.abs(gram_a), norms_g,
             precision=highest))
     magnitude = jnp.sum(norms_a * norms_g, axis=2)
   s_squared = jnp.sum(jnp.square(magnitude), axis=-1)   # sum_b S_b^2
-  error = (cross + _gamma(contract + 1, acc) * _gamma(features + 1, acc) *
+  error = (cross + rounding.gamma(contract + 1, acc) * rounding.gamma(features + 1, acc) *
            s_squared
-           + _gamma(depth + 1, acc) * absolute)
-  release = (_gamma(columns + 1, acc) + u_out) * jnp.sqrt(s_squared)
+           + rounding.gamma(depth + 1, acc) * absolute)
+  release = (rounding.gamma(columns + 1, acc) + u_out) * jnp.sqrt(s_squared)
   # The bound's own terms are non-negative sums of at most
   # batch * columns^2 products of norms (each within gamma_{C+F+2}).
-  slack = 1.0 + 4.0 * _gamma(batch * columns * columns + contract +
+  slack = 1.0 + 4.0 * rounding.gamma(batch * columns * columns + contract +
                              features + 8, acc)
   return LayerNorms(_gram_bound(total, error, release, slack))
 
@@ -882,20 +852,20 @@ def _embedding_squared_norms(tap: Tap, program: _Program, leaf: jax.Array,
   gram = jnp.einsum('upf,uqf->upq', g_inside, g_inside, precision=highest)
   same = ids[:, :, None] == ids[:, None, :]
   products = jnp.where(same, gram, 0.0).reshape(units, -1)
-  total, depth = _sum_in_two_levels(products)
-  absolute, _ = _sum_in_two_levels(jnp.abs(products))
+  total, depth = rounding.sum_in_two_levels(products)
+  absolute, _ = rounding.sum_in_two_levels(jnp.abs(products))
   norms = _norm(g)
   inside_norms = jnp.where(inside, norms, 0.0)
   paired = jnp.einsum('up,upq,uq->u', inside_norms, same.astype(acc),
                       inside_norms, precision=highest)
   shared = (jnp.max(jnp.sum(same, axis=2), axis=1) +
             jnp.sum(~inside, axis=1))
-  error = _gamma(features, acc) * paired + _gamma(depth + 1, acc) * absolute
+  error = rounding.gamma(features, acc) * paired + rounding.gamma(depth + 1, acc) * absolute
   out_dtype = _aval(program.nodes[tap.node]).dtype
-  u_out = _roundoff(out_dtype) if jnp.finfo(out_dtype).eps > jnp.finfo(
-      acc).eps else 0.0
-  release = (_gamma(shared + 1, acc) + u_out) * jnp.sqrt(paired)
-  slack = 1.0 + 4.0 * _gamma(columns * columns + features + 8, acc)
+  u_out = (rounding.unit_roundoff(out_dtype)
+           if jnp.finfo(out_dtype).eps > jnp.finfo(acc).eps else 0.0)
+  release = (rounding.gamma(shared + 1, acc) + u_out) * jnp.sqrt(paired)
+  slack = 1.0 + 4.0 * rounding.gamma(columns * columns + features + 8, acc)
   outside = jnp.sum(jnp.where(inside, 0.0, norms), axis=1)
   inner = jnp.sqrt(_gram_bound(total, error, release, slack))
   return LayerNorms(jnp.square(inner + slack * outside))
@@ -1418,7 +1388,7 @@ def squared_norms_and_formed(
   # F1 for the non-negative sum over layers, and F2 for what follows: the
   # clip factor min(1, rsqrt(total)) (2 ulp), and for a formed gradient
   # the products (clip factor * l2_clip) * formed (2 roundings).
-  total = total * (1.0 + 2.0 * _gamma(len(norms) + 16, total.dtype))
+  total = total * (1.0 + 2.0 * rounding.gamma(len(norms) + 16, total.dtype))
   return total, tuple(layer.formed for layer in norms)
 
 

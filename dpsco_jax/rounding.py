@@ -73,17 +73,60 @@ def block_width(size: int) -> int:
 
 
 def sum_roundings(size: int) -> int:
-  """Roundings a term meets in a blocked sum of `size` terms (at most)."""
+  """Roundings a term meets in a two-level sum of `size` terms (at most)."""
+  if size <= 3:
+    return max(size - 1, 0)
   width = block_width(size)
   return width - 1 + (-(-size // width)) - 1
 
 
-def blocked_sum_of_squares(x: jax.Array) -> jax.Array:
-  """Sum of squares over the last axis, as sqrt-sized blocks, then blocks.
+def gamma(n: Any, dtype: Any) -> Any:
+  """`gamma_n = n u / (1 - n u)` (`n` an int or an array; inf past n u = 1/2).
 
-  Two XLA reductions in sequence bound the roundings each term meets by
-  `2 + sum_roundings(n)` (the square, this sum) whatever order XLA adds in
-  (module docstring).
+  Example:
+    >>> gamma(10, jnp.float32)   # about 10 * 2^-24
+    5.96...e-07
+  """
+  nu = n * unit_roundoff(dtype)
+  if isinstance(nu, float):
+    return nu / (1.0 - nu) if nu < 0.5 else math.inf
+  return jnp.where(nu < 0.5, nu / (1.0 - jnp.minimum(nu, 0.5)), jnp.inf)
+
+
+def sum_in_two_levels(x: jax.Array) -> tuple[jax.Array, int]:
+  """Sums `x` over its last axis in blocks of about sqrt(n) terms, then blocks.
+
+  An optimization barrier separates the levels: without it XLA fuses the
+  two reductions into one of n terms, and the bound below would not hold.
+
+  Example:
+    >>> sums, roundings = sum_in_two_levels(jnp.ones((2, 10)))
+    >>> roundings   # (4 - 1) + (3 - 1)
+    5
+
+  Args:
+    x: `[..., n]`.
+
+  Returns:
+    The sums `[...]` and the most rounded additions any term passes through,
+    `sum_roundings(n)`, whatever order XLA adds each level in.
+  """
+  n = x.shape[-1]
+  if n <= 3:
+    return jnp.sum(x, axis=-1), max(n - 1, 0)
+  width = block_width(n)
+  rows = -(-n // width)
+  x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, rows * width - n)])
+  partial = jnp.sum(x.reshape(x.shape[:-1] + (rows, width)), axis=-1)
+  partial = jax.lax.optimization_barrier(partial)
+  return jnp.sum(partial, axis=-1), sum_roundings(n)
+
+
+def blocked_sum_of_squares(x: jax.Array) -> jax.Array:
+  """Sum of squares over the last axis, in two levels (`sum_in_two_levels`).
+
+  Each term meets at most `1 + sum_roundings(n)` roundings (the square,
+  this sum) whatever order XLA adds in (module docstring).
 
   Example:
     >>> blocked_sum_of_squares(jnp.ones((2, 10)))
@@ -95,12 +138,7 @@ def blocked_sum_of_squares(x: jax.Array) -> jax.Array:
   Returns:
     `[...]`.
   """
-  size = x.shape[-1]
-  width = block_width(size)
-  rows = -(-size // width)
-  padded = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, rows * width - size)])
-  blocks = padded.reshape(x.shape[:-1] + (rows, width))
-  return jnp.sum(jnp.sum(jnp.square(blocks), axis=-1), axis=-1)
+  return sum_in_two_levels(jnp.square(x))[0]
 
 
 def squared_norm_roundings(leaf_sizes: Sequence[int],
