@@ -9,9 +9,8 @@ every experiment writes (`metrics.csv`, `learning_curve.png`,
     python -m experiments.flax_digits --config.model=cnn \
         --config.algorithm=dpftrl --output_dir=results/flax_digits
 
-The dense layers of the MLP take the ghost-norm path (no per-example
-gradients); the CNN's convolutions fall back to per-example gradients,
-announced by a `GhostClippingFallbackWarning`.
+Both models take the ghost-norm path under the default clipping method
+(no per-example gradients; the convolutions included).
 """
 
 import os

@@ -14,10 +14,11 @@ that flax layers expect, and takes it off again):
     ...
     logits = models.apply(graphdef, params, test['x'])   # a batch
 
-The dense layers of an MLP take the ghost-norm path of
-`dpsco_jax.clipping` (two backward passes, no per-example gradients); a
-convolution falls back to per-example gradients, announced once
-(`GhostClippingFallbackWarning`).
+Under the default `clipping_method='auto'` the MLP and the CNN both take
+the ghost-norm path of `dpsco_jax.clipping` (no per-example gradients;
+`ClippedStatistic.clipping_choice` shows the path and its cost estimates);
+a loss the ghost analysis cannot follow falls back to per-example
+gradients, announced once (`GhostClippingFallbackWarning`).
 
 `Decoder` is a small GPT-style language model whose dense layers carry
 LoRA adapters; `split_trainable` picks the adapters or the base to train

@@ -53,6 +53,24 @@ def test_example_loss_is_one_example_and_dense_layers_go_ghost():
     assert jnp.allclose(a, b, atol=1e-5)
 
 
+def test_the_cnn_takes_the_ghost_path_with_no_fallback():
+  graphdef, params = models.split(
+      models.CNN(10, image_size=8, rngs=nnx.Rngs(0)))
+  loss_fn = models.example_loss(graphdef)
+  batch = {'x': jnp.linspace(-1, 1, 4 * 64).reshape(4, 8, 8),
+           'y': jnp.arange(4, dtype=jnp.int32)}
+  statistic = clipping.clipped_grad_sum(loss_fn, l2_clip=0.1)
+  with warnings.catch_warnings():
+    warnings.simplefilter('error', clipping.GhostClippingFallbackWarning)
+    choice = statistic.clipping_choice(batch, params)
+    ghost_sum = statistic(batch, params).sum
+  assert choice is not None and choice.path == 'ghost', choice
+  vmapped = clipping.clipped_grad_sum(loss_fn, l2_clip=0.1, method='vmap')
+  for a, b in zip(jax.tree.leaves(ghost_sum),
+                  jax.tree.leaves(vmapped(batch, params).sum)):
+    assert jnp.allclose(a, b, atol=1e-5)
+
+
 def test_split_refuses_state_that_mixes_examples():
 
   class WithBatchNorm(nnx.Module):
