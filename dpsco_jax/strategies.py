@@ -529,7 +529,10 @@ def _toeplitz_square_root_start(workload_matrix: np.ndarray, num_epochs: int,
   factorization, Kalinin & Lampert 2024); truncated to at most b bands it
   satisfies the orthogonality mask, and rescaling its columns sets every
   diagonal entry of X to 1/k. Starting there instead of from the identity
-  cuts the initial loss by 5-10x on the paper's workloads.
+  cuts the initial loss by 5-10x on the paper's workloads. For `M A L` this
+  root is the closed form `banded_square_root` (equal to 1e-15, so
+  starting from the closed form changes nothing); the recursion here also
+  serves any other Toeplitz workload.
 
   Returns:
     The starting Gram matrix, or None when W is not lower-triangular
