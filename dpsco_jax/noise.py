@@ -867,12 +867,9 @@ def _banded_decoder_noise(inverse: np.ndarray, bands: int, release: str,
                           sampler: Sampler):
   """`next`/`init` of `w_t = sum_(j < b') C^-1[t, t-j] z_(t-j)`.
 
-  For a banded `C^-1` (b' >= 2 diagonals: a diagonal inverse has a
-  diagonal strategy, which takes the forward substitution): a ring buffer
-  of the last b' - 1 draws z, one draw per step.
+  For a banded `C^-1` (b' diagonals): a ring buffer of the last b' - 1
+  draws z, one draw per step.
   """
-  if bands < 2:
-    raise AssertionError('a diagonal inverse streams by forward substitution')
   band = np.zeros((num_steps, bands))
   for j in range(bands):
     band[j:, j] = np.diagonal(inverse, -j)
@@ -898,18 +895,24 @@ def _banded_decoder_noise(inverse: np.ndarray, bands: int, release: str,
     # Slot m holds z_s for the latest s < t with s = m (mod slots), as in
     # `_buffered_noise`; row[lag] is zero for lags past the first row.
     lags = (step - 1 - jnp.arange(slots)) % slots + 1
-    coefficients = row[lags]
+    coefficients = row[lags] if bands > 1 else None
     z = _draw(jax.random.fold_in(state.key, state.step), template, sampler)
 
     def combine(z_leaf, past_leaf):
-      return (row[0].astype(z_leaf.dtype) * z_leaf + jnp.tensordot(
-          coefficients.astype(z_leaf.dtype), past_leaf, axes=1))
+      current = row[0].astype(z_leaf.dtype) * z_leaf
+      if coefficients is None:
+        return current
+      return current + jnp.tensordot(coefficients.astype(z_leaf.dtype),
+                                     past_leaf, axes=1)
 
     noise = jax.tree_util.tree_map(combine, z, state.buffers['past_draws'])
-    past = jax.tree_util.tree_map(
-        lambda past_leaf, z_leaf: jax.lax.dynamic_update_index_in_dim(
-            past_leaf, z_leaf.astype(past_leaf.dtype), step % slots, 0),
-        state.buffers['past_draws'], z)
+    if bands > 1:
+      past = jax.tree_util.tree_map(
+          lambda past_leaf, z_leaf: jax.lax.dynamic_update_index_in_dim(
+              past_leaf, z_leaf.astype(past_leaf.dtype), step % slots, 0),
+          state.buffers['past_draws'], z)
+    else:
+      past = state.buffers['past_draws']
     buffers = {'past_draws': past}
     if release == 'prefix':
       buffers['prefix'] = jax.tree_util.tree_map(
@@ -1026,7 +1029,8 @@ def noise_buffer_count(mechanism: NoiseMechanism) -> int:
 
   Returns:
     The number of params-sized buffers (0 for i.i.d. noise, `bands - 1`
-    for a banded strategy, the number of buffers of a BLT).
+    for a banded strategy or a strategy given with its banded inverse, the
+    number of buffers of a BLT).
   """
   state = jax.eval_shape(mechanism.init, jax.ShapeDtypeStruct((), jnp.float32),
                          jax.random.key(0))

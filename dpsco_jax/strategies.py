@@ -10,7 +10,9 @@ This module builds the workloads of paper 001 §5 (prefix sums "ones", and the
 "true" workloads with momentum and SRG decay), optimizes a strategy for a
 workload under multi-epoch fixed-order (k, b)-participation (the Gram-matrix
 formulation of multi-epoch matrix factorization, Choquette-Choo et al. 2023,
-which paper 001 Algorithm 2 uses), and measures the error of any mechanism
+which paper 001 Algorithm 2 uses), gives closed-form banded strategies for
+the "true" workloads (`banded_square_root`, `banded_inverse_square_root`),
+and measures the error of any mechanism
 at equal sensitivity, for the comparison of identity, trees and optimized
 strategies. All computations are float64 NumPy/SciPy on the host: strategies
 are computed once, before training, and cached on disk.

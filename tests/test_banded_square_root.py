@@ -169,6 +169,22 @@ def test_banded_square_root_streams_with_bands_minus_one_buffers():
   assert noise.noise_buffer_count(mechanism) == 4
 
 
+def test_a_diagonal_inverse_keeps_no_buffer():
+  """C equal to the identity up to round-off: the draws themselves."""
+  steps = 5
+  c = np.eye(steps) + 1e-12 * np.eye(steps, k=-1)
+  mechanism = noise.matrix_factorization(c, inverse=np.eye(steps))
+  assert noise.noise_buffer_count(mechanism) == 0
+  template = jnp.zeros(3)
+  iid = noise.gaussian(steps)
+  state = mechanism.init(template, jax.random.key(1))
+  iid_state = iid.init(template, jax.random.key(1))
+  for _ in range(steps):
+    value, state = mechanism.next(state, template)
+    z, iid_state = iid.next(iid_state, template)
+    np.testing.assert_array_equal(value, z)
+
+
 def test_an_inverse_that_does_not_match_is_refused():
   c, inverse = strategies.banded_inverse_square_root(10, 3, with_inverse=True)
   with pytest.raises(ValueError, match='not the inverse'):
