@@ -927,8 +927,8 @@ def dpmemf(
     noise_multiplier: the noise to use (or give `epsilon`).
     strategy: the lower-triangular `[k b, k b]` strategy; None (optimized
       here, dense or with `bands`); 'banded' (optimized here with `bands`
-      bands; the one choice with `sampling='cyclic_poisson'` besides a
-      given matrix); 'banded_sqrt' or 'banded_inverse_sqrt': the closed
+      bands; with 'banded_sqrt' and a given matrix, the choices for
+      `sampling='cyclic_poisson'`); 'banded_sqrt' or 'banded_inverse_sqrt': the closed
       forms `strategies.banded_square_root` / `banded_inverse_square_root`
       of the same workload with `bands` bands (of C, resp. of C^-1; no
       optimization, `bands - 1` noise buffers; 'banded_sqrt' also with
@@ -936,7 +936,8 @@ def dpmemf(
       strategy optimized here for the same workload under (k, b)
       participation (`dpsco_jax.blt`), whose noise keeps `n_buffers`
       params-sized buffers instead of `k b - 1`.
-    momentum: the workload's momentum when the strategy is optimized here.
+    momentum: the workload's momentum when the strategy is optimized or
+      built here.
     bands: bands of the optimized strategy (None: dense), or of the
       closed form.
     n_buffers: buffers of the BLT strategy (2 to 5 come within a few
@@ -1230,8 +1231,8 @@ def dp_srg_memf(
     noise_multiplier: the noise to use (or give `epsilon`).
     strategy: the lower-triangular `[k b, k b]` strategy; None (optimized
       here, dense or with `bands`); 'banded' (optimized here with `bands`
-      bands; the one choice with `sampling='cyclic_poisson'` besides a
-      given matrix); 'banded_sqrt' or 'banded_inverse_sqrt': the closed
+      bands; with 'banded_sqrt' and a given matrix, the choices for
+      `sampling='cyclic_poisson'`); 'banded_sqrt' or 'banded_inverse_sqrt': the closed
       forms `strategies.banded_square_root` / `banded_inverse_square_root`
       of the same workload with `bands` bands (of C, resp. of C^-1; no
       optimization, `bands - 1` noise buffers; 'banded_sqrt' also with
@@ -1239,7 +1240,8 @@ def dp_srg_memf(
       strategy optimized here for the same workload under (k, b)
       participation (`dpsco_jax.blt`), whose noise keeps `n_buffers`
       params-sized buffers instead of `k b - 1`.
-    momentum: the workload's momentum when the strategy is optimized here.
+    momentum: the workload's momentum when the strategy is optimized or
+      built here.
     bands: bands of the optimized strategy (None: dense), or of the
       closed form.
     n_buffers: buffers of the BLT strategy (2 to 5 come within a few
