@@ -718,6 +718,7 @@ def validate_strategy(strategy: np.ndarray) -> np.ndarray:
 def matrix_factorization(
     strategy: np.ndarray,
     *,
+    inverse: Optional[np.ndarray] = None,
     release: str = 'per_step',
     storage: str = 'buffer',
     sampler: Sampler = jax.random.normal,
@@ -741,6 +742,15 @@ def matrix_factorization(
     every `z_s` from its key: no buffer at all, but t + 1 draws at step t.
     For memory-bound runs (see `benchmarks/mf_noise.py` for the cost).
 
+  A dense C can have a banded inverse (the banded inverse square root,
+  `strategies.banded_inverse_square_root`): then give that inverse as
+  `inverse=`, and `storage='buffer'` computes `w_t = sum_{0 <= j < b'}
+  (C^-1)[t, t-j] z_(t-j)` directly, keeping the last `b' - 1` draws z (b'
+  the number of non-zero diagonals of `C^-1`) when that is fewer than the
+  `b - 1` noise vectors of the forward substitution. The noise is then
+  exactly `inverse @ z`; C (checked to be its inverse to 1e-8) remains the
+  encoder the accountant reads.
+
   With `release='prefix'` the prefix noise `A C^-1 z` is released instead
   (the running sum of `w`).
 
@@ -753,6 +763,9 @@ def matrix_factorization(
   Args:
     strategy: `C`, lower-triangular `[T, T]` with a non-zero diagonal; T is
       the capacity.
+    inverse: optional `C^-1`, exactly (e.g. the banded inverse of
+      `strategies.banded_inverse_square_root(..., with_inverse=True)`); it
+      defines the noise when given.
     release: 'per_step' (`C^-1 z`) or 'prefix' (`A C^-1 z`).
     storage: 'buffer' or 'regenerate' (see above).
     sampler: `(key, shape, dtype) -> array` unit-variance sampler (tests
@@ -760,8 +773,15 @@ def matrix_factorization(
 
   Returns:
     A `NoiseMechanism`.
+
+  Raises:
+    ValueError: for an invalid strategy (`validate_strategy`), release or
+      storage, or an `inverse` that is not lower-triangular, of another
+      shape, or not the inverse of `strategy`.
   """
   strategy = validate_strategy(strategy)
+  if inverse is not None:
+    inverse = _validate_inverse(strategy, inverse)
   if release not in ('per_step', 'prefix'):
     raise ValueError(f"release must be 'per_step' or 'prefix', got {release!r}")
   if storage not in ('buffer', 'regenerate'):
@@ -769,21 +789,36 @@ def matrix_factorization(
         f"storage must be 'buffer' or 'regenerate', got {storage!r}")
   num_steps = strategy.shape[0]
   bands = _bandwidth(strategy)
+  extra = {}
+  inverse_bands = None
+  if inverse is not None:
+    inverse_bands = _bandwidth(inverse)
+    # Only the inverse's own hash and bands are new: a mechanism built
+    # without it keeps its identity (and its checkpoints stay valid).
+    extra['inverse_sha256'] = _sha256(inverse)
   name = (f'matrix_factorization(T={num_steps}, bands={bands}, '
-          f'release={release}, storage={storage})')
+          + (f'inverse_bands={inverse_bands}, ' if inverse is not None
+             else '') + f'release={release}, storage={storage})')
   identity = mechanism_identity(
       'matrix_factorization', release=release, storage=storage,
       sampler=_sampler_name(sampler), shape=list(strategy.shape),
-      strategy_sha256=hashlib.sha256(np.ascontiguousarray(
-          strategy, dtype='<f8').tobytes()).hexdigest())
+      strategy_sha256=_sha256(strategy), **extra)
 
   def decoder_matrix():
-    inverse = linalg.solve_triangular(strategy, np.eye(num_steps), lower=True)
-    return np.cumsum(inverse, axis=0) if release == 'prefix' else inverse
+    if inverse is not None:
+      decoder = inverse.copy()
+    else:
+      decoder = linalg.solve_triangular(strategy, np.eye(num_steps),
+                                        lower=True)
+    return np.cumsum(decoder, axis=0) if release == 'prefix' else decoder
 
   if storage == 'regenerate':
     next_noise, init = _regenerated_noise(decoder_matrix(), num_steps, name,
                                           identity, sampler)
+  elif inverse is not None and inverse_bands < bands:
+    next_noise, init = _banded_decoder_noise(inverse, inverse_bands, release,
+                                             num_steps, name, identity,
+                                             sampler)
   else:
     next_noise, init = _buffered_noise(strategy, bands, release, num_steps,
                                        name, identity, sampler)
@@ -792,6 +827,101 @@ def matrix_factorization(
       identity=identity, encoder_matrix=lambda: strategy.copy(),
       num_steps=num_steps, release=release, name=name,
       decoder_matrix=decoder_matrix)
+
+
+def _sha256(matrix: np.ndarray) -> str:
+  return hashlib.sha256(np.ascontiguousarray(
+      matrix, dtype='<f8').tobytes()).hexdigest()
+
+
+def _validate_inverse(strategy: np.ndarray, inverse: np.ndarray
+                      ) -> np.ndarray:
+  """Returns `inverse` as float64, or raises unless it is `C^-1` of C.
+
+  `C C^-1` is formed from the diagonals of `C^-1` (O(T^2 b') for b'
+  diagonals), and must be the identity to 1e-8 relative to the sizes of
+  the factors: the accountant reads C while the noise is drawn with the
+  inverse, so they must describe one mechanism.
+  """
+  inverse = validate_strategy(inverse)
+  if inverse.shape != strategy.shape:
+    raise ValueError(f'the inverse has shape {inverse.shape}, the strategy '
+                     f'{strategy.shape}')
+  num_steps = strategy.shape[0]
+  product = np.zeros_like(strategy)
+  for lag in range(_bandwidth(inverse)):
+    diagonal = np.diagonal(inverse, -lag)
+    if np.any(diagonal):
+      # (C C^-1)[:, j] gets C[:, j + lag] C^-1[j + lag, j].
+      product[:, :num_steps - lag] += strategy[:, lag:] * diagonal
+  scale = np.abs(strategy).max() * np.abs(inverse).sum(axis=0).max()
+  error = np.abs(product - np.eye(num_steps)).max()
+  if not error <= 1e-8 * max(scale, 1.0):
+    raise ValueError(f'inverse is not the inverse of the strategy: '
+                     f'max |C inverse - I| = {error:.3g}')
+  return inverse
+
+
+def _banded_decoder_noise(inverse: np.ndarray, bands: int, release: str,
+                          num_steps: int, name: str, identity: str,
+                          sampler: Sampler):
+  """`next`/`init` of `w_t = sum_(j < b') C^-1[t, t-j] z_(t-j)`.
+
+  For a banded `C^-1` (b' diagonals): a ring buffer of the last b' - 1
+  draws z, one draw per step.
+  """
+  band = np.zeros((num_steps, bands))
+  for j in range(bands):
+    band[j:, j] = np.diagonal(inverse, -j)
+  band = jnp.asarray(band, jnp.float32)
+  slots = max(bands - 1, 1)
+
+  def init(template, key):
+    past = jax.tree_util.tree_map(
+        lambda leaf: jnp.zeros((bands - 1,) + jnp.shape(leaf),
+                               _noise_dtype(leaf)), template)
+    buffers = {'past_draws': past}
+    if release == 'prefix':
+      buffers['prefix'] = _zeros(template)
+    return NoiseState(key=key, step=jnp.zeros((), jnp.int32), buffers=buffers)
+
+  def next_noise(state, template):
+    check_state(state, identity, name)
+    _check_buffers(state.buffers['past_draws'], template, (bands - 1,))
+    if release == 'prefix':
+      _check_buffers(state.buffers['prefix'], template, ())
+    step = jnp.asarray(state.step)
+    row = band[jnp.minimum(step, num_steps - 1)]
+    # Slot m holds z_s for the latest s < t with s = m (mod slots), as in
+    # `_buffered_noise`; row[lag] is zero for lags past the first row.
+    lags = (step - 1 - jnp.arange(slots)) % slots + 1
+    coefficients = row[lags] if bands > 1 else None
+    z = _draw(jax.random.fold_in(state.key, state.step), template, sampler)
+
+    def combine(z_leaf, past_leaf):
+      current = row[0].astype(z_leaf.dtype) * z_leaf
+      if coefficients is None:
+        return current
+      return current + jnp.tensordot(coefficients.astype(z_leaf.dtype),
+                                     past_leaf, axes=1)
+
+    noise = jax.tree_util.tree_map(combine, z, state.buffers['past_draws'])
+    if bands > 1:
+      past = jax.tree_util.tree_map(
+          lambda past_leaf, z_leaf: jax.lax.dynamic_update_index_in_dim(
+              past_leaf, z_leaf.astype(past_leaf.dtype), step % slots, 0),
+          state.buffers['past_draws'], z)
+    else:
+      past = state.buffers['past_draws']
+    buffers = {'past_draws': past}
+    if release == 'prefix':
+      buffers['prefix'] = jax.tree_util.tree_map(
+          jnp.add, state.buffers['prefix'], noise)
+      noise = buffers['prefix']
+    noise = _refuse_invalid(state, noise, num_steps, name, identity)
+    return noise, state._replace(step=state.step + 1, buffers=buffers)
+
+  return next_noise, init
 
 
 def _buffered_noise(strategy: np.ndarray, bands: int, release: str,
@@ -899,7 +1029,8 @@ def noise_buffer_count(mechanism: NoiseMechanism) -> int:
 
   Returns:
     The number of params-sized buffers (0 for i.i.d. noise, `bands - 1`
-    for a banded strategy, the number of buffers of a BLT).
+    for a banded strategy or a strategy given with its banded inverse, the
+    number of buffers of a BLT).
   """
   state = jax.eval_shape(mechanism.init, jax.ShapeDtypeStruct((), jnp.float32),
                          jax.random.key(0))

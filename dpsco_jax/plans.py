@@ -716,6 +716,10 @@ MAX_NOISE_BUFFERS = 64
 
 MF_SAMPLINGS = ('fixed', 'cyclic_poisson')
 
+# Closed-form strategies for the plan's workload (`strategies`).
+CLOSED_FORMS = ('banded_sqrt', 'banded_inverse_sqrt')
+MF_STRATEGIES = ('banded', 'blt') + CLOSED_FORMS
+
 
 def _cyclic_poisson_sampler(num_examples: int, batch_size: int, epochs: int,
                             bands: Optional[int], seed: Optional[int]
@@ -753,9 +757,13 @@ def _matrix_factorization(num_examples: int, batch_size: int, epochs: int,
     `(sampler, strategy, mechanism)`: for `strategy=None` or 'banded' a
     matrix optimized for `workload(T, 'true', momentum, decay)` (under
     `FixedOrder(k, b)`, or with unit column norms and `bands` bands for
-    cyclic Poisson sampling); for `strategy='blt'`, `None` and a BLT
-    mechanism optimized for the same workload under `FixedOrder(k, b)`
-    (`blt.optimize`); a given matrix is used as is.
+    cyclic Poisson sampling); for 'banded_sqrt' the closed-form
+    `strategies.banded_square_root` of that workload; for
+    'banded_inverse_sqrt', `None` and the mechanism of
+    `strategies.banded_inverse_square_root` (noise streamed from its banded
+    inverse); for `strategy='blt'`, `None` and a BLT mechanism optimized
+    for the same workload under `FixedOrder(k, b)` (`blt.optimize`); a
+    given matrix is used as is.
 
   Raises:
     ValueError: if the noise state would keep more than `max_noise_buffers`
@@ -766,18 +774,26 @@ def _matrix_factorization(num_examples: int, batch_size: int, epochs: int,
                      f'{sampling!r}')
   max_noise_buffers = checks.positive_int(max_noise_buffers,
                                           'max_noise_buffers')
-  if isinstance(strategy, str) and strategy not in ('blt', 'banded'):
-    raise ValueError("strategy must be a matrix, None (optimized here), "
-                     f"'banded' or 'blt', got {strategy!r}")
+  if isinstance(strategy, str) and strategy not in MF_STRATEGIES:
+    raise ValueError("strategy must be a matrix, None (optimized here) or "
+                     f"one of {MF_STRATEGIES}, got {strategy!r}")
   kind = strategy if isinstance(strategy, str) else None
-  if kind == 'banded' and bands is None:
-    raise ValueError("strategy='banded' needs bands=")
+  if kind in ('banded',) + CLOSED_FORMS and bands is None:
+    raise ValueError(f"strategy={kind!r} needs bands=")
   if sampling == 'cyclic_poisson':
+    if kind == 'banded_inverse_sqrt':
+      raise ValueError(
+          "strategy='banded_inverse_sqrt' cannot be amplified by "
+          "sampling='cyclic_poisson': its C^-1 is banded but C itself is "
+          'dense, so one step\'s contribution reaches every later row of '
+          'C x + z and the steps of one partition are not independent '
+          "Poisson-sampled Gaussians. Use strategy='banded_sqrt' or "
+          "'banded' (C with at most bands diagonals), or sampling='fixed'")
     if strategy is None or kind == 'blt':
       raise ValueError(
           "sampling='cyclic_poisson' is accounted for a banded strategy "
-          "(Amplified BandMF): use strategy='banded' with bands=b, or a "
-          'given matrix of at most b bands')
+          "(Amplified BandMF): use strategy='banded' or 'banded_sqrt' with "
+          'bands=b, or a given matrix of at most b bands')
     sampler = _cyclic_poisson_sampler(num_examples, batch_size, epochs, bands,
                                       seed)
     steps = sampler.num_steps
@@ -789,6 +805,11 @@ def _matrix_factorization(num_examples: int, batch_size: int, epochs: int,
       strategy = strategies.optimize_strategy(
           strategies.workload(steps, 'true', momentum=momentum, decay=decay),
           1, bands=bands)
+    elif kind == 'banded_sqrt':
+      # The accountant divides by the largest column norm, so C needs no
+      # normalization.
+      strategy = strategies.banded_square_root(steps, bands,
+                                               momentum=momentum, decay=decay)
     mechanism = mf.epoch_mechanism(np.asarray(strategy), 'buffer', steps)
     if mechanism.num_steps != steps:
       raise ValueError(f'the strategy covers {mechanism.num_steps} steps; '
@@ -799,6 +820,20 @@ def _matrix_factorization(num_examples: int, batch_size: int, epochs: int,
     strategy = None
   sampler = _sampler('fixed', num_examples, batch_size, epochs, seed)
   steps, b = sampler.num_steps, sampler.steps_per_epoch
+  if kind == 'banded_sqrt':
+    # The sensitivity under FixedOrder(k, b) is computed from this C by the
+    # accountant (exact: its entries are positive).
+    strategy = strategies.banded_square_root(steps, bands, momentum=momentum,
+                                             decay=decay)
+  elif kind == 'banded_inverse_sqrt':
+    c, c_inverse = strategies.banded_inverse_square_root(
+        steps, bands, momentum=momentum, decay=decay, with_inverse=True)
+    # C is dense; its banded inverse streams the noise from the last
+    # bands - 1 draws.
+    mechanism = mf.epoch_mechanism(
+        None, 'buffer', b, noise.matrix_factorization(c, inverse=c_inverse))
+    _check_noise_buffers(mechanism, max_noise_buffers, steps)
+    return sampler, None, mechanism
   if isinstance(strategy, str):
     if bands is not None:
       raise ValueError("bands applies to an optimized matrix strategy, not "
@@ -892,13 +927,19 @@ def dpmemf(
     noise_multiplier: the noise to use (or give `epsilon`).
     strategy: the lower-triangular `[k b, k b]` strategy; None (optimized
       here, dense or with `bands`); 'banded' (optimized here with `bands`
-      bands; the one choice with `sampling='cyclic_poisson'` besides a
-      given matrix); or 'blt': a buffered-linear-Toeplitz strategy
-      optimized here for the same workload under (k, b) participation
-      (`dpsco_jax.blt`), whose noise keeps `n_buffers` params-sized buffers
-      instead of `k b - 1`.
-    momentum: the workload's momentum when the strategy is optimized here.
-    bands: bands of the optimized strategy (None: dense).
+      bands; with 'banded_sqrt' and a given matrix, the choices for
+      `sampling='cyclic_poisson'`); 'banded_sqrt' or 'banded_inverse_sqrt': the closed
+      forms `strategies.banded_square_root` / `banded_inverse_square_root`
+      of the same workload with `bands` bands (of C, resp. of C^-1; no
+      optimization, `bands - 1` noise buffers; 'banded_sqrt' also with
+      `sampling='cyclic_poisson'`); or 'blt': a buffered-linear-Toeplitz
+      strategy optimized here for the same workload under (k, b)
+      participation (`dpsco_jax.blt`), whose noise keeps `n_buffers`
+      params-sized buffers instead of `k b - 1`.
+    momentum: the workload's momentum when the strategy is optimized or
+      built here.
+    bands: bands of the optimized strategy (None: dense), or of the
+      closed form.
     n_buffers: buffers of the BLT strategy (2 to 5 come within a few
       percent of the dense error).
     max_noise_buffers: the most params-sized noise buffers the plan may
@@ -908,7 +949,8 @@ def dpmemf(
       'cyclic_poisson' (Amplified BandMF: `bands` partitions, step t draws
       partition t mod b with probability B b / n for round(k n / B) steps,
       accounted with amplification, `accounting.CyclicPoissonSampling`;
-      with strategy='banded' or a matrix of at most `bands` bands).
+      with strategy='banded', 'banded_sqrt' or a matrix of at most `bands`
+      bands).
     seed: the order's seed (None: fresh from OS entropy).
     key: the noise key (None: fresh from OS entropy).
     method: accounting method.
@@ -1189,13 +1231,19 @@ def dp_srg_memf(
     noise_multiplier: the noise to use (or give `epsilon`).
     strategy: the lower-triangular `[k b, k b]` strategy; None (optimized
       here, dense or with `bands`); 'banded' (optimized here with `bands`
-      bands; the one choice with `sampling='cyclic_poisson'` besides a
-      given matrix); or 'blt': a buffered-linear-Toeplitz strategy
-      optimized here for the same workload under (k, b) participation
-      (`dpsco_jax.blt`), whose noise keeps `n_buffers` params-sized buffers
-      instead of `k b - 1`.
-    momentum: the workload's momentum when the strategy is optimized here.
-    bands: bands of the optimized strategy (None: dense).
+      bands; with 'banded_sqrt' and a given matrix, the choices for
+      `sampling='cyclic_poisson'`); 'banded_sqrt' or 'banded_inverse_sqrt': the closed
+      forms `strategies.banded_square_root` / `banded_inverse_square_root`
+      of the same workload with `bands` bands (of C, resp. of C^-1; no
+      optimization, `bands - 1` noise buffers; 'banded_sqrt' also with
+      `sampling='cyclic_poisson'`); or 'blt': a buffered-linear-Toeplitz
+      strategy optimized here for the same workload under (k, b)
+      participation (`dpsco_jax.blt`), whose noise keeps `n_buffers`
+      params-sized buffers instead of `k b - 1`.
+    momentum: the workload's momentum when the strategy is optimized or
+      built here.
+    bands: bands of the optimized strategy (None: dense), or of the
+      closed form.
     n_buffers: buffers of the BLT strategy (2 to 5 come within a few
       percent of the dense error).
     max_noise_buffers: the most params-sized noise buffers the plan may
@@ -1205,7 +1253,8 @@ def dp_srg_memf(
       'cyclic_poisson' (Amplified BandMF: `bands` partitions, step t draws
       partition t mod b with probability B b / n for round(k n / B) steps,
       accounted with amplification, `accounting.CyclicPoissonSampling`;
-      with strategy='banded' or a matrix of at most `bands` bands).
+      with strategy='banded', 'banded_sqrt' or a matrix of at most `bands`
+      bands).
     seed: the order's seed (None: fresh from OS entropy).
     key: the noise key (None: fresh from OS entropy).
     method: accounting method.

@@ -10,7 +10,9 @@ This module builds the workloads of paper 001 §5 (prefix sums "ones", and the
 "true" workloads with momentum and SRG decay), optimizes a strategy for a
 workload under multi-epoch fixed-order (k, b)-participation (the Gram-matrix
 formulation of multi-epoch matrix factorization, Choquette-Choo et al. 2023,
-which paper 001 Algorithm 2 uses), and measures the error of any mechanism
+which paper 001 Algorithm 2 uses), gives closed-form banded strategies for
+the "true" workloads (`banded_square_root`, `banded_inverse_square_root`),
+and measures the error of any mechanism
 at equal sensitivity, for the comparison of identity, trees and optimized
 strategies. All computations are float64 NumPy/SciPy on the host: strategies
 are computed once, before training, and cached on disk.
@@ -27,6 +29,7 @@ from typing import Callable, Optional, Union
 from absl import logging
 import numpy as np
 from scipy import linalg
+from scipy import signal
 import threadpoolctl
 
 from dpsco_jax import accounting
@@ -128,6 +131,202 @@ def workload(num_steps: int, kind: str = 'ones', *, momentum: float = 0.0,
     return (momentum_matrix(num_steps, momentum) @ prefix_workload(num_steps)
             @ decay_matrix(num_steps, decay))
   raise ValueError(f"kind must be 'ones' or 'true', got {kind!r}")
+
+
+def _workload_ratios(momentum: float, decay: float) -> tuple[float, ...]:
+  """The ratios r of the geometric factors `1 / (1 - r x)` of `M A L`."""
+  ratios = [1.0]  # A, the prefix sums.
+  for name, value in (('momentum', momentum), ('decay', decay)):
+    value = float(value)
+    if not 0.0 <= value < 1.0:  # Also refuses NaN.
+      raise ValueError(f'{name} must be in [0, 1), got {value!r}')
+    if value:
+      ratios.append(value)
+  return tuple(ratios)
+
+
+def _workload_power_series(num_steps: int, momentum: float, decay: float,
+                           exponent: float) -> np.ndarray:
+  """The first T coefficients of `w(x)^exponent`, `w` the symbol of `M A L`.
+
+  `w(x) = prod_r 1 / (1 - r x)` over r in (1, momentum, decay), so
+  `w(x)^p = prod_r (1 - r x)^(-p)`. The coefficients of one factor
+  `(1 - r x)^(-p)` are `binom(-p, k) (-r)^k`, whose ratio gives the
+  recursion `f_0 = 1`, `f_k = f_(k-1) r (k - 1 + p) / k`: one
+  multiplication per coefficient, so each has a relative error of at most
+  about k ulps (no subtraction). The factors are then multiplied as
+  truncated power series (`np.convolve`): for `p = 1/2` every term is
+  positive (no cancellation, relative error O(T) ulps); for `p = -1/2` the
+  absolute error is at most O(T) ulps of `prod_r sum_k |f_k| <= 2^3`.
+
+  Args:
+    num_steps: T.
+    momentum: r of M, in [0, 1).
+    decay: r of L, in [0, 1).
+    exponent: p, the power of the workload's series (1/2: the square
+      root; -1/2: the inverse square root).
+
+  Returns:
+    float64 `[T]`.
+  """
+  num_steps = checks.positive_int(num_steps, 'num_steps')
+  series = np.zeros(num_steps)
+  series[0] = 1.0
+  lags = np.arange(1, num_steps)
+  for ratio in _workload_ratios(momentum, decay):
+    factor = np.ones(num_steps)
+    factor[1:] = np.cumprod(ratio * (lags - 1 + exponent) / lags)
+    series = np.convolve(series, factor)[:num_steps]
+  return series
+
+
+def _lower_toeplitz(column: np.ndarray) -> np.ndarray:
+  """The lower-triangular Toeplitz matrix with first column `column`."""
+  return linalg.toeplitz(column, np.zeros(len(column)))
+
+
+def _check_bands(num_steps: int, bands: int) -> tuple[int, int]:
+  num_steps = checks.positive_int(num_steps, 'num_steps')
+  bands = checks.positive_int(bands, 'bands')
+  if bands > num_steps:
+    raise ValueError(f'bands={bands} exceeds num_steps={num_steps}: a '
+                     f'[T, T] strategy has at most T diagonals')
+  return num_steps, bands
+
+
+def banded_square_root(num_steps: int, bands: int, *, momentum: float = 0.0,
+                       decay: float = 0.0) -> np.ndarray:
+  r"""Banded square root (BSR) of the workload `M A L`: a closed-form `C`.
+
+  The workload `W = workload(T, 'true', momentum=beta, decay=c) = M A L`
+  (SGD with heavy-ball momentum beta on the gradients, or on DP-SRG-MEMF's
+  recursive gradients with decay c) is lower-triangular Toeplitz, and so is
+  every product or power of such matrices: the `[T, T]` lower-triangular
+  Toeplitz matrix with first column `f_0, f_1, ...` is the power series
+  `f(x) = sum_k f_k x^k` modulo `x^T`, and matrix products are products of
+  series. `M`, `A` and `L` have the series `1 / (1 - beta x)`,
+  `1 / (1 - x)` and `1 / (1 - c x)`, so the square root `R` of W (the
+  unique lower-triangular one with a positive diagonal, which is also the
+  principal square root `scipy.linalg.sqrtm(W)`) has the series
+
+      r(x) = (1 - x)^(-1/2) (1 - beta x)^(-1/2) (1 - c x)^(-1/2),
+
+  where `(1 - rho x)^(-1/2) = sum_k binom(2k, k) / 4^k rho^k x^k`. For
+  prefix sums (beta = c = 0) `r_k = binom(2k, k) / 4^k`; otherwise r is the
+  convolution of the three factors' coefficients. Each factor's
+  coefficients are computed by the recursion `a_0 = 1`,
+  `a_k = a_(k-1) rho (2k - 1) / (2k)` and the factors are multiplied as
+  series, in float64, all terms positive (no cancellation).
+
+  BSR keeps the first `bands` diagonals of R (Kalinin & Lampert 2024): `C`
+  is lower-triangular Toeplitz with column `r_0, ..., r_(bands - 1), 0...`,
+  so its noise `C^-1 z` streams with `bands - 1` params-sized buffers
+  (`noise.matrix_factorization`), and with `bands <= b` it suits
+  b-min-separated participation, including cyclic Poisson sampling
+  (`accounting.CyclicPoissonSampling`). `C` is not normalized: the
+  accountant computes its sensitivity under the run's participation
+  (`accounting.mechanism_sensitivity`), which makes the scale irrelevant.
+  Its entries are positive, so that sensitivity is exact.
+
+  Example:
+    >>> c = banded_square_root(600, 16, momentum=0.9)
+    >>> mech = noise.matrix_factorization(c)      # 15 noise buffers
+    >>> banded_square_root(4, 4)[:, 0]            # binom(2k, k) / 4^k
+    array([1.    , 0.5   , 0.375 , 0.3125])
+
+  Args:
+    num_steps: T.
+    bands: b, the number of non-zero diagonals of C, in [1, T] (T: the
+      square root itself, `C C = W`).
+    momentum: beta in [0, 1).
+    decay: c in [0, 1) (0: DP-MEMF's workload `M A`).
+
+  Returns:
+    `C`, lower-triangular Toeplitz float64 `[T, T]` with exactly `bands`
+    non-zero diagonals.
+
+  Raises:
+    ValueError: if T or bands is not a positive integer, bands > T, or
+      momentum or decay is outside [0, 1).
+
+  References:
+    Kalinin & Lampert, "Banded Square Root Matrix Factorization for
+    Differentially Private Model Training", NeurIPS 2024
+    (arXiv:2405.13763).
+  """
+  num_steps, bands = _check_bands(num_steps, bands)
+  column = _workload_power_series(num_steps, momentum, decay, 0.5)
+  column[bands:] = 0.0
+  return _lower_toeplitz(column)
+
+
+def banded_inverse_square_root(num_steps: int, bands: int, *,
+                               momentum: float = 0.0, decay: float = 0.0,
+                               with_inverse: bool = False):
+  r"""Banded inverse square root (BISR) of `M A L`: a closed-form `C`.
+
+  With the series notation of `banded_square_root` (lower-triangular
+  Toeplitz `[T, T]` matrices are power series modulo `x^T`), the inverse
+  square root of `W = M A L` has the series
+
+      s(x) = 1 / r(x) = (1 - x)^(1/2) (1 - beta x)^(1/2) (1 - c x)^(1/2),
+
+  each factor `(1 - rho x)^(1/2) = sum_k b_k x^k` with `b_0 = 1`,
+  `b_k = b_(k-1) rho (2k - 3) / (2k)` (so `b_k = -binom(2k, k) rho^k /
+  (4^k (2k - 1))`, negative for k >= 1). BISR (Kalinin, McKenna, Upadhyay
+  & Lampert 2025) makes the INVERSE of the strategy banded: `C^-1` is
+  lower-triangular Toeplitz with column `s_0, ..., s_(bands - 1), 0...` (the
+  polynomial `d(x)`, s truncated to degree bands - 1), and C is its inverse,
+  the series `1 / d(x)`, whose coefficients follow from `d(x) c(x) = 1`:
+  `c_0 = 1 / d_0`, `c_k = -(sum_(j=1)^(min(k, bands-1)) d_j c_(k-j)) / d_0`
+  (a linear recurrence of order bands - 1, run by `scipy.signal.lfilter`).
+  With `bands = T`, `C^-1 C^-1 = W^-1` (C is then the square root R).
+
+  C is dense, but its noise `C^-1 z` needs only the last `bands - 1` draws
+  z: pass the returned inverse to `noise.matrix_factorization(c,
+  inverse=c_inv)` to stream it with `bands - 1` params-sized buffers. A
+  dense C spreads one step's contribution over all later rows, so cyclic
+  Poisson amplification does not apply (`plans` refuse that combination);
+  under a fixed order (`accounting.FixedOrder`) the sensitivity is
+  computed from C (`accounting.participation_sensitivity`; exact when the
+  Gram entries are non-negative, an upper bound otherwise).
+
+  Example:
+    >>> c, c_inv = banded_inverse_square_root(600, 16, momentum=0.9,
+    ...                                       with_inverse=True)
+    >>> mech = noise.matrix_factorization(c, inverse=c_inv)  # 15 buffers
+
+  Args:
+    num_steps: T.
+    bands: the number of non-zero diagonals of `C^-1`, in [1, T].
+    momentum: beta in [0, 1).
+    decay: c in [0, 1).
+    with_inverse: also return the banded `C^-1`.
+
+  Returns:
+    `C`, lower-triangular Toeplitz float64 `[T, T]`; with `with_inverse`,
+    `(C, C^-1)`, `C^-1` with exactly `bands` non-zero diagonals.
+
+  Raises:
+    ValueError: if T or bands is not a positive integer, bands > T, or
+      momentum or decay is outside [0, 1).
+
+  References:
+    Kalinin, McKenna, Upadhyay & Lampert, "Back to Square Roots: An Optimal
+    Bound on the Matrix Factorization Error for Multi-Epoch Differentially
+    Private SGD" (arXiv:2505.12128, 2025).
+  """
+  num_steps, bands = _check_bands(num_steps, bands)
+  band = _workload_power_series(bands, momentum, decay, -0.5)
+  impulse = np.zeros(num_steps)
+  impulse[0] = 1.0
+  column = signal.lfilter([1.0], band, impulse)
+  strategy = _lower_toeplitz(column)
+  if not with_inverse:
+    return strategy
+  inverse_column = np.zeros(num_steps)
+  inverse_column[:bands] = band
+  return strategy, _lower_toeplitz(inverse_column)
 
 
 def orthogonality_mask(num_steps: int, num_epochs: int = 1) -> np.ndarray:
@@ -332,7 +531,10 @@ def _toeplitz_square_root_start(workload_matrix: np.ndarray, num_epochs: int,
   factorization, Kalinin & Lampert 2024); truncated to at most b bands it
   satisfies the orthogonality mask, and rescaling its columns sets every
   diagonal entry of X to 1/k. Starting there instead of from the identity
-  cuts the initial loss by 5-10x on the paper's workloads.
+  cuts the initial loss by 5-10x on the paper's workloads. For `M A L` this
+  root is the closed form `banded_square_root` (equal to 1e-15, so
+  starting from the closed form changes nothing); the recursion here also
+  serves any other Toeplitz workload.
 
   Returns:
     The starting Gram matrix, or None when W is not lower-triangular

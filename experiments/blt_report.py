@@ -12,13 +12,18 @@ mechanism, so equal sensitivity-scaled noise is equal epsilon), for:
 * the optimized dense strategy (`strategies.optimize_strategy`, which
   minimizes the Frobenius error);
 * optimized banded strategies (`bands=`);
+* the closed-form banded square root (`strategies.banded_square_root`,
+  C with b bands) and banded inverse square root
+  (`strategies.banded_inverse_square_root`, C^-1 with b bands, C dense),
+  for the same band counts: no optimization, `b - 1` noise buffers;
 * BLT strategies with 2 to 5 buffers (`blt.optimize(error='mean')`, the
   same objective), their noise state `d` params-sized buffers where the
   dense strategy keeps `T - 1`.
 
-Dense and banded strategies are optimized only up to `--max_dense_steps`
-(their optimization is the expensive part); BLT and the closed-form rows
-continue beyond.
+Dense and banded strategies (optimized or closed-form) are materialized
+only up to `--max_dense_steps` (the optimization and the `[T, T]` matrices
+are the expensive part); BLT and the identity's closed form continue
+beyond.
 
 Usage:
   python -m experiments.blt_report --steps=64,128,256,512,2048,10000
@@ -98,6 +103,14 @@ def compare(num_steps: int, bands: Sequence[int], buffers: Sequence[int],
         mechanisms[f'optimized {band_count}-banded'] = (
             noise.matrix_factorization(strategies.optimize_strategy(
                 workload, 1, bands=band_count)))
+    for band_count in bands:
+      if band_count < num_steps:
+        mechanisms[f'banded_sqrt {band_count}'] = noise.matrix_factorization(
+            strategies.banded_square_root(num_steps, band_count))
+        c, c_inverse = strategies.banded_inverse_square_root(
+            num_steps, band_count, with_inverse=True)
+        mechanisms[f'banded_inverse_sqrt {band_count}'] = (
+            noise.matrix_factorization(c, inverse=c_inverse))
     for name, mechanism in mechanisms.items():
       frobenius, worst = strategies.workload_errors(workload, mechanism,
                                                     participation)

@@ -156,7 +156,23 @@ def _cases():
           _loss, optimizer=sgd, epochs=EPOCHS, decay=0.5, epsilon=2.0,
           strategy='blt', n_buffers=2, **COMMON),
        'fixed', lambda: _blt_mechanism(n_buffers=2, decay=0.5)),
+      ('dpmemf_banded_sqrt', lambda: plans.dpmemf(
+          _loss, optimizer=sgd, epochs=EPOCHS, epsilon=2.0,
+          strategy='banded_sqrt', bands=3, momentum=0.9, **COMMON),
+       'fixed', lambda: dpsco_jax.dpmemf_mechanism(
+           strategies.banded_square_root(STEPS, 3, momentum=0.9))),
+      ('dp_srg_memf_banded_inverse_sqrt', lambda: plans.dp_srg_memf(
+          _loss, optimizer=sgd, epochs=EPOCHS, decay=0.5, epsilon=2.0,
+          strategy='banded_inverse_sqrt', bands=3, **COMMON),
+       'fixed', lambda: _bisr_mechanism(3, decay=0.5)),
   ]
+
+
+def _bisr_mechanism(bands, momentum=0.0, decay=0.0):
+  """The banded inverse square root a plan's description calls for."""
+  c, inverse = strategies.banded_inverse_square_root(
+      STEPS, bands, momentum=momentum, decay=decay, with_inverse=True)
+  return noise.matrix_factorization(c, inverse=inverse)
 
 
 def _blt_mechanism(n_buffers=3, momentum=0.0, decay=0.0):

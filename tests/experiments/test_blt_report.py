@@ -20,6 +20,11 @@ def test_blt_is_near_the_dense_strategy_and_below_the_others():
     assert rows['BLT, 3 buffers']['rmse'] < rows[other]['rmse'], other
   assert rows['BLT, 3 buffers']['noise_buffers'] == 3
   assert rows['optimized dense']['noise_buffers'] == 47
+  # The closed-form banded (inverse) square roots: b - 1 buffers, between
+  # the optimized dense strategy and i.i.d. noise.
+  for name in ('banded_sqrt 4', 'banded_inverse_sqrt 4'):
+    assert rows[name]['noise_buffers'] == 3, name
+    assert rows[name]['rmse'] < rows['identity (DP-SGD)']['rmse'], name
   # The closed-form i.i.d. row equals the materialized one.
   assert math.isclose(rows['identity (DP-SGD)']['rmse'],
                       math.sqrt(49 / 2), rel_tol=1e-12)
