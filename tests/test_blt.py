@@ -219,6 +219,18 @@ def test_optimize_minimizes_the_loss_it_is_asked_for():
           blt.loss(by_max, column, k, b, error='mean') * (1 - 1e-4))
 
 
+def test_a_buffer_more_never_ends_worse():
+  # optimize(T, d) is no worse than optimize(T, d - 1) (before, 3 and 4
+  # buffers ended above 2 here).
+  steps, k, b = 48, 3, 12
+  column = blt.toeplitz_workload_column(steps)
+  losses = [blt.loss(blt.optimize(steps, d, max_participations=k,
+                                  min_separation=b), column, k, b)
+            for d in (2, 3, 4)]
+  for fewer, more in zip(losses, losses[1:]):
+    assert more <= fewer * (1 + 1e-9), losses
+
+
 def test_optimized_blt_is_near_the_dense_optimum_and_fast():
   steps = 64
   workload = strategies.workload(steps)
