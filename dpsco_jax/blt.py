@@ -467,13 +467,14 @@ def optimize(num_steps: int, num_buffers: int = 4, *,
   `sum_i w_i < 1` (so c is non-negative and non-increasing and the
   min-separation sensitivity is exact), by L-BFGS-B in float64 on the CPU,
   on the log of the loss (of T times the mean-loss for 'mean': the same
-  minimizer) over the 2 d unconstrained parameters. Buffers are added one
-  at a time: each search starts from the best solution with one buffer
-  fewer plus a new buffer at a few time scales, and from decays spread
-  over the time scales 1 .. T; when all end worse than d - 1 buffers did,
-  the d - 1 solution with a silent new buffer is kept (so `optimize(T, d)`
-  never ends worse than `optimize(T, d - 1)`). Each evaluation is O(T d); T = 10,000 with 4 buffers takes
-  a few seconds on a shared CPU core.
+  minimizer) over the 2 d unconstrained parameters, with gradients by
+  central differences. Buffers are added one at a time: each search starts
+  from the best solution with one buffer fewer plus a new buffer at a few
+  time scales, and from decays spread over the time scales 1 .. T; when
+  all end worse than d - 1 buffers did, the d - 1 solution with a silent
+  new buffer is kept (so `optimize(T, d)` never ends worse than
+  `optimize(T, d - 1)`). Each evaluation is O(T d); T = 10,000 with 2 to 5
+  buffers takes seconds to tens of seconds on a shared CPU core.
 
   Example:
     >>> p = optimize(1000, 4, max_participations=10, min_separation=100)
@@ -522,26 +523,27 @@ def optimize(num_steps: int, num_buffers: int = 4, *,
     return value if math.isfinite(value) else 1e300
 
   def search(starts):
+    # Central differences: with forward ones the line search often stops
+    # after a few iterations far from the optimum (at T = 10,000 and 4
+    # buffers, max-loss 16.1 to 136 from the same starts against 16.02).
     results = [scipy_optimize.minimize(objective, start, method='L-BFGS-B',
+                                       jac='3-point',
                                        options={'maxiter': max_iterations})
                for start in starts]
     return min(results, key=lambda result: result.fun)
 
   def spread(count):
-    # Time scales 1/(1 - theta) spread log-uniformly up to T.
-    for scale in (0.5, 1.0, 2.0):
-      horizons = np.logspace(0.3, math.log10(max(num_steps, 4)),
-                             count) * scale
-      decays = np.clip(1.0 - 1.0 / np.maximum(horizons, 1.5), 0.05,
-                       1 - 1e-9)
-      yield np.concatenate([special.logit(decays),
-                            np.full(count, math.log(0.5 / count))])
+    # Time scales 1/(1 - theta) spread log-uniformly from 2 to T.
+    horizons = np.logspace(0.3, math.log10(max(num_steps, 4)), count)
+    decays = np.clip(1.0 - 1.0 / np.maximum(horizons, 1.5), 0.05, 1 - 1e-9)
+    return np.concatenate([special.logit(decays),
+                           np.full(count, math.log(0.5 / count))])
 
   best = None
   for count in range(1, d + 1):
     # Every count gets the same starts whatever d is, so the d - 1 buffers
     # found on the way to d are those `optimize(T, d - 1)` returns.
-    starts = list(spread(count))
+    starts = [spread(count)]
     if best is not None:
       previous = _unpack(best.x)
       for horizon in (2.0, math.sqrt(num_steps), float(num_steps)):
