@@ -47,6 +47,7 @@ import numpy as np
 
 from dpsco_jax import accounting
 from dpsco_jax import blt
+from dpsco_jax import checks
 from dpsco_jax import noise
 from dpsco_jax import strategies
 from experiments import outputs
@@ -89,7 +90,11 @@ def optimal_toeplitz_column(num_steps: int) -> np.ndarray:
 
   Returns:
     float64 `[T]`.
+
+  Raises:
+    ValueError: unless `num_steps` is a positive integer.
   """
+  num_steps = checks.positive_int(num_steps, 'num_steps')
   ratios = 1.0 - 0.5 / np.arange(1, num_steps)
   return np.concatenate([[1.0], np.cumprod(ratios)])
 
