@@ -157,7 +157,9 @@ def _prefix_epsilon(mechanism: noise_lib.NoiseMechanism,
   mechanism has no decoder) applied to the first `steps` steps' statistics,
   so the encoder is cut to those rows and to its first `steps` columns, the
   later columns set to zero: no later step adds sensitivity. The result
-  never exceeds the whole run's epsilon.
+  never exceeds the whole run's epsilon. A mechanism that knows its own cut
+  (`NoiseMechanism.truncated`, e.g. a BLT's in O(T d)) gives it without the
+  T x T matrices.
   """
   if isinstance(participation, accounting.PoissonSampling):
     return accounting.epsilon_spent(
@@ -165,6 +167,12 @@ def _prefix_epsilon(mechanism: noise_lib.NoiseMechanism,
         accounting.PoissonSampling(participation.sampling_probability, steps),
         delta, method=method, neighboring_relation=relation,
         releases=releases)
+  if mechanism.truncated is not None:
+    return accounting.epsilon_spent(mechanism.truncated(steps),
+                                    noise_multiplier, participation, delta,
+                                    method=method,
+                                    neighboring_relation=relation,
+                                    releases=releases)
   total = participation.num_steps
   if mechanism.num_steps is None:
     encoder, rows = np.eye(total), np.arange(total) < steps

@@ -104,6 +104,12 @@ class NoiseMechanism(NamedTuple):
       sensitivity under `FixedOrder(k, b)` without building C (a BLT's
       closed form; O(T) instead of the O(T^3) Gram matrix). None, or a
       None result: the accountant computes it from `encoder_matrix`.
+    truncated: optional `(steps) -> NoiseMechanism`, the mechanism that
+      accounts for the first `steps` steps of a run (`ledger.epsilon_at`):
+      its encoder is the rows of C those steps' releases use, cut to the
+      first `steps` columns (the later columns zero), with `num_steps` the
+      whole run's, and its own sensitivity routes (a BLT's are O(T d)).
+      None: the ledger cuts `encoder_matrix()` itself (T x T).
   """
 
   init: Callable[[PyTree, jax.Array], NoiseState]
@@ -117,6 +123,7 @@ class NoiseMechanism(NamedTuple):
   identity: str = ''
   fixed_order_sensitivity: Optional[Callable[[int, int],
                                              Optional[float]]] = None
+  truncated: Optional[Callable[[int], 'NoiseMechanism']] = None
 
 
 def mechanism_identity(kind: str, **parameters: Any) -> str:

@@ -18,7 +18,15 @@ mechanism, so equal sensitivity-scaled noise is equal epsilon), for:
   for the same band counts: no optimization, `b - 1` noise buffers;
 * BLT strategies with 2 to 5 buffers (`blt.optimize(error='mean')`, the
   same objective), their noise state `d` params-sized buffers where the
-  dense strategy keeps `T - 1`.
+  dense strategy keeps `T - 1`;
+* with `--max_loss` (default): BLT strategies optimized for the max-loss
+  (`blt.optimize(error='max')`: the worst step's squared error times the
+  squared sensitivity, jax_privacy's BLT objective), and the optimal
+  Toeplitz strategy for the max error, the Toeplitz square root of A
+  (`c_0 = 1, c_k = c_(k-1) (1 - 1/(2k))`; Fichtenberger, Henzinger &
+  Upadhyay 2023, optimal among Toeplitz strategies by Dvijotham et al.
+  2024), in closed form at every T: the reference of the published
+  BLT-vs-Toeplitz ratios.
 
 Dense and banded strategies (optimized or closed-form) are materialized
 only up to `--max_dense_steps` (the optimization and the `[T, T]` matrices
@@ -40,9 +48,11 @@ from typing import Sequence
 from absl import app
 from absl import flags
 from absl import logging
+import numpy as np
 
 from dpsco_jax import accounting
 from dpsco_jax import blt
+from dpsco_jax import checks
 from dpsco_jax import noise
 from dpsco_jax import strategies
 from experiments import outputs
@@ -61,12 +71,41 @@ def _define_flags() -> None:
   flags.DEFINE_integer('max_dense_steps', 512,
                        'Largest T for the materialized (dense, banded, tree) '
                        'rows.')
+  flags.DEFINE_bool('max_loss', True,
+                    'Add the max-loss BLT rows and the optimal Toeplitz '
+                    'strategy for the max error.')
   flags.DEFINE_string('output_dir', 'results/blt_report',
                       'Where the tables and the plot go.')
 
 
+def optimal_toeplitz_column(num_steps: int) -> np.ndarray:
+  """First column of the Toeplitz square root of A (prefix sums).
+
+  `c_0 = 1, c_k = c_(k-1) (1 - 1/(2k))`: `C C = A`, the strategy of least
+  max error among lower-triangular Toeplitz ones under single
+  participation (Fichtenberger, Henzinger & Upadhyay 2023; Dvijotham et
+  al. 2024). Its decoder is `A C^-1 = C`.
+
+  Example:
+    >>> optimal_toeplitz_column(3)
+    array([1.   , 0.5  , 0.375])
+
+  Args:
+    num_steps: T.
+
+  Returns:
+    float64 `[T]`.
+
+  Raises:
+    ValueError: unless `num_steps` is a positive integer.
+  """
+  num_steps = checks.positive_int(num_steps, 'num_steps')
+  ratios = 1.0 - 0.5 / np.arange(1, num_steps)
+  return np.concatenate([[1.0], np.cumprod(ratios)])
+
+
 def compare(num_steps: int, bands: Sequence[int], buffers: Sequence[int],
-            max_dense_steps: int) -> list[dict]:
+            max_dense_steps: int, max_loss: bool = True) -> list[dict]:
   """The rows of one T.
 
   Args:
@@ -74,6 +113,8 @@ def compare(num_steps: int, bands: Sequence[int], buffers: Sequence[int],
     bands: band counts of the banded strategies.
     buffers: BLT buffer counts.
     max_dense_steps: materialized mechanisms only up to this T.
+    max_loss: also the max-loss BLT rows and the optimal Toeplitz strategy
+      for the max error.
 
   Returns:
     One dict per mechanism, keys as `HEADER`.
@@ -126,6 +167,19 @@ def compare(num_steps: int, bands: Sequence[int], buffers: Sequence[int],
     frobenius, worst = blt.errors(params, column)
     add(f'BLT, {count} buffers', count, blt.sensitivity(params, num_steps),
         frobenius, worst)
+  if max_loss:
+    # C C = A, so the decoder A C^-1 is C: row t's squared error is the
+    # sum of c_m^2 up to t, the sensitivity ||c||.
+    root = optimal_toeplitz_column(num_steps)
+    squared = np.cumsum(root ** 2)
+    scale = math.sqrt(squared[-1])
+    add('optimal Toeplitz (max error)', num_steps - 1, scale,
+        scale * math.sqrt(np.sum(squared)), scale * math.sqrt(squared[-1]))
+    for count in buffers:
+      params = blt.optimize(num_steps, count, error='max')
+      frobenius, worst = blt.errors(params, column)
+      add(f'BLT max-loss, {count} buffers', count,
+          blt.sensitivity(params, num_steps), frobenius, worst)
   dense = [row['rmse'] for row in rows if row['mechanism'] == 'optimized dense']
   for row in rows:
     if dense:
@@ -147,7 +201,8 @@ def markdown(rows: list[dict]) -> str:
 
 
 def run(steps: Sequence[int], bands: Sequence[int], buffers: Sequence[int],
-        max_dense_steps: int, output_dir: str) -> list[dict]:
+        max_dense_steps: int, output_dir: str,
+        max_loss: bool = True) -> list[dict]:
   """Compares the mechanisms at every T; writes the report files.
 
   Example:
@@ -159,6 +214,8 @@ def run(steps: Sequence[int], bands: Sequence[int], buffers: Sequence[int],
     buffers: BLT buffer counts.
     max_dense_steps: materialized mechanisms only up to this T.
     output_dir: where the files go.
+    max_loss: also the max-loss BLT rows and the optimal Toeplitz strategy
+      for the max error.
 
   Returns:
     The rows.
@@ -166,7 +223,8 @@ def run(steps: Sequence[int], bands: Sequence[int], buffers: Sequence[int],
   start = time.perf_counter()
   rows = []
   for num_steps in steps:
-    rows.extend(compare(num_steps, bands, buffers, max_dense_steps))
+    rows.extend(compare(num_steps, bands, buffers, max_dense_steps,
+                        max_loss))
   outputs.write_csv(os.path.join(output_dir, 'blt_report.csv'), rows,
                     columns=HEADER)
   with open(os.path.join(output_dir, 'blt_report.md'), 'w') as f:
@@ -186,7 +244,8 @@ def run(steps: Sequence[int], bands: Sequence[int], buffers: Sequence[int],
       os.path.join(output_dir, 'run_record.json'),
       outputs.run_record(
           {'steps': list(steps), 'bands': list(bands),
-           'buffers': list(buffers), 'max_dense_steps': max_dense_steps},
+           'buffers': list(buffers), 'max_dense_steps': max_dense_steps,
+           'max_loss': max_loss},
           wall_seconds=time.perf_counter() - start,
           extra={'experiment': 'experiments.blt_report'}))
   return rows
@@ -197,7 +256,7 @@ def main(argv: Sequence[str]) -> None:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   rows = run([int(t) for t in FLAGS.steps], [int(b) for b in FLAGS.bands],
              [int(d) for d in FLAGS.buffers], FLAGS.max_dense_steps,
-             FLAGS.output_dir)
+             FLAGS.output_dir, FLAGS.max_loss)
   print(markdown(rows))
 
 

@@ -135,6 +135,40 @@ def test_fixed_order_accounting_uses_the_same_sensitivity():
           np.linalg.norm(blt.materialize(PARAMS, steps), axis=0).max())
 
 
+def _no_encoder():
+  raise AssertionError('the O(T d) route built the T x T encoder')
+
+
+@pytest.mark.parametrize('release', ['per_step', 'prefix'])
+def test_epsilon_at_every_step_equals_the_dense_route(release):
+  # The ledger accounts the first s steps from the mechanism's truncation
+  # (O(T d)); removing it sends the ledger through the T x T encoder cut to
+  # the rows and columns those steps use. Both agree at every step.
+  steps = 24
+  mechanism = blt.mechanism(PARAMS, steps, release=release)
+  dense = mechanism._replace(truncated=None)
+  # Without its matrices: the ledger must not need them.
+  matrix_free = mechanism._replace(encoder_matrix=_no_encoder,
+                                   decoder_matrix=_no_encoder)
+  for participation in (accounting.single_epoch(steps),
+                        accounting.FixedOrder(2, 12),
+                        accounting.FixedOrder(4, 6),
+                        accounting.FixedOrder(24, 1)):
+    record = ledger.PrivacyLedger.create(mechanism, 3.0, participation, 1e-5,
+                                         method='zcdp')
+    for step in range(1, steps + 1):
+      fast = mechanism.truncated(step)._replace(encoder_matrix=_no_encoder)
+      assert accounting.mechanism_sensitivity(
+          fast, participation) == pytest.approx(
+              accounting.participation_sensitivity(
+                  mechanism.truncated(step).encoder_matrix(), participation),
+              rel=1e-12)
+      assert record.epsilon_at(step, matrix_free) == pytest.approx(
+          record.epsilon_at(step, dense), rel=1e-12)
+  with pytest.raises(ValueError, match='past the 24 steps'):
+    mechanism.truncated(25)
+
+
 def test_min_separation_refuses_increasing_coefficients():
   with pytest.raises(ValueError, match='non-increasing'):
     blt.sensitivity(blt.parameters([0.5], [1.5]), 10, 2, 3)
@@ -149,6 +183,52 @@ def test_errors_match_the_materialized_workload_errors():
   expected = strategies.workload_errors(workload, blt.mechanism(PARAMS, steps),
                                         accounting.FixedOrder(k, steps // k))
   np.testing.assert_allclose(got, expected, rtol=1e-9)
+
+
+@pytest.mark.parametrize('k,b', [(1, None), (3, 8)])
+def test_max_and_mean_loss_match_their_definition(k, b):
+  # max-loss = s^2 max_t ||(W C^-1)_t||^2, mean-loss = s^2 mean_t of it,
+  # from the materialized matrices and the brute-force sensitivity.
+  steps = 24
+  workload = strategies.workload(steps, 'true', momentum=0.9)
+  column = workload[:, 0]
+  b_matrix = workload @ np.linalg.inv(blt.materialize(PARAMS, steps))
+  rows = np.sum(b_matrix ** 2, axis=1)
+  np.testing.assert_allclose(blt.per_step_errors(PARAMS, column), rows,
+                             rtol=1e-10)
+  squared = brute_force_sensitivity(blt.materialize(PARAMS, steps), k,
+                                    b or 1) ** 2
+  assert blt.loss(PARAMS, column, k, b) == pytest.approx(
+      squared * rows.max(), rel=1e-10)
+  assert blt.loss(PARAMS, column, k, b, error='mean') == pytest.approx(
+      squared * rows.mean(), rel=1e-10)
+  with pytest.raises(ValueError, match="'max' or 'mean'"):
+    blt.loss(PARAMS, column, error='rms')
+
+
+def test_optimize_minimizes_the_loss_it_is_asked_for():
+  # Each objective's optimum beats the other's on its own loss.
+  steps, k, b = 48, 3, 16
+  column = blt.toeplitz_workload_column(steps)
+  by_max, by_mean = (blt.optimize(steps, 2, max_participations=k,
+                                  min_separation=b, error=error)
+                     for error in ('max', 'mean'))
+  assert (blt.loss(by_max, column, k, b, error='max') <
+          blt.loss(by_mean, column, k, b, error='max') * (1 - 1e-4))
+  assert (blt.loss(by_mean, column, k, b, error='mean') <
+          blt.loss(by_max, column, k, b, error='mean') * (1 - 1e-4))
+
+
+def test_a_buffer_more_never_ends_worse():
+  # optimize(T, d) is no worse than optimize(T, d - 1) (before, 3 and 4
+  # buffers ended above 2 here).
+  steps, k, b = 48, 3, 12
+  column = blt.toeplitz_workload_column(steps)
+  losses = [blt.loss(blt.optimize(steps, d, max_participations=k,
+                                  min_separation=b), column, k, b)
+            for d in (2, 3, 4)]
+  for fewer, more in zip(losses, losses[1:]):
+    assert more <= fewer * (1 + 1e-9), losses
 
 
 def test_optimized_blt_is_near_the_dense_optimum_and_fast():

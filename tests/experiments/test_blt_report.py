@@ -3,6 +3,12 @@
 import json
 import math
 
+import numpy as np
+import scipy.linalg
+
+from dpsco_jax import accounting
+from dpsco_jax import noise
+from dpsco_jax import strategies
 from experiments import blt_report
 
 
@@ -35,8 +41,38 @@ def test_run_writes_the_report_and_its_record(tmp_path):
   assert {row['num_steps'] for row in rows} == {16, 100}
   # Beyond max_dense_steps only the closed-form and BLT rows.
   assert {row['mechanism'] for row in rows if row['num_steps'] == 100} == {
-      'identity (DP-SGD)', 'BLT, 2 buffers'}
+      'identity (DP-SGD)', 'BLT, 2 buffers', 'optimal Toeplitz (max error)',
+      'BLT max-loss, 2 buffers'}
   for name in ('blt_report.md', 'blt_report.csv', 'blt_report.png'):
     assert (tmp_path / name).exists()
   record = json.loads((tmp_path / 'run_record.json').read_text())
   assert record['config']['steps'] == [16, 100]
+
+
+def test_max_loss_rows_sit_between_the_optimal_toeplitz_and_the_mean_rows():
+  steps = 48
+  rows = {row['mechanism']: row
+          for row in blt_report.compare(steps, bands=[], buffers=[3],
+                                        max_dense_steps=0)}
+  toeplitz = rows['optimal Toeplitz (max error)']
+  # The closed form equals the materialized square root of A.
+  root = scipy.linalg.toeplitz(blt_report.optimal_toeplitz_column(steps),
+                               np.zeros(steps))
+  workload = strategies.workload(steps)
+  np.testing.assert_allclose(root @ root, workload, atol=1e-12)
+  rmse, worst = strategies.workload_errors(
+      workload, noise.matrix_factorization(root),
+      accounting.single_epoch(steps))
+  assert math.isclose(toeplitz['rmse'], rmse / math.sqrt(steps),
+                      rel_tol=1e-10)
+  assert math.isclose(toeplitz['max_error'], worst, rel_tol=1e-10)
+  # A BLT is Toeplitz: no better than the optimum on the max error; the
+  # max-loss BLT is near it and below the mean-loss BLT there.
+  by_max, by_mean = rows['BLT max-loss, 3 buffers'], rows['BLT, 3 buffers']
+  assert toeplitz['max_error'] <= by_max['max_error'] * (1 + 1e-9)
+  assert by_max['max_error'] < 1.02 * toeplitz['max_error']
+  assert by_max['max_error'] < by_mean['max_error']
+  assert by_mean['rmse'] < by_max['rmse']
+  assert 'optimal Toeplitz (max error)' not in {
+      row['mechanism'] for row in blt_report.compare(
+          steps, bands=[], buffers=[2], max_dense_steps=0, max_loss=False)}
