@@ -39,18 +39,20 @@ def get_config() -> ml_collections.ConfigDict:
   config.delta = 1e-5
   # SGD momentum (also the workload momentum of the MF strategies).
   config.momentum = 0.9
-  # Learning-rate grid (extended past an edge pick).
-  config.learning_rates = (0.1, 0.3, 1.0)
+  # Learning-rate grid (extended past an edge pick). Wide from the start:
+  # small clips with large rates do well here, and every extension round
+  # costs a compilation.
+  config.learning_rates = (0.1, 0.3, 1.0, 3.0, 10.0)
   # Clip grid (extended past an edge pick).
-  config.clips = (0.3, 1.0, 3.0)
+  config.clips = (0.01, 0.03, 0.1, 0.3, 1.0)
   # Bands b of Amplified BandMF (x2 or /2 past an edge, within [1, n // batch_size]).
-  config.bands = (2, 4, 8)
+  config.bands = (2, 4, 8, 16)
   # Buffers of the BLT strategy.
   config.blt_buffers = 4
   # Seeds each grid point is tuned on (10000, 10001, ...; validation part).
-  config.tuning_seeds = 3
+  config.tuning_seeds = 5
   # Seeds the picks are reported on (0, 1, ...; test split).
-  config.num_seeds = 20
+  config.num_seeds = 50
   # Times an axis is extended past a pick on its edge (0: never).
   config.grid_extensions = 2
   # Final runs on the whole training split (validation part included),
