@@ -754,13 +754,16 @@ def search_with_extension(
     grid: Mapping[str, Sequence[float]],
     score: Optional[Callable[..., float]] = None, *, extensions: int,
     score_points: Optional[Callable[[list], Sequence[float]]] = None,
+    extend: Optional[Callable[[str, list, str], list]] = None,
 ) -> Tuple[dict, dict, dict]:
   """Minimizes `score(**point)` over a grid, extending axes past edge picks.
 
   Every point of the grid is scored; while the best point sits on the edge
   of some axis (and its score is finite), that axis gets one more value
-  past the edge and the new points are scored, up to `extensions` times.
-  The caller flags a pick still on an edge (`grid_edge`).
+  past the edge and the new points are scored, up to `extensions` times
+  (or until no edge axis can be extended any more: a bounded `extend`
+  returns an axis unchanged at its bound). The caller flags a pick still
+  on an edge (`grid_edge`).
 
   Example:
     >>> picked, grid, scores = search_with_extension(
@@ -777,6 +780,10 @@ def search_with_extension(
     score_points: instead of `score`, `score_points([point, ...]) ->
       scores` for all the new points of a round at once (runs vmapped
       together).
+    extend: `extend(axis, values, edge) -> values` adds a value past
+      `edge` ('lower' or 'upper') of the named axis, or returns the values
+      unchanged where the axis is at a bound (e.g. an integer axis with a
+      largest valid value); default `extend_axis` (geometric, unbounded).
 
   Returns:
     `(picked point, final grid, {values tuple: score})`.
@@ -788,6 +795,8 @@ def search_with_extension(
     raise ValueError('give exactly one of score and score_points')
   if score_points is None:
     score_points = lambda points: [score(**point) for point in points]
+  if extend is None:
+    extend = lambda axis, values, edge: extend_axis(values, edge)
   grid = {axis: sorted(float(v) for v in values)
           for axis, values in grid.items()}
   scores: dict = {}
@@ -808,7 +817,11 @@ def search_with_extension(
     if (not any(edges.values()) or not math.isfinite(scores[best]) or
         extension == extensions):
       break
-    grid = {axis: (extend_axis(grid[axis], edges[axis]) if edges[axis]
-                   else grid[axis]) for axis in grid}
+    extended = {axis: (sorted(float(v) for v in extend(
+        axis, list(grid[axis]), edges[axis])) if edges[axis] else grid[axis])
+                for axis in grid}
+    if extended == grid:
+      break   # Every edge axis is at its bound: nothing left to try.
+    grid = extended
   best = min(scores, key=scores.get)
   return dict(zip(grid, best)), grid, scores

@@ -21,6 +21,7 @@ EXPERIMENTS = {
     'nonsmooth_synthetic': 'configs/nonsmooth_synthetic.py',
     'user_level_synthetic': 'configs/user_level_synthetic.py',
     'user_level_grouped': 'configs/user_level_grouped.py',
+    'correlated_noise': 'configs/correlated_noise_digits.py',
 }
 CONFIGS = sorted(str(p.relative_to(REPO))
                  for p in (REPO / 'configs').glob('*.py')

@@ -323,3 +323,44 @@ def test_run_in_chunks_refuses_ragged_or_empty_run_lists():
     sweeps.run_in_chunks(_one_run, {'scale': np.ones(2),
                                     'seed': np.ones(2, np.int32)},
                          max_parallel=0, shared=(0.0,))
+
+
+def test_a_bounded_extension_stops_at_its_bound_and_the_pick_stays_flagged():
+  # The best integer value is past the bound 8: the search extends 4 -> 8,
+  # then the bounded `extend` can add nothing, so it stops there with the
+  # pick still on the upper edge (the caller flags it).
+  def extend(axis, values, edge):
+    if axis != 'bands':
+      return sweeps.extend_axis(values, edge)
+    nxt = min(8.0, 2 * max(values)) if edge == 'upper' else max(
+        1.0, min(values) // 2)
+    return values if nxt in values else sorted(values + [nxt])
+
+  asked = []
+
+  def score(bands, lr):
+    asked.append((bands, lr))
+    return -bands + (math.log10(lr) + 1) ** 2
+
+  picked, grid, scores = sweeps.search_with_extension(
+      {'bands': [2.0, 4.0], 'lr': [0.1, 1.0]}, score, extensions=5,
+      extend=extend)
+  assert picked == {'bands': 8.0, 'lr': 0.1}
+  assert grid['bands'] == [2.0, 4.0, 8.0]
+  assert sweeps.grid_edge(grid['bands'], picked['bands']) == 'upper'
+  # lr 0.1 was on the lower edge once: extended geometrically once, then
+  # interior.
+  assert grid['lr'] == [0.01, 0.1, 1.0]
+  assert len(asked) == len(set(asked)) == len(scores)
+  # Batched: two rounds, and no empty round once nothing can be extended.
+  rounds = []
+
+  def score_points(points):
+    rounds.append(len(points))
+    return [score(**point) for point in points]
+
+  batched = sweeps.search_with_extension(
+      {'bands': [2.0, 4.0], 'lr': [0.1, 1.0]}, extensions=5, extend=extend,
+      score_points=score_points)
+  assert batched[:2] == (picked, grid)
+  assert rounds == [4, 5]
