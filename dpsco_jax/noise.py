@@ -877,69 +877,47 @@ def _banded_decoder_noise(inverse: np.ndarray, bands: int, release: str,
   For a banded `C^-1` (b' diagonals): a ring buffer of the last b' - 1
   draws z, one draw per step.
   """
-  band = np.zeros((num_steps, bands))
-  for j in range(bands):
-    band[j:, j] = np.diagonal(inverse, -j)
-  band = jnp.asarray(band, jnp.float32)
-  slots = max(bands - 1, 1)
 
-  def init(template, key):
-    past = jax.tree_util.tree_map(
-        lambda leaf: jnp.zeros((bands - 1,) + jnp.shape(leaf),
-                               _noise_dtype(leaf)), template)
-    buffers = {'past_draws': past}
-    if release == 'prefix':
-      buffers['prefix'] = _zeros(template)
-    return NoiseState(key=key, step=jnp.zeros((), jnp.int32), buffers=buffers)
+  def combine(row0, z_leaf, correction):
+    current = row0.astype(z_leaf.dtype) * z_leaf
+    return current if correction is None else current + correction
 
-  def next_noise(state, template):
-    check_state(state, identity, name)
-    _check_buffers(state.buffers['past_draws'], template, (bands - 1,))
-    if release == 'prefix':
-      _check_buffers(state.buffers['prefix'], template, ())
-    step = jnp.asarray(state.step)
-    row = band[jnp.minimum(step, num_steps - 1)]
-    # Slot m holds z_s for the latest s < t with s = m (mod slots), as in
-    # `_buffered_noise`; row[lag] is zero for lags past the first row.
-    lags = (step - 1 - jnp.arange(slots)) % slots + 1
-    coefficients = row[lags] if bands > 1 else None
-    z = _draw(jax.random.fold_in(state.key, state.step), template, sampler)
-
-    def combine(z_leaf, past_leaf):
-      current = row[0].astype(z_leaf.dtype) * z_leaf
-      if coefficients is None:
-        return current
-      return current + jnp.tensordot(coefficients.astype(z_leaf.dtype),
-                                     past_leaf, axes=1)
-
-    noise = jax.tree_util.tree_map(combine, z, state.buffers['past_draws'])
-    if bands > 1:
-      past = jax.tree_util.tree_map(
-          lambda past_leaf, z_leaf: jax.lax.dynamic_update_index_in_dim(
-              past_leaf, z_leaf.astype(past_leaf.dtype), step % slots, 0),
-          state.buffers['past_draws'], z)
-    else:
-      past = state.buffers['past_draws']
-    buffers = {'past_draws': past}
-    if release == 'prefix':
-      buffers['prefix'] = jax.tree_util.tree_map(
-          jnp.add, state.buffers['prefix'], noise)
-      noise = buffers['prefix']
-    noise = _refuse_invalid(state, noise, num_steps, name, identity)
-    return noise, state._replace(step=state.step + 1, buffers=buffers)
-
-  return next_noise, init
+  return _ring_buffer_noise(inverse, bands, release, num_steps, name,
+                            identity, sampler, buffer_name='past_draws',
+                            combine=combine, keep_draws=True)
 
 
 def _buffered_noise(strategy: np.ndarray, bands: int, release: str,
                     num_steps: int, name: str, identity: str,
                     sampler: Sampler):
   """`next`/`init` of the forward substitution with a ring buffer."""
-  # band[t, j] = C[t, t - j] (zero above the first row), in float32 for the
+
+  def substitute(row0, z_leaf, correction):
+    if correction is None:
+      return z_leaf / row0.astype(z_leaf.dtype)
+    return (z_leaf - correction) / row0.astype(z_leaf.dtype)
+
+  return _ring_buffer_noise(strategy, bands, release, num_steps, name,
+                            identity, sampler, buffer_name='past',
+                            combine=substitute, keep_draws=False)
+
+
+def _ring_buffer_noise(matrix: np.ndarray, bands: int, release: str,
+                       num_steps: int, name: str, identity: str,
+                       sampler: Sampler, *, buffer_name: str,
+                       combine: Callable[..., jax.Array], keep_draws: bool):
+  """`next`/`init` of a banded recursion over the last `bands - 1` vectors.
+
+  Step t forms `combine(M[t, t], z_t, sum_(1 <= j < bands) M[t, t-j]
+  v_(t-j))` (the correction None when `bands` is 1), with v the kept
+  vectors: the draws z (`keep_draws`: `M = C^-1`, a banded decoder) or the
+  outputs w (the forward substitution of `M = C`).
+  """
+  # band[t, j] = M[t, t - j] (zero above the first row), in float32 for the
   # device; row t drives step t.
   band = np.zeros((num_steps, bands))
   for j in range(bands):
-    band[j:, j] = np.diagonal(strategy, -j)
+    band[j:, j] = np.diagonal(matrix, -j)
   band = jnp.asarray(band, jnp.float32)
   slots = max(bands - 1, 1)
 
@@ -947,41 +925,40 @@ def _buffered_noise(strategy: np.ndarray, bands: int, release: str,
     past = jax.tree_util.tree_map(
         lambda leaf: jnp.zeros((bands - 1,) + jnp.shape(leaf),
                                _noise_dtype(leaf)), template)
-    buffers = {'past': past}
+    buffers = {buffer_name: past}
     if release == 'prefix':
       buffers['prefix'] = _zeros(template)
     return NoiseState(key=key, step=jnp.zeros((), jnp.int32), buffers=buffers)
 
   def next_noise(state, template):
     check_state(state, identity, name)
-    _check_buffers(state.buffers['past'], template, (bands - 1,))
+    _check_buffers(state.buffers[buffer_name], template, (bands - 1,))
     if release == 'prefix':
       _check_buffers(state.buffers['prefix'], template, ())
     step = jnp.asarray(state.step)
     row = band[jnp.minimum(step, num_steps - 1)]
-    # Slot m holds w_s for the latest s < t with s = m (mod slots): lag
+    # Slot m holds v_s for the latest s < t with s = m (mod slots): lag
     # t - s = ((t - 1 - m) mod slots) + 1. Writing one slot per step (instead
     # of shifting the whole buffer) keeps the update in place under jit.
     lags = (step - 1 - jnp.arange(slots)) % slots + 1
     coefficients = row[lags] if bands > 1 else None
     z = _draw(jax.random.fold_in(state.key, state.step), template, sampler)
 
-    def substitute(z_leaf, past_leaf):
-      if coefficients is None:
-        return z_leaf / row[0].astype(z_leaf.dtype)
-      correction = jnp.tensordot(coefficients.astype(z_leaf.dtype), past_leaf,
-                                 axes=1)
-      return (z_leaf - correction) / row[0].astype(z_leaf.dtype)
+    def one_leaf(z_leaf, past_leaf):
+      correction = None if coefficients is None else jnp.tensordot(
+          coefficients.astype(z_leaf.dtype), past_leaf, axes=1)
+      return combine(row[0], z_leaf, correction)
 
-    noise = jax.tree_util.tree_map(substitute, z, state.buffers['past'])
+    noise = jax.tree_util.tree_map(one_leaf, z, state.buffers[buffer_name])
     if bands > 1:
+      kept = z if keep_draws else noise
       past = jax.tree_util.tree_map(
-          lambda past_leaf, w: jax.lax.dynamic_update_index_in_dim(
-              past_leaf, w.astype(past_leaf.dtype), step % slots, 0),
-          state.buffers['past'], noise)
+          lambda past_leaf, v: jax.lax.dynamic_update_index_in_dim(
+              past_leaf, v.astype(past_leaf.dtype), step % slots, 0),
+          state.buffers[buffer_name], kept)
     else:
-      past = state.buffers['past']
-    buffers = {'past': past}
+      past = state.buffers[buffer_name]
+    buffers = {buffer_name: past}
     if release == 'prefix':
       buffers['prefix'] = jax.tree_util.tree_map(
           jnp.add, state.buffers['prefix'], noise)
