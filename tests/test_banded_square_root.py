@@ -15,6 +15,7 @@ from dpsco_jax import accounting
 from dpsco_jax import noise
 from dpsco_jax import plans
 from dpsco_jax import strategies
+from tests.noise_streams import flat
 
 MOMENTUM = 0.9
 DECAY = math.exp(-2.5)
@@ -152,8 +153,6 @@ def test_banded_inverse_streams_from_the_last_draws(release):
   for _ in range(steps):
     value, state = mechanism.next(state, template)
     z, iid_state = iid.next(iid_state, template)
-    flat = lambda tree: np.concatenate(
-        [np.ravel(leaf) for leaf in jax.tree_util.tree_leaves(tree)])
     released.append(flat(value))
     draws.append(flat(z))
   decoder = np.cumsum(inverse, axis=0) if release == 'prefix' else inverse

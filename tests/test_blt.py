@@ -15,30 +15,12 @@ from dpsco_jax import accounting
 from dpsco_jax import blt
 from dpsco_jax import ledger
 from dpsco_jax import noise
+from tests.noise_streams import gaussian_draws, stream
 from dpsco_jax import plans
 from dpsco_jax import strategies
 
 TEMPLATE = {'w': np.zeros((4, 3), np.float32), 'b': np.zeros((5,), np.float32)}
 PARAMS = blt.parameters([0.95, 0.6, 0.2], [0.25, 0.3, 0.15])
-
-
-def flat(tree):
-  return np.concatenate([np.ravel(x) for x in jax.tree_util.tree_leaves(tree)])
-
-
-def stream(mechanism, template, steps, seed=0):
-  state = mechanism.init(template, jax.random.key(seed))
-  next_noise = jax.jit(mechanism.next)
-  rows = []
-  for _ in range(steps):
-    out, state = next_noise(state, template)
-    rows.append(flat(out))
-  return np.stack(rows), state
-
-
-def gaussian_draws(template, steps, seed=0):
-  rows, _ = stream(noise.gaussian(steps), template, steps, seed)
-  return rows.astype(np.float64)
 
 
 def test_materialized_c_has_the_blt_coefficients():

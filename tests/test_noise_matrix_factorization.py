@@ -10,6 +10,7 @@ from scipy import stats
 import dpsco_jax
 from dpsco_jax import accounting
 from dpsco_jax import noise
+from tests.noise_streams import flat, gaussian_draws, stream
 
 TEMPLATE = {'w': np.zeros((4, 3), np.float32), 'b': np.zeros((5,), np.float32)}
 
@@ -22,26 +23,6 @@ def random_strategy(steps, bands=None, seed=0):
   if bands is not None:
     strategy = np.tril(np.triu(strategy, -(bands - 1)))
   return strategy
-
-
-def flat(tree):
-  return np.concatenate([np.ravel(x) for x in jax.tree_util.tree_leaves(tree)])
-
-
-def stream(mechanism, template, steps, seed=0):
-  state = mechanism.init(template, jax.random.key(seed))
-  next_noise = jax.jit(mechanism.next)
-  rows = []
-  for _ in range(steps):
-    out, state = next_noise(state, template)
-    rows.append(flat(out))
-  return np.stack(rows), state
-
-
-def gaussian_draws(template, steps, seed=0):
-  """The z_t the mechanism uses: the i.i.d. mechanism's draws, same key."""
-  rows, _ = stream(noise.gaussian(steps), template, steps, seed)
-  return rows.astype(np.float64)
 
 
 STORAGES = ['buffer', 'regenerate']
