@@ -100,14 +100,17 @@ def decay_matrix(num_steps: int, decay: float) -> np.ndarray:
 
 
 def workload(num_steps: int, kind: str = 'ones', *, momentum: float = 0.0,
-             decay: float = 0.0) -> np.ndarray:
+             decay: float = 0.0, iterate_decay: float = 1.0) -> np.ndarray:
   """The workloads of paper 001 §5.
 
   * 'ones': `A`, the prefix sums of the gradients;
   * 'true': `M A L`, the iterates of SGD with `momentum` fed by the SRG
     recursion with `decay` (`M A` for DP-MEMF, decay 0; `M A L` for
     DP-SRG-MEMF). The three matrices are lower-triangular Toeplitz, so they
-    commute.
+    commute. With weight decay lambda (`x_(t+1) = (1 - lr lambda) x_t - lr
+    m_t`), give `iterate_decay` alpha = 1 - lr lambda: A becomes the
+    decayed prefix sums `A[t, s] = alpha^(t - s)` (the workload of Kalinin
+    & Lampert 2024 with momentum and weight decay).
 
   Example:
     >>> w = workload(600, 'true', momentum=0.9)        # DP-MEMF
@@ -118,24 +121,39 @@ def workload(num_steps: int, kind: str = 'ones', *, momentum: float = 0.0,
     kind: 'ones' or 'true'.
     momentum: momentum of the optimizer ('true' only).
     decay: the SRG decay c ('true' only).
+    iterate_decay: alpha in (0, 1], `1 - lr x weight decay` ('true' only;
+      1: no weight decay).
 
   Returns:
     `[T, T]` float64 workload.
   """
+  iterate_decay = _check_iterate_decay(iterate_decay)
   if kind == 'ones':
-    if momentum or decay:
-      raise ValueError("the 'ones' workload takes no momentum or decay; use "
-                       "kind='true'")
+    if momentum or decay or iterate_decay != 1.0:
+      raise ValueError("the 'ones' workload takes no momentum, decay or "
+                       "iterate_decay; use kind='true'")
     return prefix_workload(num_steps)
   if kind == 'true':
-    return (momentum_matrix(num_steps, momentum) @ prefix_workload(num_steps)
+    prefix = (prefix_workload(num_steps) if iterate_decay == 1.0 else
+              _geometric_toeplitz(num_steps, iterate_decay, 'iterate_decay'))
+    return (momentum_matrix(num_steps, momentum) @ prefix
             @ decay_matrix(num_steps, decay))
   raise ValueError(f"kind must be 'ones' or 'true', got {kind!r}")
 
 
-def _workload_ratios(momentum: float, decay: float) -> tuple[float, ...]:
+def _check_iterate_decay(iterate_decay: float) -> float:
+  iterate_decay = float(iterate_decay)
+  if not 0.0 < iterate_decay <= 1.0:  # Also refuses NaN.
+    raise ValueError(f'iterate_decay must be in (0, 1] (1 - learning rate x '
+                     f'weight decay; 1: none), got {iterate_decay!r}')
+  return iterate_decay
+
+
+def _workload_ratios(momentum: float, decay: float,
+                     iterate_decay: float = 1.0) -> tuple[float, ...]:
   """The ratios r of the geometric factors `1 / (1 - r x)` of `M A L`."""
-  ratios = [1.0]  # A, the prefix sums.
+  # A, the prefix sums (ratio 1), or their weight-decayed form.
+  ratios = [_check_iterate_decay(iterate_decay)]
   for name, value in (('momentum', momentum), ('decay', decay)):
     value = float(value)
     if not 0.0 <= value < 1.0:  # Also refuses NaN.
@@ -146,10 +164,12 @@ def _workload_ratios(momentum: float, decay: float) -> tuple[float, ...]:
 
 
 def _workload_power_series(num_steps: int, momentum: float, decay: float,
-                           exponent: float) -> np.ndarray:
+                           exponent: float,
+                           iterate_decay: float = 1.0) -> np.ndarray:
   """The first T coefficients of `w(x)^exponent`, `w` the symbol of `M A L`.
 
-  `w(x) = prod_r 1 / (1 - r x)` over r in (1, momentum, decay), so
+  `w(x) = prod_r 1 / (1 - r x)` over r in (alpha, momentum, decay) (alpha
+  the iterate decay, 1 without weight decay), so
   `w(x)^p = prod_r (1 - r x)^(-p)`. The coefficients of one factor
   `(1 - r x)^(-p)` are `binom(-p, k) (-r)^k`, whose ratio gives the
   recursion `f_0 = 1`, `f_k = f_(k-1) r (k - 1 + p) / k`: one
@@ -165,6 +185,7 @@ def _workload_power_series(num_steps: int, momentum: float, decay: float,
     decay: r of L, in [0, 1).
     exponent: p, the power of the workload's series (1/2: the square
       root; -1/2: the inverse square root).
+    iterate_decay: alpha, r of the (weight-decayed) prefix sums, in (0, 1].
 
   Returns:
     float64 `[T]`.
@@ -173,7 +194,7 @@ def _workload_power_series(num_steps: int, momentum: float, decay: float,
   series = np.zeros(num_steps)
   series[0] = 1.0
   lags = np.arange(1, num_steps)
-  for ratio in _workload_ratios(momentum, decay):
+  for ratio in _workload_ratios(momentum, decay, iterate_decay):
     factor = np.ones(num_steps)
     factor[1:] = np.cumprod(ratio * (lags - 1 + exponent) / lags)
     series = np.convolve(series, factor)[:num_steps]
@@ -195,7 +216,8 @@ def _check_bands(num_steps: int, bands: int) -> tuple[int, int]:
 
 
 def banded_square_root(num_steps: int, bands: int, *, momentum: float = 0.0,
-                       decay: float = 0.0) -> np.ndarray:
+                       decay: float = 0.0,
+                       iterate_decay: float = 1.0) -> np.ndarray:
   r"""Banded square root (BSR) of the workload `M A L`: a closed-form `C`.
 
   The workload `W = workload(T, 'true', momentum=beta, decay=c) = M A L`
@@ -230,6 +252,10 @@ def banded_square_root(num_steps: int, bands: int, *, momentum: float = 0.0,
 
   Example:
     >>> c = banded_square_root(600, 16, momentum=0.9)
+    >>> # SGD(lr=0.1, momentum=0.9) with weight decay 5e-4: pass the matrix
+    >>> # to a plan as `plans.dpmemf(..., strategy=c_wd)` (15 buffers).
+    >>> c_wd = banded_square_root(600, 16, momentum=0.9,
+    ...                           iterate_decay=1 - 0.1 * 5e-4)
     >>> mech = noise.matrix_factorization(c)      # 15 noise buffers
     >>> banded_square_root(4, 4)[:, 0]            # binom(2k, k) / 4^k
     array([1.    , 0.5   , 0.375 , 0.3125])
@@ -240,6 +266,8 @@ def banded_square_root(num_steps: int, bands: int, *, momentum: float = 0.0,
       square root itself, `C C = W`).
     momentum: beta in [0, 1).
     decay: c in [0, 1) (0: DP-MEMF's workload `M A`).
+    iterate_decay: alpha in (0, 1], `1 - lr x weight decay` (1: none); the
+      factor `(1 - x)^(-1/2)` above becomes `(1 - alpha x)^(-1/2)`.
 
   Returns:
     `C`, lower-triangular Toeplitz float64 `[T, T]` with exactly `bands`
@@ -247,7 +275,8 @@ def banded_square_root(num_steps: int, bands: int, *, momentum: float = 0.0,
 
   Raises:
     ValueError: if T or bands is not a positive integer, bands > T, or
-      momentum or decay is outside [0, 1).
+      momentum or decay is outside [0, 1), or iterate_decay outside
+      (0, 1].
 
   References:
     Kalinin & Lampert, "Banded Square Root Matrix Factorization for
@@ -255,13 +284,15 @@ def banded_square_root(num_steps: int, bands: int, *, momentum: float = 0.0,
     (arXiv:2405.13763).
   """
   num_steps, bands = _check_bands(num_steps, bands)
-  column = _workload_power_series(num_steps, momentum, decay, 0.5)
+  column = _workload_power_series(num_steps, momentum, decay, 0.5,
+                                  iterate_decay)
   column[bands:] = 0.0
   return _lower_toeplitz(column)
 
 
 def banded_inverse_square_root(num_steps: int, bands: int, *,
                                momentum: float = 0.0, decay: float = 0.0,
+                               iterate_decay: float = 1.0,
                                with_inverse: bool = False):
   r"""Banded inverse square root (BISR) of `M A L`: a closed-form `C`.
 
@@ -301,6 +332,7 @@ def banded_inverse_square_root(num_steps: int, bands: int, *,
     bands: the number of non-zero diagonals of `C^-1`, in [1, T].
     momentum: beta in [0, 1).
     decay: c in [0, 1).
+    iterate_decay: alpha in (0, 1], `1 - lr x weight decay` (1: none).
     with_inverse: also return the banded `C^-1`.
 
   Returns:
@@ -309,7 +341,8 @@ def banded_inverse_square_root(num_steps: int, bands: int, *,
 
   Raises:
     ValueError: if T or bands is not a positive integer, bands > T, or
-      momentum or decay is outside [0, 1).
+      momentum or decay is outside [0, 1), or iterate_decay outside
+      (0, 1].
 
   References:
     Kalinin, McKenna, Upadhyay & Lampert, "Back to Square Roots: An Optimal
@@ -317,7 +350,8 @@ def banded_inverse_square_root(num_steps: int, bands: int, *,
     Private SGD" (arXiv:2505.12128, 2025).
   """
   num_steps, bands = _check_bands(num_steps, bands)
-  band = _workload_power_series(bands, momentum, decay, -0.5)
+  band = _workload_power_series(bands, momentum, decay, -0.5,
+                                iterate_decay)
   impulse = np.zeros(num_steps)
   impulse[0] = 1.0
   column = signal.lfilter([1.0], band, impulse)

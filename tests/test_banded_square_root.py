@@ -46,6 +46,28 @@ def test_full_band_is_the_square_root_of_the_workload(momentum, decay):
   np.testing.assert_allclose(bisr, root, rtol=0, atol=1e-10)
 
 
+@pytest.mark.parametrize('momentum', [0.0, MOMENTUM])
+def test_full_band_with_weight_decay_is_the_square_root(momentum):
+  # SGD with weight decay: x_(t+1) = alpha x_t - lr m_t, alpha = 1 - lr wd.
+  steps, alpha = 20, 0.95
+  w = strategies.workload(steps, 'true', momentum=momentum,
+                          iterate_decay=alpha)
+  assert w[1, 0] == pytest.approx(alpha + momentum)
+  bsr = strategies.banded_square_root(steps, steps, momentum=momentum,
+                                      iterate_decay=alpha)
+  np.testing.assert_allclose(bsr @ bsr, w, rtol=0, atol=1e-10)
+  _, bisr_inverse = strategies.banded_inverse_square_root(
+      steps, steps, momentum=momentum, iterate_decay=alpha,
+      with_inverse=True)
+  np.testing.assert_allclose(bisr_inverse @ bisr_inverse, np.linalg.inv(w),
+                             rtol=0, atol=1e-9)
+  # Banded: the first diagonals are the root's, the rest zero.
+  banded = strategies.banded_square_root(steps, 4, momentum=momentum,
+                                         iterate_decay=alpha)
+  np.testing.assert_allclose(banded[:, 0], np.where(np.arange(steps) < 4,
+                                                    bsr[:, 0], 0.0))
+
+
 @pytest.mark.parametrize('bands', [1, 3, 12])
 @pytest.mark.parametrize('momentum,decay', WORKLOADS)
 def test_toeplitz_lower_triangular_with_exactly_bands_diagonals(
@@ -101,6 +123,9 @@ def test_prefix_sums_give_the_central_binomial_coefficients():
     ((10, 3), {'momentum': -0.1}, 'momentum'),
     ((10, 3), {'decay': 1.0}, 'decay'),
     ((10, 3), {'decay': float('nan')}, 'decay'),
+    ((10, 3), {'iterate_decay': 0.0}, 'iterate_decay'),
+    ((10, 3), {'iterate_decay': 1.01}, 'iterate_decay'),
+    ((10, 3), {'iterate_decay': float('nan')}, 'iterate_decay'),
 ])
 def test_bad_inputs_raise(function, args, kwargs, match):
   with pytest.raises(ValueError, match=match):
