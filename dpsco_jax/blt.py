@@ -49,7 +49,10 @@ References:
 """
 
 import math
-from typing import Any, NamedTuple, Optional
+import os
+from typing import Any, NamedTuple, Optional, Union
+
+from absl import logging
 
 import jax
 import jax.numpy as jnp
@@ -61,8 +64,16 @@ from scipy import special
 
 from dpsco_jax import checks
 from dpsco_jax import noise as noise_lib
+from dpsco_jax import strategies as strategies_lib
 
 PyTree = Any
+
+# Bumped whenever `optimize` changes what it returns for the same arguments,
+# so that stale cache entries are not reused.
+_CACHE_VERSION = 1
+
+# The largest decay `optimize` returns: the largest float32 below 1.
+_MAX_DECAY = 1.0 - 2.0**-24
 
 
 class BltParameters(NamedTuple):
@@ -446,7 +457,11 @@ def _pack(params: BltParameters) -> np.ndarray:
 def _unpack(vector: np.ndarray) -> BltParameters:
   """Unconstrained vector -> theta in (0, 1), w > 0 with sum(w) < 1."""
   d = len(vector) // 2
-  decays = special.expit(vector[:d])
+  # At most the largest float32 below 1: the search can push a decay towards
+  # 1 (a buffer that never decays), where expit rounds to exactly 1.0 in
+  # float64, which `parameters` refuses; capped, the decay also stays below
+  # 1 when the device streams the noise in float32.
+  decays = np.minimum(special.expit(vector[:d]), _MAX_DECAY)
   weights = np.exp(vector[d:] - np.max(vector[d:]))
   scales = weights / (np.exp(-np.max(vector[d:])) + np.sum(weights))
   return BltParameters(decays, scales)
@@ -456,7 +471,8 @@ def optimize(num_steps: int, num_buffers: int = 4, *,
              max_participations: int = 1,
              min_separation: Optional[int] = None,
              workload_column: Optional[np.ndarray] = None,
-             error: str = 'max', max_iterations: int = 500) -> BltParameters:
+             error: str = 'max', max_iterations: int = 500,
+             cache_dir: Union[str, None, bool] = None) -> BltParameters:
   """BLT parameters minimizing the max-loss or mean-loss on a workload.
 
   Minimizes `loss(params, workload_column, k, b, error=error)`: the squared
@@ -492,6 +508,12 @@ def optimize(num_steps: int, num_buffers: int = 4, *,
       (mean-loss: the mean over steps of the squared error, i.e. the
       squared Frobenius error over T).
     max_iterations: L-BFGS-B iterations per start.
+    cache_dir: a directory, True for `default_cache_dir()` (what the plans
+      use), or None/False (default) for no cache. A cached result is keyed
+      by every argument and checked again when read (an unreadable entry,
+      or one outside the region where the sensitivity is exact, is
+      recomputed); it only saves time: the accountant computes the
+      sensitivity from the parameters it is given, wherever they come from.
 
   Returns:
     `BltParameters`.
@@ -509,6 +531,62 @@ def optimize(num_steps: int, num_buffers: int = 4, *,
   k = checks.positive_int(max_participations, 'max_participations')
   if k > 1:
     checks.positive_int(min_separation, 'min_separation')
+  if cache_dir is True:
+    cache_dir = default_cache_dir()
+  path = None
+  if cache_dir:
+    path = strategies_lib._cache_path(  # pylint: disable=protected-access
+        cache_dir, (_CACHE_VERSION, 'blt', num_steps, d, k,
+                    min_separation if k > 1 else None, workload_column, error,
+                    max_iterations))
+    cached = _read_cached(path, d)
+    if cached is not None:
+      return cached
+  result = _optimize(num_steps, d, k, min_separation, workload_column, error,
+                     max_iterations)
+  if path:
+    strategies_lib._store(  # pylint: disable=protected-access
+        path, np.stack([result.buffer_decays, result.output_scales]))
+  return result
+
+
+def default_cache_dir() -> str:
+  """Where `optimize` caches BLT parameters: `$DPSCO_JAX_CACHE/blt`.
+
+  Example:
+    >>> p = optimize(10_000, 4, cache_dir=default_cache_dir())  # seconds
+    >>> p = optimize(10_000, 4, cache_dir=True)                 # read back
+
+  Returns:
+    The directory (default `~/.cache/dpsco_jax/blt`; it may not exist).
+  """
+  return os.path.join(strategies_lib.cache_root(), 'blt')
+
+
+def _read_cached(path: str, num_buffers: int) -> Optional[BltParameters]:
+  """The cached parameters at `path`, or None (missing or not usable)."""
+  if not os.path.exists(path):
+    return None
+  try:
+    stored = np.load(path)
+    params = parameters(stored[0], stored[1])
+  except (OSError, ValueError, IndexError) as error:
+    logging.warning('ignoring an unreadable cached BLT at %s: %s', path,
+                    error)
+    return None
+  scales = params.output_scales
+  if (params.num_buffers != num_buffers or np.any(scales < 0) or
+      np.sum(scales) > 1 or np.any(params.buffer_decays <= 0)):
+    logging.warning('ignoring a cached BLT outside the optimized region at '
+                    '%s', path)
+    return None
+  return params
+
+
+def _optimize(num_steps: int, d: int, k: int, min_separation: Optional[int],
+              workload_column: np.ndarray, error: str,
+              max_iterations: int) -> BltParameters:
+  """`optimize` without its checks and cache."""
   weights = (num_steps - np.arange(num_steps)) if error == 'mean' else None
 
   def objective(vector):

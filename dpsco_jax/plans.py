@@ -841,7 +841,7 @@ def _matrix_factorization(num_examples: int, batch_size: int, epochs: int,
     params = blt.optimize(
         steps, n_buffers, max_participations=epochs, min_separation=b,
         workload_column=blt.toeplitz_workload_column(
-            steps, momentum=momentum, decay=decay))
+            steps, momentum=momentum, decay=decay), cache_dir=True)
     mechanism = blt.mechanism(params, steps)
     _check_noise_buffers(mechanism, max_noise_buffers, steps)
     return sampler, None, mechanism

@@ -341,3 +341,56 @@ def test_the_ledger_refuses_the_state_of_another_blt():
   two.ledger.check_state(two.transformation.init(params))
   with pytest.raises(ledger.LedgerMismatchError, match='another mechanism'):
     two.ledger.check_state(three.transformation.init(params))
+
+
+def test_optimize_cache_returns_the_same_parameters_and_rejects_bad_entries(
+    tmp_path, monkeypatch):
+  first = blt.optimize(300, 2, cache_dir=str(tmp_path))
+  [entry] = list(tmp_path.iterdir())
+  calls = []
+  original = blt._optimize  # pylint: disable=protected-access
+
+  def counting(*args, **kwargs):
+    calls.append(args)
+    return original(*args, **kwargs)
+
+  monkeypatch.setattr(blt, '_optimize', counting)
+  again = blt.optimize(300, 2, cache_dir=str(tmp_path))
+  assert not calls  # Read back, not optimized again.
+  np.testing.assert_array_equal(again.buffer_decays, first.buffer_decays)
+  np.testing.assert_array_equal(again.output_scales, first.output_scales)
+  # Another argument is another entry.
+  blt.optimize(300, 2, error='mean', cache_dir=str(tmp_path))
+  assert len(calls) == 1
+  # An entry outside the region where the sensitivity is exact (scales
+  # summing past 1) is recomputed, not used.
+  np.save(entry, np.array([[0.9, 0.5], [0.8, 0.7]]))
+  recomputed = blt.optimize(300, 2, cache_dir=str(tmp_path))
+  assert len(calls) == 2
+  np.testing.assert_allclose(recomputed.output_scales, first.output_scales)
+  np.save(entry, np.array([1.0]))  # Unreadable as parameters.
+  blt.optimize(300, 2, cache_dir=str(tmp_path))
+  assert len(calls) == 3
+  # Plans use the library cache ($DPSCO_JAX_CACHE, a temporary folder here).
+  monkeypatch.setenv('DPSCO_JAX_CACHE', str(tmp_path / 'library'))
+  plan_kwargs = dict(optimizer=optax.sgd(0.1), num_examples=40,
+                     batch_size=10, epochs=2, l2_clip=1.0,
+                     noise_multiplier=1.0, delta=1e-5, strategy='blt',
+                     n_buffers=2)
+  loss = lambda params, example: jnp.sum(params * example)
+  plans.dpmemf(loss, **plan_kwargs)
+  assert len(calls) == 4
+  assert list((tmp_path / 'library' / 'blt').iterdir())
+  plans.dpmemf(loss, **plan_kwargs)
+  assert len(calls) == 4
+
+
+@pytest.mark.parametrize('steps, k, b, d', [(8, 2, 4, 2), (16, 2, 8, 2),
+                                            (30, 3, 10, 3)])
+def test_optimize_keeps_every_decay_below_one_even_in_float32(steps, k, b, d):
+  # Under several participations the search pushes one decay towards 1; it
+  # used to reach exactly 1.0 (which `parameters` refuses) at T = 8, k = 2.
+  params = blt.optimize(steps, d, max_participations=k, min_separation=b)
+  assert np.all(params.buffer_decays.astype(np.float32) < 1), params
+  assert blt.sensitivity(params, steps, max_participations=k,
+                         min_separation=b) > 0
