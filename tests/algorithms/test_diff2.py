@@ -6,6 +6,7 @@ are padded to a common size with junk (NaN) rows and a mask, so every test
 also checks that padding never leaks into the per-client means.
 """
 
+import functools
 import math
 import warnings
 
@@ -76,7 +77,9 @@ def client_step(tx):
   return step
 
 
+@functools.cache
 def vmapped(tx):
+  """The jitted step of `tx` over clients (one per `tx`: reuse shares it)."""
   return jax.jit(jax.vmap(client_step(tx), in_axes=(None, None, 0, 0),
                           out_axes=None, axis_name=AXIS))
 
@@ -89,6 +92,13 @@ def run_vmapped(tx, params, batch, mask, rounds):
     params, state = step(params, state, batch, mask)
     trajectory.append(params)
   return trajectory, state
+
+
+@functools.cache
+def default_gd():
+  """`make_tx('gd')`, built once: the tests that run it on the default clients
+  share one compiled step (`vmapped` is cached per transformation)."""
+  return make_tx('gd')
 
 
 def flat(tree):
@@ -146,8 +156,7 @@ def test_matches_algorithm_1_written_out():
   params = make_params()
   clients, batch, mask = make_clients()
   args = kwargs()
-  got, _ = run_vmapped(diff2.diff2_gd(loss_fn, **args), params, batch, mask,
-                       args['num_rounds'])
+  got, _ = run_vmapped(default_gd(), params, batch, mask, args['num_rounds'])
   want = reference_diff2(params, clients, args['num_rounds'], **args)
   for t, (a, b) in enumerate(zip(got, want)):
     np.testing.assert_allclose(flat(a), b, rtol=2e-4, atol=2e-5, err_msg=t)
@@ -353,8 +362,7 @@ def test_padding_does_not_change_per_client_means():
   wide_batch = jax.tree_util.tree_map(
       lambda x: x.at[0].set(x[0][order]), wide_batch)
   wide_mask = wide_mask.at[0].set(wide_mask[0][order])
-  tx = make_tx('gd')
-  narrow, _ = run_vmapped(tx, params, batch, mask, 2)
+  narrow, _ = run_vmapped(default_gd(), params, batch, mask, 2)
   wide, _ = run_vmapped(make_tx('gd'), params, wide_batch, wide_mask, 2)
   for a, b in zip(narrow, wide):
     np.testing.assert_allclose(flat(a), flat(b), rtol=1e-5, atol=1e-6)
@@ -506,7 +514,7 @@ def test_rounds_beyond_calibration_are_refused():
 def test_empty_client_and_small_client_are_refused():
   params = make_params()
   _, batch, mask = make_clients()
-  tx = make_tx('gd')
+  tx = default_gd()
   with pytest.raises(REFUSED, match='no real examples'):
     vmapped(tx)(params, tx.init(params), batch, mask.at[1].set(False))
     jax.effects_barrier()
@@ -623,8 +631,7 @@ def test_restart_interval_preset_is_tau_r_clamped_to_one_and_r():
 def test_random_output_iterate_keeps_the_selected_rounds_point():
   _, batch, mask = make_clients()
   params = make_params()
-  plain, _ = run_vmapped(diff2.diff2_gd(loss_fn, **kwargs()), params, batch,
-                         mask, 7)
+  plain, _ = run_vmapped(default_gd(), params, batch, mask, 7)
   with warnings.catch_warnings():
     warnings.simplefilter('ignore', dpsco_jax.keys.KeyReuseWarning)
     tx = diff2.diff2_gd(loss_fn, output='random_iterate', output_key=5,
