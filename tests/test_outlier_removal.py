@@ -11,6 +11,7 @@ from the Gram form cancel to 0 (`pairwise_squared_distances` rounds up from
 differences instead: tests at the end).
 """
 
+import functools
 import math
 
 import jax
@@ -172,6 +173,13 @@ def test_planted_outlier_cluster_moves_the_mean_within_the_bound(offset):
                             after + np.float32(offset))
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _robust_mean(points, tau, inclusion, key):
+  """`orm.robust_mean` compiled once per shape (the checks run it on many
+  layouts of a few shapes)."""
+  return orm.robust_mean(points, tau, inclusion=inclusion, key=key)
+
+
 def _check_moves_within_bound(before, after, inclusion='weighted', key=None,
                               failure=None):
   size = len(before)
@@ -179,8 +187,8 @@ def _check_moves_within_bound(before, after, inclusion='weighted', key=None,
   assert score >= 2 * size / 3
   bound = orm.mean_sensitivity(size, TAU, inclusion=inclusion,
                                failure_probability=failure)
-  mean = orm.robust_mean(before, TAU, inclusion=inclusion, key=key)
-  mean_after = orm.robust_mean(after, TAU, inclusion=inclusion, key=key)
+  mean = _robust_mean(before, TAU, inclusion, key)
+  mean_after = _robust_mean(after, TAU, inclusion, key)
   assert np.all(np.isfinite(mean)) and np.all(np.isfinite(mean_after))
   distance = float(np.linalg.norm(np.asarray(mean) - np.asarray(mean_after)))
   assert distance <= bound

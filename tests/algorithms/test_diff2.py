@@ -6,6 +6,7 @@ are padded to a common size with junk (NaN) rows and a mask, so every test
 also checks that padding never leaks into the per-client means.
 """
 
+import functools
 import math
 import warnings
 
@@ -76,7 +77,9 @@ def client_step(tx):
   return step
 
 
+@functools.cache
 def vmapped(tx):
+  """The jitted step of `tx` over clients (one per `tx`: reuse shares it)."""
   return jax.jit(jax.vmap(client_step(tx), in_axes=(None, None, 0, 0),
                           out_axes=None, axis_name=AXIS))
 
@@ -89,6 +92,13 @@ def run_vmapped(tx, params, batch, mask, rounds):
     params, state = step(params, state, batch, mask)
     trajectory.append(params)
   return trajectory, state
+
+
+@functools.cache
+def default_gd():
+  """`make_tx('gd')`, built once: the tests that run it on the default clients
+  share one compiled step (`vmapped` is cached per transformation)."""
+  return make_tx('gd')
 
 
 def flat(tree):
@@ -146,8 +156,7 @@ def test_matches_algorithm_1_written_out():
   params = make_params()
   clients, batch, mask = make_clients()
   args = kwargs()
-  got, _ = run_vmapped(diff2.diff2_gd(loss_fn, **args), params, batch, mask,
-                       args['num_rounds'])
+  got, _ = run_vmapped(default_gd(), params, batch, mask, args['num_rounds'])
   want = reference_diff2(params, clients, args['num_rounds'], **args)
   for t, (a, b) in enumerate(zip(got, want)):
     np.testing.assert_allclose(flat(a), b, rtol=2e-4, atol=2e-5, err_msg=t)
@@ -353,8 +362,7 @@ def test_padding_does_not_change_per_client_means():
   wide_batch = jax.tree_util.tree_map(
       lambda x: x.at[0].set(x[0][order]), wide_batch)
   wide_mask = wide_mask.at[0].set(wide_mask[0][order])
-  tx = make_tx('gd')
-  narrow, _ = run_vmapped(tx, params, batch, mask, 2)
+  narrow, _ = run_vmapped(default_gd(), params, batch, mask, 2)
   wide, _ = run_vmapped(make_tx('gd'), params, wide_batch, wide_mask, 2)
   for a, b in zip(narrow, wide):
     np.testing.assert_allclose(flat(a), flat(b), rtol=1e-5, atol=1e-6)
@@ -397,7 +405,7 @@ def test_bvr_noiseless_full_minibatch_is_local_sarah_on_the_round_robin_client()
       restart_interval=2, num_rounds=rounds,
       noise_multipliers=Diff2NoiseMultipliers(0, 0, 0), key=1,
       local_steps=steps, local_batch_size=6, axis_name=AXIS, **output)
-  got, _ = run_vmapped(make(), params, batch, mask, rounds)
+  got, plain_state = run_vmapped(make(), params, batch, mask, rounds)
   _, unravel = ravel_pytree(params)
 
   def local_grad(x, c):
@@ -423,7 +431,9 @@ def test_bvr_noiseless_full_minibatch_is_local_sarah_on_the_round_robin_client()
     np.testing.assert_allclose(flat(got[t]), x, rtol=1e-4, atol=1e-5)
   # Algorithm 1's output: x_{k_hat - 1} of round t_hat, k_hat on {1..K}.
   seen = set()
-  for output_key in (0, 1, 3, 7):   # they draw k_hat = 2, 1, 3, 2
+  # Each key is a compile; these three draw (t_hat, k_hat) = (0, 3), (1, 2),
+  # (2, 1): every round and every local step once.
+  for output_key in (1, 3, 7):
     trajectory, state = run_vmapped(
         make(output='random_iterate', output_key=output_key), params, batch,
         mask, rounds)
@@ -438,7 +448,7 @@ def test_bvr_noiseless_full_minibatch_is_local_sarah_on_the_round_robin_client()
     seen.add((t_hat, k_hat))
   assert {k for _, k in seen} == {1, 2, 3} and len({t for t, _ in seen}) > 1
   with pytest.raises(ValueError, match='expected one RandomIterateState'):
-    diff2.selected_iterate(run_vmapped(make(), params, batch, mask, 1)[1])
+    diff2.selected_iterate(plain_state)
 
 
 def zero_loss(params, example):
@@ -504,7 +514,7 @@ def test_rounds_beyond_calibration_are_refused():
 def test_empty_client_and_small_client_are_refused():
   params = make_params()
   _, batch, mask = make_clients()
-  tx = make_tx('gd')
+  tx = default_gd()
   with pytest.raises(REFUSED, match='no real examples'):
     vmapped(tx)(params, tx.init(params), batch, mask.at[1].set(False))
     jax.effects_barrier()
@@ -621,8 +631,7 @@ def test_restart_interval_preset_is_tau_r_clamped_to_one_and_r():
 def test_random_output_iterate_keeps_the_selected_rounds_point():
   _, batch, mask = make_clients()
   params = make_params()
-  plain, _ = run_vmapped(diff2.diff2_gd(loss_fn, **kwargs()), params, batch,
-                         mask, 7)
+  plain, _ = run_vmapped(default_gd(), params, batch, mask, 7)
   with warnings.catch_warnings():
     warnings.simplefilter('ignore', dpsco_jax.keys.KeyReuseWarning)
     tx = diff2.diff2_gd(loss_fn, output='random_iterate', output_key=5,
