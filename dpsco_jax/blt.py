@@ -149,15 +149,16 @@ def coefficients(params: BltParameters, num_steps: int) -> np.ndarray:
   Returns:
     float64 `[T]`.
   """
-  num_steps = checks.positive_int(num_steps, 'num_steps')
   numerator, denominator = _polynomials(params)
-  impulse = np.zeros(num_steps)
-  impulse[0] = 1.0
-  return signal.lfilter(numerator, denominator, impulse)
+  return strategies_lib.series_quotient(numerator, denominator, num_steps)
 
 
 def inverse_coefficients(params: BltParameters, num_steps: int) -> np.ndarray:
   """The first column of `C^-1` (Toeplitz too): the impulse response of Q/P.
+
+  Example:
+    >>> inverse_coefficients(parameters([0.5], [0.5]), 4)
+    array([ 1. , -0.5,  0. ,  0. ])
 
   Args:
     params: the BLT parameters.
@@ -166,11 +167,8 @@ def inverse_coefficients(params: BltParameters, num_steps: int) -> np.ndarray:
   Returns:
     float64 `[T]`.
   """
-  num_steps = checks.positive_int(num_steps, 'num_steps')
   numerator, denominator = _polynomials(params)
-  impulse = np.zeros(num_steps)
-  impulse[0] = 1.0
-  return signal.lfilter(denominator, numerator, impulse)
+  return strategies_lib.series_quotient(denominator, numerator, num_steps)
 
 
 def materialize(params: BltParameters, num_steps: int) -> np.ndarray:

@@ -201,6 +201,38 @@ def _workload_power_series(num_steps: int, momentum: float, decay: float,
   return series
 
 
+def series_quotient(numerator, denominator, num_steps: int) -> np.ndarray:
+  """The first T coefficients of the power series `numerator(x) / denominator(x)`.
+
+  A lower-triangular Toeplitz `[T, T]` matrix is a power series modulo
+  `x^T`; a rational one (a BLT, the inverse of a banded matrix) is the
+  impulse response of a linear recurrence, computed in O(T d).
+
+  Example:
+    >>> series_quotient([1.0], [1.0, -0.5], 4)   # 1 / (1 - x / 2)
+    array([1.   , 0.5  , 0.25 , 0.125])
+
+  Args:
+    numerator: ascending coefficients.
+    denominator: ascending coefficients, the constant term non-zero.
+    num_steps: T.
+
+  Returns:
+    float64 `[T]`.
+
+  Raises:
+    ValueError: for a non-positive T or a zero constant term.
+  """
+  num_steps = checks.positive_int(num_steps, 'num_steps')
+  denominator = np.atleast_1d(np.asarray(denominator, np.float64))
+  if not denominator[0]:
+    raise ValueError('the denominator needs a non-zero constant term')
+  impulse = np.zeros(num_steps)
+  impulse[0] = 1.0
+  return signal.lfilter(np.asarray(numerator, np.float64), denominator,
+                        impulse)
+
+
 def _lower_toeplitz(column: np.ndarray) -> np.ndarray:
   """The lower-triangular Toeplitz matrix with first column `column`."""
   return linalg.toeplitz(column, np.zeros(len(column)))
@@ -352,9 +384,7 @@ def banded_inverse_square_root(num_steps: int, bands: int, *,
   num_steps, bands = _check_bands(num_steps, bands)
   band = _workload_power_series(bands, momentum, decay, -0.5,
                                 iterate_decay)
-  impulse = np.zeros(num_steps)
-  impulse[0] = 1.0
-  column = signal.lfilter([1.0], band, impulse)
+  column = series_quotient([1.0], band, num_steps)
   strategy = _lower_toeplitz(column)
   if not with_inverse:
     return strategy
