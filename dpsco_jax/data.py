@@ -22,7 +22,19 @@ look excellent and fail on new data. No column is taken by default:
 `features=` and `target=` are required, the target is refused among the
 features, and so are columns that look like identifiers (by name, such as
 `id`, `udi`, `customer_id`, or by value: one distinct integer per row in a
-run of consecutive values, or one distinct string per row).
+run of consecutive values, or one distinct string per row) and features
+that predict the target almost perfectly on the training rows, alone or a
+few indicator columns together (`predictive_columns`, with its thresholds;
+`allow_predictive=` confirms a column known before the target is). That
+detection is a heuristic: it cannot catch every leak (a leak spread over
+many columns, or holding on part of the rows, passes), so leave out the
+columns recorded from the label yourself. Every refused column is named in
+one error, so one run finds them all.
+
+Which class is 1. String labels are encoded in sorted order ('fail'/'ok'
+gives y = 1 for 'ok') unless `positive_class=` names the class of y = 1;
+the encoding is printed on stderr (`DPSCO_JAX_PROGRESS=0` silences it) and
+kept in `table.classes` and `table.positive_class`.
 
 Why the scaling spends privacy (or not). Standardizing features with the
 training rows' own mean and variance releases those rows outside the
@@ -32,7 +44,9 @@ data, e.g. a sensor's range) to [-1, 1] and spends nothing
 mean and variance of the training rows (`preprocessing.dp_standardization`)
 whose release `table.releases` goes to the plan's `releases=`, so the
 ledger spends it with the steps. `scaling='none'` leaves the features as
-they are (already in a small public range).
+they are (already in a small public range). Values outside public bounds
+are clipped to them, with a `ClippedValuesWarning` counting them per
+column.
 
 pandas is optional: a DataFrame is accepted when one is passed, and this
 module never imports pandas.
@@ -359,8 +373,7 @@ def _rows(count: int, n: int) -> str:
   return f'{count:,} of {n:,} training rows ({100.0 * count / n:.1f}%)'
 
 
-def _alone(name: str, values: np.ndarray, target: _Target
-           ) -> Optional[str]:
+def _alone(values: np.ndarray, target: _Target) -> Optional[str]:
   """Why `values` predicts the target alone, or None."""
   n = values.shape[0]
   y = target.values
@@ -371,13 +384,17 @@ def _alone(name: str, values: np.ndarray, target: _Target
       return None
     agreement, balanced, predicted = _class_fit(codes, num_codes, y,
                                                 len(target.classes))
-    if num_codes <= 4 and num_codes == np.unique(values).size:
+    distinct = np.unique(values)
+    if num_codes == distinct.size <= 4:
       mapping = ', '.join(
           f'{value:g} -> {target.classes[predicted[k]]!r}'
-          for k, value in enumerate(np.unique(values)))
+          for k, value in enumerate(distinct))
       how = f'mapping its values to classes ({mapping})'
+    elif num_codes == distinct.size:
+      how = f'mapping its {num_codes} values to classes'
     else:
-      how = 'mapping ranges of its values to classes'
+      how = (f'mapping ranges of its values (about {_GROUP_ROWS} sorted rows '
+             'each) to classes')
     return (f'{how} matches the target on '
             f'{_rows(int(round(agreement * n)), n)}, and on {balanced:.1%} '
             "of each class's rows on average")
@@ -528,7 +545,7 @@ def predictive_columns(x: np.ndarray, y: np.ndarray, names: Sequence[str],
     target = _Target(np.asarray(y, np.float64), None)
   found, left = [], []
   for j, name in enumerate(names):
-    evidence = _alone(name, x[:, j], target)
+    evidence = _alone(x[:, j], target)
     if evidence:
       found.append(Predictive((name,), evidence))
     else:

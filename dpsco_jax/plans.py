@@ -195,6 +195,11 @@ class Plan:
     Raises:
       ValueError: if the data's leading axes are not `num_examples`, or the
         plan has no sampler (DIFF2 rounds use all local data).
+
+    Warns:
+      NonFiniteDataWarning: once per data object whose rows hold NaN or
+        infinite values (`checks.warn_non_finite`: their contributions
+        would be zeroed by the clipping, silently).
     """
     if self.batches is None:
       raise ValueError(f'{self.algorithm} uses all local data every round: '
