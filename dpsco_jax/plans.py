@@ -195,6 +195,11 @@ class Plan:
     Raises:
       ValueError: if the data's leading axes are not `num_examples`, or the
         plan has no sampler (DIFF2 rounds use all local data).
+
+    Warns:
+      NonFiniteDataWarning: once per data object whose rows hold NaN or
+        infinite values (`checks.warn_non_finite`: their contributions
+        would be zeroed by the clipping, silently).
     """
     if self.batches is None:
       raise ValueError(f'{self.algorithm} uses all local data every round: '
@@ -206,6 +211,7 @@ class Plan:
           f'the data\'s leading axes are {sorted(map(str, sizes))}; the plan '
           f'is for num_examples = {self.num_examples} (privacy is accounted '
           'for that data set size)')
+    checks.warn_non_finite(data, 'plan.batches_of')
     take = lambda indices: jax.tree_util.tree_map(lambda x: x[indices], data)
     for drawn in self.batches.iterate(start_step):
       if isinstance(drawn, tuple):
@@ -327,12 +333,14 @@ class Plan:
 
 
 def _target(epsilon: Optional[float], noise_multiplier: Any,
-            delta: float) -> None:
-  """Exactly one of a privacy target and a given noise."""
+            delta: float, num_examples: int, unit: str = 'example') -> None:
+  """Exactly one of a privacy target and a given noise; a delta that means
+  something for `num_examples` privacy units (`checks.warn_large_delta`)."""
   if (epsilon is None) == (noise_multiplier is None):
     raise ValueError('give exactly one of epsilon= (the noise is calibrated '
                      'to it) and noise_multiplier= (its epsilon is computed)')
   accounting.validate_epsilon_delta(epsilon, delta)
+  checks.warn_large_delta(delta, num_examples, unit)
 
 
 def _fresh_seed(seed: Optional[int]) -> int:
@@ -480,7 +488,8 @@ def _batched_plan(
   The noise is calibrated to what the `releases` (private preprocessing of
   the same data) leave of the target, and the ledger spends them too.
   """
-  _target(epsilon, noise_multiplier, delta)
+  _target(epsilon, noise_multiplier, delta, sampler.num_examples,
+          hyperparameters.get('privacy_unit', 'example'))
   relation = Relation(relation)
   participation = sampler.participation
   _check_relation(algorithm, relation, participation)
@@ -1368,7 +1377,7 @@ def diff2_gd(
   Returns:
     A `Plan` (no sampler, no ledger: see `Plan`).
   """
-  _target(epsilon, noise_multipliers, delta)
+  _target(epsilon, noise_multipliers, delta, num_examples)
   num_rounds = checks.positive_int(num_rounds, 'num_rounds')
   selector = diff2.output_selector(output, num_rounds, output_key)
   restart_interval = checks.positive_int(restart_interval, 'restart_interval')
@@ -1693,7 +1702,7 @@ def nonsmooth_single_pass(
   Returns:
     A `Plan`.
   """
-  _target(epsilon, noise_multiplier, delta)
+  _target(epsilon, noise_multiplier, delta, num_examples)
   relation = Relation(neighboring_relation)
   sampler = batching.AnchoredSinglePass(
       num_examples, anchor_batch_size, batch_size, period,
@@ -1833,7 +1842,7 @@ def nonsmooth_multi_pass(
   Returns:
     A `Plan` (no sampler: pass the whole data set every step).
   """
-  _target(epsilon, noise_multipliers, delta)
+  _target(epsilon, noise_multipliers, delta, num_examples)
   steps = checks.positive_int(num_steps, 'num_steps')
   period = checks.positive_int(period, 'period')
   n = checks.positive_int(num_examples, 'num_examples')

@@ -231,6 +231,8 @@ def dp_standardization(
   if epsilon is not None:
     if delta is None:
       raise ValueError('epsilon= needs delta=')
+    accounting.validate_epsilon_delta(epsilon, delta)
+    checks.warn_large_delta(delta, x.shape[0])
     # One Gaussian mechanism, used once: a one-step i.i.d. Gaussian run.
     noise_multiplier = accounting.calibrate_noise_multiplier(
         noise.gaussian(1), accounting.single_epoch(1), epsilon, delta,

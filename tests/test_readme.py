@@ -50,7 +50,7 @@ def test_every_block_runs_in_order(tmp_path, monkeypatch, capsys):
   # The first block's loop reports the epsilon so far, ending at the target.
   assert 'epsilon so far 2.000' in printed
   # "Train on your own data": the shipped table's classes and rows.
-  assert "('no', 'yes') 240" in printed
+  assert "('no', 'yes') yes 240" in printed
   assert namespace['plan'].epsilon <= 2.0 + 1e-9
   assert os.path.isdir(tmp_path / 'run' / 'checkpoint')
   assert os.path.isdir(tmp_path / 'run' / 'model')

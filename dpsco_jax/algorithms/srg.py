@@ -1072,6 +1072,7 @@ def srgd_preset(
   """
   n = checks.positive_int(num_examples, 'num_examples')
   accounting.validate_epsilon_delta(epsilon, delta)
+  checks.warn_large_delta(delta, n)
   lipschitz = checks.positive_finite(lipschitz, 'lipschitz')
   smoothness = checks.positive_finite(smoothness, 'smoothness')
   radius = checks.positive_finite(radius, 'radius')
