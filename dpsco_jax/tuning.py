@@ -553,6 +553,9 @@ class PrivateScore(NamedTuple):
   only when `event` is part of the trial's accounted event (equal to it, or
   one of the events it composes).
 
+  Example:
+    >>> score = PrivateScore(noisy_accuracy, dp_accounting.GaussianDpEvent(5.0))
+
   Attributes:
     value: the released (noisy) score.
     event: the DpEvent of its release.
@@ -621,6 +624,9 @@ class TrialRecord:
   """One trial of a search. NOT covered by the search's epsilon unless it
   is the released best trial.
 
+  Example:
+    >>> result.best.config, result.best.score
+
   Attributes:
     index: the trial's position in the search.
     config: the hyperparameters drawn for it.
@@ -640,6 +646,9 @@ class SearchRecord:
 
   Holds nothing the guarantee does not cover (no K, no other trial's score
   or configuration), so it can be published with the best trial.
+
+  Example:
+    >>> result.record.epsilon, result.record.method
 
   Attributes:
     distribution: the distribution of K and its parameters.
@@ -681,6 +690,10 @@ class SearchRecord:
 @dataclasses.dataclass(frozen=True)
 class SearchResult:
   """What `random_search` returns.
+
+  Example:
+    >>> result = random_search(space, run_trial, ...)
+    >>> publish(result.best.config, result.best.result, result.record)
 
   Attributes:
     best: the released trial (None when a Poisson K was 0): the only part
