@@ -183,11 +183,13 @@ class TruncatedNegativeBinomial:
     log_p = k * math.log1p(-self.gamma)
     if self.eta == 0:
       return math.exp(log_p - math.log(k) - math.log(math.log(1 / self.gamma)))
-    # prod_{l<k} (l + eta) / (l + 1) = Gamma(k + eta) / (Gamma(eta) k!),
-    # written as the product to keep eta in (-1, 0) exact in sign.
-    product = math.prod((l + self.eta) / (l + 1) for l in range(k))
-    return product * math.exp(log_p) / math.expm1(-self.eta *
-                                                   math.log(self.gamma))
+    # prod_{l<k} (l + eta) / (l + 1) = Gamma(k + eta) / (Gamma(eta) k!); for
+    # eta in (-1, 0) Gamma(eta) and gamma^-eta - 1 are both negative, so
+    # the signs cancel and the magnitudes are taken in log space.
+    log_p += (math.lgamma(k + self.eta) - math.lgamma(self.eta) -
+              math.lgamma(k + 1))
+    return math.exp(log_p - math.log(abs(math.expm1(-self.eta *
+                                                     math.log(self.gamma)))))
 
   def sample(self, key: jax.Array) -> int:
     """K drawn from the distribution with `key` (inverse CDF, float64)."""
@@ -216,6 +218,39 @@ def geometric(mean: float) -> TruncatedNegativeBinomial:
   if not mean > 1:
     raise ValueError(f'mean must be > 1, got {mean!r}')
   return TruncatedNegativeBinomial(eta=1.0, gamma=1.0 / mean)
+
+
+def truncated_negative_binomial(eta: float, mean: float
+                                ) -> TruncatedNegativeBinomial:
+  """D_{eta, gamma} with gamma set so that E[K] is `mean` (to 1e-10).
+
+  E[K] decreases in gamma, from infinity at 0 to 1 at 1: bisection. The
+  accounting uses the gamma found, so the bound is exact for it.
+
+  Example:
+    >>> truncated_negative_binomial(eta=0.0, mean=10.0).gamma
+
+  Args:
+    eta: the shape, > -1.
+    mean: the mean number of trials, > 1.
+
+  Returns:
+    A `TruncatedNegativeBinomial`.
+
+  Raises:
+    ValueError: for eta <= -1 or a mean <= 1.
+  """
+  if not (math.isfinite(mean) and mean > 1):
+    raise ValueError(f'mean must be a finite number > 1, got {mean!r}')
+  TruncatedNegativeBinomial(eta, 0.5)  # Checks eta.
+  lower, upper = 0.0, 1.0
+  while upper - lower > 1e-12 * upper:
+    gamma = 0.5 * (lower + upper)
+    if TruncatedNegativeBinomial(eta, gamma).mean > mean:
+      lower = gamma
+    else:
+      upper = gamma
+  return TruncatedNegativeBinomial(eta, 0.5 * (lower + upper))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -741,10 +776,11 @@ def _check_space(space: Any) -> None:
   for name, values in space.items():
     if callable(values):
       continue
-    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+    if isinstance(values, (str, bytes)) or not isinstance(
+        values, (Sequence, np.ndarray)):
       raise TypeError(f'space[{name!r}] must be a list of values or a '
                       f'callable(key), got {type(values).__name__}')
-    if not values:
+    if len(values) == 0:  # pylint: disable=g-explicit-length-test
       raise ValueError(f'space[{name!r}] is empty')
 
 

@@ -163,7 +163,7 @@ def test_fixed_trials_are_composed_not_accounted_as_random():
                               'poisson'])
 def test_k_is_drawn_from_the_declared_distribution(distribution):
   draws = np.array([distribution.sample(keys.as_key(seed))
-                    for seed in range(1000)])
+                    for seed in range(600)])
   support = np.arange(draws.max() + 1)
   pmf = np.array([distribution.pmf(int(k)) for k in support])
   assert sum(distribution.pmf(k) for k in range(2000)) == pytest.approx(
@@ -171,7 +171,15 @@ def test_k_is_drawn_from_the_declared_distribution(distribution):
   assert np.sum(support * pmf) == pytest.approx(distribution.mean, rel=0.05)
   # Kolmogorov-Smirnov distance of the discrete CDFs.
   empirical = np.array([np.mean(draws <= k) for k in support])
-  assert np.max(np.abs(empirical - np.cumsum(pmf))) < 1.36 / math.sqrt(1000)
+  assert np.max(np.abs(empirical - np.cumsum(pmf))) < 1.36 / math.sqrt(600)
+
+
+@pytest.mark.parametrize('eta', [-0.5, 0.0, 1.0, 3.0])
+def test_distribution_from_its_mean(eta):
+  distribution = tuning.truncated_negative_binomial(eta=eta, mean=8.0)
+  assert distribution.mean == pytest.approx(8.0, rel=1e-8)
+  assert sum(k * distribution.pmf(k) for k in range(1, 5000)) == (
+      pytest.approx(8.0, rel=1e-6))
 
 
 def test_calibration_spends_at_most_the_target():
@@ -231,6 +239,16 @@ def test_random_search_returns_the_best_trial_and_its_record():
   assert 'Theorem 2' in record['method']
   # K and the other trials are not covered by the guarantee: not published.
   assert 'num_trials' not in record and 'trials' not in record
+
+
+def test_a_poisson_search_with_no_trial_releases_nothing():
+  result = tuning.random_search(
+      {'lr': np.array([0.1, 0.3])}, public_trial,
+      distribution=tuning.Poisson(mean=1e-3), noise_multiplier=5.0,
+      delta=DELTA, make_event=dp_accounting.GaussianDpEvent,
+      score_source='public', key=7)
+  assert result.num_trials == 0 and result.best is None
+  assert math.isfinite(result.epsilon)
 
 
 def test_random_search_refuses_a_forced_number_of_trials():
