@@ -536,9 +536,11 @@ def calibrate_trial_noise(
     epsilon: the total epsilon of the search, > 0.
     delta: its delta, in (0, 1).
     distribution: the distribution of K.
-    make_event: the event of one trial run with noise multiplier z (for a
-      plan: `lambda z: plans.dpsgd(..., noise_multiplier=z).event`, or
-      `accounting.dp_event(mechanism, z, participation)`).
+    make_event: the event of one trial run with noise multiplier z; for a
+      plan, `accounting.dp_event(plan.mechanism, z, plan.participation)` of
+      a plan built once (building a plan per bisection step,
+      `plans.dpsgd(..., noise_multiplier=z).event`, gives the same event,
+      more slowly).
     orders: the Renyi orders.
     neighboring_relation: the relation the trial is private under.
     rtol: relative width of the final bracket.

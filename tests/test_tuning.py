@@ -15,12 +15,15 @@ import warnings
 
 import dp_accounting
 import numpy as np
+import optax
 import pytest
 from scipy import special
 from scipy import stats
 
+from dpsco_jax import accounting
 from dpsco_jax import guards
 from dpsco_jax import keys
+from dpsco_jax import plans
 from dpsco_jax import tuning
 
 DELTA = 1e-5
@@ -114,9 +117,9 @@ def test_bound_holds_for_the_exact_best_of_k_of_a_binary_mechanism(
 
 @pytest.mark.parametrize('eta', [0.0, 1.0, 2.0])
 def test_pure_dp_limit_is_liu_talwar(eta):
-  """An epsilon-DP trial (RDP epsilon at every order): the search is
-  ((2 + eta) epsilon)-DP as the orders grow; 3 epsilon for a geometric K
-  (Liu & Talwar 2019; the remark after Theorem 2)."""
+  """An epsilon-DP trial (RDP epsilon at every order): Theorem 2 tends to
+  ((2 + eta) epsilon)-DP as lambda and lambda_hat grow; 3 epsilon for a
+  geometric K, Liu & Talwar's (2019) bound for pure DP."""
   epsilon = 0.7
   orders = np.geomspace(2.0, 1e7, 60)
   bound = tuning.search_rdp(
@@ -327,6 +330,47 @@ def test_random_search_refuses_a_trial_that_ran_another_event():
         noise_multiplier=5.0, delta=DELTA,
         make_event=dp_accounting.GaussianDpEvent, score_source='public',
         key=5)
+
+
+def _linear_loss(params, example):
+  return optax.sigmoid_binary_cross_entropy(
+      example['x'] @ params['w'] + params['b'], example['y'])
+
+
+def _dpsgd_plan(learning_rate, noise_multiplier, epochs=1):
+  return plans.dpsgd(_linear_loss, optimizer=optax.sgd(learning_rate),
+                     num_examples=64, batch_size=16, epochs=epochs,
+                     l2_clip=1.0, delta=DELTA,
+                     noise_multiplier=noise_multiplier, method='rdp')
+
+
+TEMPLATE = None
+
+
+def _plan_event(noise_multiplier):
+  # The event of the plan each trial builds, without building one per
+  # calibration step.
+  global TEMPLATE
+  if TEMPLATE is None:
+    TEMPLATE = _dpsgd_plan(0.1, 1.0)
+  return accounting.dp_event(TEMPLATE.mechanism, noise_multiplier,
+                             TEMPLATE.participation)
+
+
+def test_trials_run_as_plans_and_a_plan_that_spends_more_is_refused():
+  def run_trial(config, noise_multiplier):
+    plan = _dpsgd_plan(config['lr'], noise_multiplier, config['epochs'])
+    return -abs(config['lr'] - 0.1), plan   # declared public score
+
+  common = dict(distribution=tuning.geometric(2.0), noise_multiplier=3.0,
+                delta=DELTA, make_event=_plan_event, score_source='public')
+  result = tuning.random_search({'lr': [0.1, 0.3], 'epochs': [1]},
+                                run_trial, key=8, **common)
+  assert all(trial.result.event == _plan_event(3.0)
+             for trial in result.trials)
+  with pytest.raises(guards.PrivacyGuardError, match='not the accounted'):
+    tuning.random_search({'lr': [0.1], 'epochs': [2]}, run_trial, key=9,
+                         **common)
 
 
 def test_random_search_input_errors():
