@@ -448,6 +448,8 @@ def search_event(distribution: Distribution,
   Poisson) for a random K; `SelfComposedDpEvent(trial_event, count)` for
   `FixedTrials`. dp_accounting's RDP accountant reads it with the same
   theorems (it recovers gamma from the mean by bisection, conservatively).
+  Its shape must be >= 0: for eta in (-1, 0) dp_accounting refuses the
+  event; `search_epsilon` accounts for it.
 
   Example:
     >>> search_event(geometric(10.0), dp_accounting.GaussianDpEvent(4.0))
@@ -464,8 +466,8 @@ def search_event(distribution: Distribution,
     return dp_accounting.SelfComposedDpEvent(trial_event, distribution.count)
   shape = (math.inf if isinstance(distribution, Poisson)
            else distribution.eta)
-  return dp_accounting.dp_event.RepeatAndSelectDpEvent(trial_event, distribution.mean,
-                                              shape)
+  return dp_accounting.dp_event.RepeatAndSelectDpEvent(
+      trial_event, distribution.mean, shape)
 
 
 def _method(distribution: Distribution) -> str:
