@@ -58,6 +58,9 @@ The curated public API. Modules, one concern each:
   scaling by public bounds or by a DP release the plan spends;
 * `dpsco_jax.checkpoint`: checkpoint and resume with a privacy ledger, and
   releases that hold only what is safe to publish;
+* `dpsco_jax.tuning`: private hyperparameter tuning: random search with a
+  random number of trials (Papernot & Steinke 2022), the whole search's
+  epsilon, and the per-trial noise calibrated from a target;
 * `dpsco_jax.audit`: empirical privacy auditing: canary runs of any
   transformation (or your own training loop) as one vmapped program, and
   epsilon lower bounds (Clopper-Pearson, one-run) to set beside the claim.
@@ -85,6 +88,7 @@ from dpsco_jax import progress
 from dpsco_jax import rounding
 from dpsco_jax import smoothing
 from dpsco_jax import strategies
+from dpsco_jax import tuning
 from dpsco_jax.algorithms import nonsmooth
 from dpsco_jax.algorithms import user_level
 from dpsco_jax.accounting import calibrate_noise_multiplier
@@ -151,6 +155,9 @@ from dpsco_jax.noise import NoiseMechanism
 from dpsco_jax.noise import NoiseState
 from dpsco_jax.strategies import optimize_strategy
 from dpsco_jax.strategies import workload
+from dpsco_jax.tuning import calibrate_trial_noise
+from dpsco_jax.tuning import random_search
+from dpsco_jax.tuning import search_epsilon
 
 __all__ = (
     'accounting',
@@ -173,6 +180,7 @@ __all__ = (
     'progress',
     'smoothing',
     'strategies',
+    'tuning',
     'nonsmooth',
     'user_level',
     'calibrate_noise_multiplier',
@@ -239,6 +247,9 @@ __all__ = (
     'NoiseState',
     'optimize_strategy',
     'workload',
+    'calibrate_trial_noise',
+    'random_search',
+    'search_epsilon',
 )
 
 __version__ = '0.1.0'
