@@ -149,6 +149,8 @@ from dpsco_jax.clipping import UserBatch
 from dpsco_jax.estimators import noisy_gradient
 from dpsco_jax.checks import NoPrivacyWarning
 from dpsco_jax.guards import PrivacyGuardError
+from dpsco_jax.guards import raise_if_refused
+from dpsco_jax.guards import Refusal
 from dpsco_jax.ledger import PrivacyLedger
 from dpsco_jax.neighboring import NeighboringRelation
 from dpsco_jax.noise import NoiseMechanism
@@ -241,6 +243,8 @@ __all__ = (
     'noisy_gradient',
     'NoPrivacyWarning',
     'PrivacyGuardError',
+    'raise_if_refused',
+    'Refusal',
     'PrivacyLedger',
     'NeighboringRelation',
     'NoiseMechanism',

@@ -578,6 +578,8 @@ class FixedOrderGuardState(NamedTuple):
       the example ids of each batch position in the first epoch.
     seen: `[ceil(num_examples / 32)]` uint32, one bit per example: set once
       the example has taken part in a first-epoch batch.
+    refusal: the `guards.Refusal` record of the guard's checks: once set,
+      every later update is NaN, and `guards.raise_if_refused` reports it.
 
   The fingerprints and the bitmap are functions of the ids of the training
   examples (which examples were used, and when): not noised, do not publish.
@@ -586,6 +588,7 @@ class FixedOrderGuardState(NamedTuple):
   step: jax.Array
   fingerprints: jax.Array
   seen: jax.Array
+  refusal: Optional[guards.Refusal] = None
 
 
 def _mix(ids: jax.Array, seed: int) -> jax.Array:
@@ -738,7 +741,7 @@ def fixed_order_guard(
     return FixedOrderGuardState(
         step=jnp.zeros((), jnp.int32),
         fingerprints=jnp.zeros((steps_per_epoch, 2), jnp.uint32),
-        seen=jnp.zeros((words,), jnp.uint32))
+        seen=jnp.zeros((words,), jnp.uint32), refusal=guards.no_refusal())
 
   def update_fn(updates, state, params=None, *, example_ids=None,
                 batch_mask=None, **extra_args):
@@ -787,11 +790,13 @@ def fixed_order_guard(
         'accounting assumes the same batches in the same order every epoch, '
         'and a pipeline that reshuffles between epochs invalidates it. Use '
         'batching.FixedOrderBatches, or account for the run as Shuffled.')
-    updates = guards.refuse_any(
+    updates, refusal = guards.record(
         list(zip((found.out_of_range, found.repeated, seen_before, changed),
-                 messages)), updates)
-    return updates, FixedOrderGuardState(step=state.step + 1,
-                                         fingerprints=fingerprints, seen=seen)
+                 messages)), updates, _record_of(state), state.step,
+        kind='batch')
+    return updates, FixedOrderGuardState(
+        step=state.step + 1, fingerprints=fingerprints, seen=seen,
+        refusal=refusal)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -803,6 +808,8 @@ class EpochGuardState(NamedTuple):
     step: steps seen so far.
     seen: `[ceil(num_examples / 32)]` uint32, one bit per example that has
       taken part in the current epoch (cleared at each epoch's first step).
+    refusal: the `guards.Refusal` record of the guard's checks: once set,
+      every later update is NaN, and `guards.raise_if_refused` reports it.
 
   The bitmap is a function of which training examples were used: not
   noised, do not publish.
@@ -810,12 +817,25 @@ class EpochGuardState(NamedTuple):
 
   step: jax.Array
   seen: jax.Array
+  refusal: Optional[guards.Refusal] = None
 
 
 class PoissonGuardState(NamedTuple):
-  """State of `poisson_batch_guard` (the steps seen so far)."""
+  """State of `poisson_batch_guard`.
+
+  Attributes:
+    step: steps seen so far.
+    refusal: the `guards.Refusal` record of the guard's checks: once set,
+      every later update is NaN, and `guards.raise_if_refused` reports it.
+  """
 
   step: jax.Array
+  refusal: Optional[guards.Refusal] = None
+
+
+def _record_of(state) -> guards.Refusal:
+  """A guard state's record (a clear one for a state made without it)."""
+  return state.refusal if state.refusal is not None else guards.no_refusal()
 
 
 def _require_updates_and_ids(updates, example_ids, guard: str,
@@ -894,7 +914,8 @@ def shuffled_order_guard(
   def init_fn(params):
     del params
     return EpochGuardState(step=jnp.zeros((), jnp.int32),
-                           seen=jnp.zeros((words,), jnp.uint32))
+                           seen=jnp.zeros((words,), jnp.uint32),
+                           refusal=guards.no_refusal())
 
   def update_fn(updates, state, params=None, *, example_ids=None,
                 batch_mask=None, **extra_args):
@@ -908,7 +929,7 @@ def shuffled_order_guard(
                        num_examples)
     size = jnp.sum(keep)
     where = _where(state.step)
-    updates = guards.refuse_any(_id_refusals(
+    updates, refusal = guards.record(_id_refusals(
         found, where, num_examples,
         ' (mask padding out with batch_mask)') + [
         (found.seen_before,
@@ -918,8 +939,9 @@ def shuffled_order_guard(
         (size != batch_size,
          f'the batch at {where} has a number of examples other than the '
          f'{batch_size} the run is accounted for.'),
-    ], updates)
-    return updates, EpochGuardState(step=state.step + 1, seen=found.seen)
+    ], updates, _record_of(state), state.step, kind='batch')
+    return updates, EpochGuardState(step=state.step + 1, seen=found.seen,
+                                    refusal=refusal)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -1008,7 +1030,8 @@ def poisson_batch_guard(
 
   def init_fn(params):
     del params
-    return PoissonGuardState(step=jnp.zeros((), jnp.int32))
+    return PoissonGuardState(step=jnp.zeros((), jnp.int32),
+                             refusal=guards.no_refusal())
 
   def update_fn(updates, state, params=None, *, example_ids=None,
                 batch_mask=None, **extra_args):
@@ -1048,8 +1071,9 @@ def poisson_batch_guard(
           f'step mod {num_partitions}: cyclic Poisson accounting assumes '
           'example i only in the steps t with t = i (mod b), at least b '
           'apart. Use batching.CyclicPoissonBatches.'))
-    updates = guards.refuse_any(refusals, updates)
-    return updates, PoissonGuardState(step=state.step + 1)
+    updates, refusal = guards.record(refusals, updates, _record_of(state),
+                                     state.step, kind='batch')
+    return updates, PoissonGuardState(step=state.step + 1, refusal=refusal)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

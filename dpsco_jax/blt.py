@@ -723,9 +723,10 @@ def mechanism(params: BltParameters, num_steps: int, *,
       buffers['prefix'] = jax.tree_util.tree_map(
           jnp.add, state.buffers['prefix'], noise)
       noise = buffers['prefix']
-    noise = noise_lib._refuse_invalid(state, noise, num_steps, name,  # pylint: disable=protected-access
-                                      identity)
-    return noise, state._replace(step=state.step + 1, buffers=buffers)
+    noise, refusal = noise_lib._refuse_invalid(  # pylint: disable=protected-access
+        state, noise, num_steps, name, identity)
+    return noise, state._replace(step=state.step + 1, buffers=buffers,
+                                 refusal=refusal)
 
   def decoder_matrix():
     column = inverse_coefficients(params, num_steps)

@@ -110,6 +110,7 @@ import orbax.checkpoint as ocp
 
 from dpsco_jax import batching
 from dpsco_jax import keys
+from dpsco_jax import guards
 from dpsco_jax import ledger as ledger_lib
 from dpsco_jax import noise as noise_lib
 
@@ -728,6 +729,9 @@ def save(
       checkpoint, or the noise
       state's key or step counter disagrees with the ledger and `step`.
   """
+  # A refused run is not saved: its state is poisoned, and a checkpoint of
+  # it would resume a run whose accounting no longer holds.
+  guards.raise_if_refused(opt_state)
   ledger = ledger.advance_to(step).with_key_of(opt_state)
   _check_noise_state(opt_state, ledger, ledger.steps_consumed)
   if has_checkpoint(path):

@@ -112,8 +112,13 @@ def add_noise(
       lambda s, n: (s + stddev * n.astype(s.dtype)) / normalize_by, total,
       noise)
   if not_replicated is not None:
-    private = guards.refuse(not_replicated, private,
-                            parallel.NOT_REPLICATED_MESSAGE)
+    # Recorded in the noise state (no host round trip): its later draws
+    # are NaN too, and `guards.raise_if_refused` reports it.
+    private, refusal = guards.record(
+        [(not_replicated, parallel.NOT_REPLICATED_MESSAGE, 'replication')],
+        private, noise_state.refusal or guards.no_refusal(),
+        noise_state.step - 1)
+    noise_state = noise_state._replace(refusal=refusal)
   return private, noise_state
 
 

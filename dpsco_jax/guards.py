@@ -1,23 +1,42 @@
-"""Refusals that hold inside `jit`, `pmap` and `shard_map`.
+"""Refusals that hold inside `jit`, `pmap` and `shard_map`, with no host round trip.
 
 A private step must refuse to run when its guarantee would silently weaken
 (a noise mechanism past its calibrated capacity, a noise key that differs
-across devices). Inside a compiled program a Python `raise` is impossible, so
-`refuse` does two things: it poisons the output with NaN, so that nothing
-computed from it can pass for a private result, and it raises a clear
-`PrivacyGuardError` (a `ValueError`) from a host callback, which JAX
-reports inside its runtime error; `library_errors(step)` turns that back
-into the library's short exception. The callback takes the poisoned output as
-an argument, so it runs only after everything that output depends on,
-including the cross-device sums: a device that stops there never leaves
-another waiting inside a collective. Under `jax.vmap` (sweeps of many runs)
-the callback is made once per step for all runs, not once per run.
+across devices, a batch its accounting does not describe). Inside a compiled
+program a Python `raise` is impossible, and a host callback (or a `cond`
+guarding one) would make every step read a value back from the device: on a
+GPU each executed `conditional` copies its predicate to the host and waits
+on the stream, which drains the queue of kernels. So the hot path refuses
+on the device alone (`record`):
+
+* the output is poisoned with NaN (`jnp.where`, a select, not a branch), so
+  nothing computed from it can pass for a private result;
+* the refusal is recorded in the state of whatever checked it (a `Refusal`:
+  which check, at which step), and the record is sticky: every later step of
+  that state is poisoned too, so nothing after a refusal is released either.
+
+The host learns of a refusal without waiting on the device:
+
+* `raise_if_refused(state)` raises `PrivacyGuardError` (naming the check and
+  the step) from any pytree holding records: the one call a hand-written
+  loop makes, e.g. every few steps or at the end of the run;
+* `RefusalMonitor` checks the records of dispatched steps once they are
+  ready and waits for one only when it falls `max_lag` steps behind
+  (`plans.Plan.step` uses one);
+* the ledger's reads, checkpoint saves and a plan's `finish` call
+  `raise_if_refused`.
+
+Eager (concrete) checks still raise at once. `refuse`/`refuse_any` remain
+for code that has no state to record in (they call back to the host, and
+only when a check fails, through a `cond`): no library step uses them.
 """
 
 import functools
 import logging
 import types
-from typing import Any, Callable, Sequence
+import zlib
+from collections import deque
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -29,11 +48,26 @@ PyTree = Any
 class PrivacyGuardError(ValueError):
   """A private step refused to run: what it would do is not what was accounted.
 
-  Raised at once by an eager step; under `jit` / `pmap` raised from a host
-  callback, which JAX reports inside a longer runtime error: a plan's
-  `Plan.step` raises this exception itself, and `library_errors` wraps a
-  compiled step of your own to do the same, the library's message alone.
+  Raised at once by an eager step. A compiled step records the refusal in
+  its state (see the module docstring): `raise_if_refused(state)`,
+  `plans.Plan.step`, the ledger's reads and checkpoint saves raise this
+  exception from the record, naming the check and the step.
+
+  Attributes:
+    check: the refused check's message (what failed and what to do).
+    step: the step the check refused (the checking state's own step
+      counter, from 0), or None when raised at once by an eager step.
+    kind: a short tag of the check ('capacity', 'mechanism', 'batch',
+      'replication', ...; '' when untagged), for callers that add advice
+      of their own (a plan names its keyword).
   """
+
+  def __init__(self, message: str, *, check: Optional[str] = None,
+               step: Optional[int] = None, kind: str = ''):
+    super().__init__(message)
+    self.check = message if check is None else check
+    self.step = step
+    self.kind = kind
 
 
 # The last refusal raised from a callback, for `library_errors` (the
@@ -63,11 +97,12 @@ def library_errors(step: Callable[..., Any], *, block: bool = True
                    ) -> Callable[..., Any]:
   """`step`, raising a refusal as a short `PrivacyGuardError`.
 
-  Under `jit`, a refusal reaches the caller as JAX's runtime error, whose
-  first lines are XLA's ("INTERNAL: CpuCallback error calling callback:
-  Traceback ...") with the library's message at the end. The wrapped step
-  raises `PrivacyGuardError(message)` instead, the library's message first
-  and alone.
+  With `block=True` the wrapped step waits for its outputs and raises the
+  refusal recorded in them (`raise_if_refused`). A refusal raised from a
+  host callback (`refuse`, in code with no state to record in) reaches the
+  caller as JAX's runtime error, whose first lines are XLA's; the wrapped
+  step raises `PrivacyGuardError(message)` instead, the library's message
+  first and alone.
 
   Example:
     >>> step = guards.library_errors(jax.jit(train_step))
@@ -90,6 +125,7 @@ def library_errors(step: Callable[..., Any], *, block: bool = True
       outputs = step(*args, **kwargs)
       if block:
         outputs = jax.block_until_ready(outputs)
+        raise_if_refused(outputs)
       return outputs
     except PrivacyGuardError:
       raise
@@ -197,3 +233,260 @@ def refuse_any(conditions: Sequence[tuple[Any, str]], tree: PyTree) -> PyTree:
                          flags, anchor)
   return jax.tree_util.tree_map(
       lambda x: jnp.where(checked, jnp.nan, x), poisoned)
+
+
+# ------------------------------------------------ refusals kept in the state
+
+# The messages of the checks that can be recorded, by code: filled when a
+# step is traced (a check's message is static text), read when a record is
+# raised. The code is a hash of the text, so it is the same in every process
+# that traces the same check.
+_CHECKS: dict[int, tuple[str, str]] = {}
+
+
+class Refusal(NamedTuple):
+  """The refusal record a checking state carries (see the module docstring).
+
+  Attributes:
+    check: uint32, 0 while every check has passed; else the code of the
+      first check that failed (its message is looked up by
+      `raise_if_refused`).
+    step: int32, the step (the checking state's own counter) at which that
+      check failed; -1 while none has.
+
+  Not secret: it says whether and when a check failed, nothing about the
+  data beyond the failure itself.
+  """
+
+  check: jax.Array
+  step: jax.Array
+
+
+def no_refusal() -> Refusal:
+  """The record of a state that has refused nothing (for `init`).
+
+  Example:
+    >>> state = MyState(step=jnp.zeros((), jnp.int32), refusal=no_refusal())
+
+  Returns:
+    `Refusal(check=0, step=-1)`.
+  """
+  return Refusal(check=jnp.zeros((), jnp.uint32),
+                 step=jnp.full((), -1, jnp.int32))
+
+
+def check_code(message: str, kind: str = '') -> int:
+  """The code under which a check is recorded (registering its message).
+
+  Example:
+    >>> code = check_code('past the capacity', kind='capacity')
+
+  Args:
+    message: the check's message.
+    kind: a short tag (see `PrivacyGuardError.kind`).
+
+  Returns:
+    A positive int below 2**32, the same for the same message in any
+    process.
+  """
+  code = zlib.crc32(message.encode()) % 0xFFFFFFFF + 1
+  _CHECKS[code] = (message, kind)
+  return code
+
+
+def record(conditions: Sequence[tuple[Any, str]], tree: PyTree,
+           refusal: Refusal, step: Any, *, kind: str = ''
+           ) -> tuple[PyTree, Refusal]:
+  """Refuses on the device: poisons `tree` and records the first failed check.
+
+  No host callback and no branch: the poisoning is a select, so a step that
+  passes its checks runs the same program as one that fails them, and never
+  waits on the host. A record already set (an earlier step refused) poisons
+  this step too and is kept: the first refusal is the one reported.
+
+  Example:
+    >>> noise, refusal = record(
+    ...     [(state.step >= capacity, 'past the capacity')], noise,
+    ...     state.refusal, state.step, kind='capacity')
+
+  Args:
+    conditions: `(flag, message)` pairs; a flag is a bool scalar (Python or
+      traced), True meaning refuse.
+    tree: the output to protect (floating-point leaves).
+    refusal: the state's current record.
+    step: the state's step counter (recorded with a failure).
+    kind: a tag for the messages' kind (see `PrivacyGuardError.kind`); a
+      `(flag, message, kind)` triple in `conditions` overrides it.
+
+  Returns:
+    `(tree, refusal)`: every leaf NaN when a check fails now or failed
+    before; the updated record.
+
+  Raises:
+    PrivacyGuardError: at once, when a flag is a concrete True and the
+      record is concrete and clear (an eager step).
+  """
+  traced = []
+  for condition in conditions:
+    flag, message = condition[0], condition[1]
+    tag = condition[2] if len(condition) > 2 else kind
+    if isinstance(flag, jax.core.Tracer):
+      traced.append((flag, check_code(message, tag)))
+    elif bool(np.any(flag)):
+      if isinstance(refusal.check, jax.core.Tracer):
+        traced.append((jnp.asarray(True), check_code(message, tag)))
+      else:
+        raise PrivacyGuardError(message, check=message, kind=tag)
+  if not traced and not isinstance(refusal.check, jax.core.Tracer):
+    # An eager step: a record set by an earlier (compiled) step is raised
+    # at once, as a failing check would be.
+    error = _error_from(refusal)
+    if error is not None:
+      raise error
+    return tree, refusal
+  refused_before = refusal.check != 0
+  code = jnp.zeros((), jnp.uint32)
+  for flag, value in reversed(traced):   # the first failed check wins
+    code = jnp.where(flag, jnp.uint32(value), code)
+  failed = code != 0
+  check = jnp.where(refused_before, refusal.check, code).astype(jnp.uint32)
+  at = jnp.where(refused_before | ~failed, refusal.step,
+                 jnp.asarray(step, jnp.int32)).astype(jnp.int32)
+  poison = refused_before | failed
+  tree = jax.tree_util.tree_map(lambda x: jnp.where(poison, jnp.nan, x), tree)
+  return tree, Refusal(check=check, step=at)
+
+
+def refusals_in(tree: PyTree) -> list[Refusal]:
+  """Every `Refusal` record in a pytree (an optimizer state, a step's outputs).
+
+  Example:
+    >>> len(refusals_in(opt_state))   # one per checking state
+
+  Args:
+    tree: any pytree.
+
+  Returns:
+    The records, in the pytree's order.
+  """
+  return [leaf for leaf in jax.tree_util.tree_leaves(
+      tree, is_leaf=lambda x: isinstance(x, Refusal))
+          if isinstance(leaf, Refusal)]
+
+
+def _error_from(refusal: Refusal) -> Optional[PrivacyGuardError]:
+  codes = np.asarray(refusal.check).reshape(-1)
+  if not codes.any():
+    return None
+  where = int(np.flatnonzero(codes)[0])
+  steps = np.broadcast_to(np.asarray(refusal.step),
+                          np.shape(refusal.check)).reshape(-1)
+  code, step = int(codes[where]), int(steps[where])
+  message, kind = _CHECKS.get(code, (
+      f'a privacy check (code {code:#010x}) refused the step; its message '
+      'is known to the process that compiled the step', ''))
+  # Several records side by side (vmapped runs, replicated devices): say
+  # which, when they differ.
+  run = ''
+  if codes.size > 1 and not np.all(codes == codes[0]):
+    run = f', in entry {where} of the {codes.size} batched runs or devices'
+  return PrivacyGuardError(
+      f'{message} (refused at step {step}{run}; nothing from that step on '
+      'was released: its outputs and every later one are NaN)',
+      check=message, step=step, kind=kind)
+
+
+def raise_if_refused(tree: PyTree) -> None:
+  """Raises `PrivacyGuardError` if any refusal record in `tree` is set.
+
+  The one call a hand-written loop makes to learn of a refusal (the step
+  itself never waits on the host). It reads the records, so it waits for
+  the step that made them: call it every few steps, or once the outputs
+  are needed anyway (logging, evaluation, a checkpoint, the end of the run).
+
+  Example:
+    >>> for batch in batches:
+    ...   params, opt_state = train_step(params, opt_state, batch)
+    >>> guards.raise_if_refused(opt_state)   # names the check and the step
+
+  Args:
+    tree: an optimizer state, or any pytree holding states (batched over
+      vmapped runs or replicated over devices).
+
+  Raises:
+    PrivacyGuardError: the first record set, with the check's message and
+      the step it refused.
+  """
+  for refusal in refusals_in(tree):
+    error = _error_from(refusal)
+    if error is not None:
+      raise error
+
+
+def _ready(refusal: Refusal) -> bool:
+  return all(getattr(x, 'is_ready', lambda: True)() for x in refusal)
+
+
+class RefusalMonitor:
+  """Learns of refusals without waiting on the device.
+
+  `watch(state)` after dispatching each step: records already computed are
+  read at once (a few bytes, no wait); a record is waited for only when
+  `max_lag` newer steps have been dispatched since, so a refusal is raised
+  at most `max_lag` calls of `watch` after the step that made it, and the
+  device keeps `max_lag` steps of work queued. `flush()` waits for all.
+
+  Example:
+    >>> monitor = RefusalMonitor(max_lag=2)
+    >>> for batch in batches:
+    ...   params, opt_state = train_step(params, opt_state, batch)
+    ...   monitor.watch(opt_state)
+    >>> monitor.flush()
+
+  Args:
+    max_lag: how many steps a refusal may be raised late (>= 0; 0 waits for
+      every step, as a blocking step would).
+  """
+
+  def __init__(self, max_lag: int = 2):
+    if isinstance(max_lag, bool) or not isinstance(max_lag, int) or (
+        max_lag < 0):
+      raise ValueError(f'max_lag must be an int >= 0, got {max_lag!r}')
+    self.max_lag = max_lag
+    self._pending: deque = deque()
+
+  def watch(self, tree: PyTree) -> None:
+    """Adds a dispatched step's records; raises any refusal found ready.
+
+    Args:
+      tree: the step's new state (or outputs).
+
+    Raises:
+      PrivacyGuardError: a watched record is set.
+    """
+    records = refusals_in(tree)
+    for refusal in records:
+      for array in refusal:
+        copy = getattr(array, 'copy_to_host_async', None)
+        if copy is not None:
+          copy()
+    self._pending.append(records)
+    while self._pending and (len(self._pending) > self.max_lag or all(
+        _ready(r) for r in self._pending[0])):
+      self._check(self._pending.popleft())
+
+  def flush(self) -> None:
+    """Waits for every watched record and raises any refusal.
+
+    Raises:
+      PrivacyGuardError: a watched record is set.
+    """
+    while self._pending:
+      self._check(self._pending.popleft())
+
+  def _check(self, records: list[Refusal]) -> None:
+    for refusal in records:
+      error = _error_from(refusal)
+      if error is not None:
+        self._pending.clear()
+        raise error

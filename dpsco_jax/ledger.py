@@ -29,6 +29,7 @@ import numpy as np
 
 from dpsco_jax import accounting
 from dpsco_jax import estimators
+from dpsco_jax import guards
 from dpsco_jax import keys
 from dpsco_jax import neighboring
 from dpsco_jax import noise as noise_lib
@@ -500,7 +501,10 @@ class PrivacyLedger:
     Raises:
       LedgerMismatchError: if the state holds no noise state, or one made
         by another mechanism (the message names both).
+      PrivacyGuardError: if a step of the run was refused (its record in
+        the state, `guards.raise_if_refused`).
     """
+    guards.raise_if_refused(opt_state)
     states = _noise_states(opt_state)
     if not states:
       raise LedgerMismatchError(

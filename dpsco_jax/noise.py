@@ -63,6 +63,10 @@ class NoiseState(NamedTuple):
       mechanism, and `dpsco_jax.checkpoint` checks it against the ledger, so
       a run cannot continue one mechanism's state under another while its
       accounting describes the first. Not secret.
+    refusal: the `guards.Refusal` record of the checks made with this state
+      (the capacity, the identity, and the checks of the estimator that
+      adds this noise): once set, every later draw is NaN, and
+      `guards.raise_if_refused` reports it. Not secret.
 
   The key and buffers determine the noise, so the state is secret: it can be
   checkpointed privately but must never be logged or released.
@@ -72,6 +76,7 @@ class NoiseState(NamedTuple):
   step: jax.Array
   buffers: PyTree = ()
   mechanism_id: Optional[jax.Array] = None
+  refusal: Optional[guards.Refusal] = None
 
 
 class NoiseMechanism(NamedTuple):
@@ -260,25 +265,32 @@ def _zeros(template: PyTree) -> PyTree:
 
 def _refuse_invalid(state: NoiseState, noise: PyTree,
                     num_steps: Optional[int], name: str,
-                    identity: str) -> PyTree:
+                    identity: str) -> tuple[PyTree, guards.Refusal]:
   """Refuses a state of another mechanism, and a draw past the capacity.
 
-  Both refusals go through one `dpsco_jax.guards.refuse_any`: a ValueError
-  at once when the values are concrete; under tracing NaN-poisoned noise and
-  one host check.
+  Both refusals go through one `dpsco_jax.guards.record`: a
+  `PrivacyGuardError` at once when the values are concrete; under tracing
+  NaN-poisoned noise and the refusal recorded in the state (no host round
+  trip). A state whose record is already set draws NaN.
+
+  Returns:
+    `(noise, refusal)`: the (possibly poisoned) noise and the state's new
+    record.
   """
   conditions = [(check_state(state, identity, name),
-                 _other_mechanism_message(name, identity))]
+                 _other_mechanism_message(name, identity), 'mechanism')]
+  step = state.step
   if num_steps is not None:
-    step = state.step
     if not isinstance(step, jax.core.Tracer):
       step = int(np.max(np.asarray(step)))
     conditions.append((
         step >= num_steps,
         f'{name}: a step past the capacity of {num_steps} steps its noise was '
         'calibrated for; running further would silently weaken privacy. Build '
-        'a mechanism (and accounting) for more steps.'))
-  return guards.refuse_any(conditions, noise)
+        'a mechanism (and accounting) for more steps.', 'capacity'))
+  refusal = state.refusal if state.refusal is not None else (
+      guards.no_refusal())
+  return guards.record(conditions, noise, refusal, state.step)
 
 
 def _identified_init(init: Callable[[PyTree, jax.Array], NoiseState],
@@ -288,7 +300,8 @@ def _identified_init(init: Callable[[PyTree, jax.Array], NoiseState],
   words = identity_words(identity)
 
   def identified(template, key):
-    return init(template, key)._replace(mechanism_id=jnp.asarray(words))
+    return init(template, key)._replace(mechanism_id=jnp.asarray(words),
+                                        refusal=guards.no_refusal())
 
   return identified
 
@@ -322,8 +335,8 @@ def gaussian(num_steps: Optional[int] = None, *,
   def next_noise(state, template):
     check_state(state, identity, name)
     noise = _draw(jax.random.fold_in(state.key, state.step), template, sampler)
-    noise = _refuse_invalid(state, noise, num_steps, name, identity)
-    return noise, state._replace(step=state.step + 1)
+    noise, refusal = _refuse_invalid(state, noise, num_steps, name, identity)
+    return noise, state._replace(step=state.step + 1, refusal=refusal)
 
   def encoder_matrix():
     if num_steps is None:
@@ -637,8 +650,9 @@ def tree(
       noise, buffers = honaker_next(state, template)
     else:
       noise, buffers = standard_next(state, template)
-    noise = _refuse_invalid(state, noise, num_steps, name, identity)
-    return noise, state._replace(step=state.step + 1, buffers=buffers)
+    noise, refusal = _refuse_invalid(state, noise, num_steps, name, identity)
+    return noise, state._replace(step=state.step + 1, buffers=buffers,
+                                 refusal=refusal)
 
   compiled_next = jax.jit(draw_next)
 
@@ -963,8 +977,9 @@ def _ring_buffer_noise(matrix: np.ndarray, bands: int, release: str,
       buffers['prefix'] = jax.tree_util.tree_map(
           jnp.add, state.buffers['prefix'], noise)
       noise = buffers['prefix']
-    noise = _refuse_invalid(state, noise, num_steps, name, identity)
-    return noise, state._replace(step=state.step + 1, buffers=buffers)
+    noise, refusal = _refuse_invalid(state, noise, num_steps, name, identity)
+    return noise, state._replace(step=state.step + 1, buffers=buffers,
+                                 refusal=refusal)
 
   return next_noise, init
 
@@ -990,8 +1005,8 @@ def _regenerated_noise(decoder: np.ndarray, num_steps: int, name: str,
 
     noise = jax.lax.fori_loop(0, jnp.minimum(step, num_steps - 1) + 1,
                               accumulate, _zeros(template))
-    noise = _refuse_invalid(state, noise, num_steps, name, identity)
-    return noise, state._replace(step=state.step + 1)
+    noise, refusal = _refuse_invalid(state, noise, num_steps, name, identity)
+    return noise, state._replace(step=state.step + 1, refusal=refusal)
 
   return next_noise, init
 

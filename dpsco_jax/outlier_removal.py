@@ -190,11 +190,16 @@ class RobustMeanRelease(NamedTuple):
     passed: whether the noisy score passed the threshold.
     noisy_score: the score plus its Laplace noise (the test is computed
       from it, so releasing it costs nothing more).
+    not_replicated: under `axis_name` inside a compiled program, True when
+      the key differed across devices (then `value` is NaN): a caller with
+      a state records it (`guards.record`), as `outlier_removal_gradient`
+      does; None when not checked on the device.
   """
 
   value: PyTree
   passed: jax.Array
   noisy_score: jax.Array
+  not_replicated: Optional[jax.Array] = None
 
 
 def _check_inclusion(inclusion: str) -> str:
@@ -1047,10 +1052,15 @@ def private_robust_mean(points: PyTree,
               for n, h in zip(noisy, halt_leaves)]
   value = jax.tree_util.tree_unflatten(treedef, released)
   if replicated_flag is not None:
-    value = guards.refuse(replicated_flag, value,
-                          parallel.NOT_REPLICATED_MESSAGE)
+    if not isinstance(replicated_flag, jax.core.Tracer):
+      guards.refuse(replicated_flag, value, parallel.NOT_REPLICATED_MESSAGE)
+    # Poisoned on the device, no host round trip: the flag goes back to
+    # the caller to record (`RobustMeanRelease.not_replicated`).
+    value = jax.tree_util.tree_map(
+        lambda x: jnp.where(replicated_flag, jnp.nan, x), value)
   return RobustMeanRelease(
-      value=value, passed=passed, noisy_score=noisy_score)
+      value=value, passed=passed, noisy_score=noisy_score,
+      not_replicated=replicated_flag)
 
 
 def sensitivity_table(num_points: Any, *, inclusion: str = 'weighted',

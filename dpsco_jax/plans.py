@@ -269,35 +269,112 @@ class Plan:
 
     return jax.jit(update)
 
+  # How many steps late `step` may raise a refusal (see its docstring).
+  REFUSAL_LAG = 2
+
+  @functools.cached_property
+  def _refusal_monitor(self) -> guards.RefusalMonitor:
+    return guards.RefusalMonitor(max_lag=self.REFUSAL_LAG)
+
+  def _plan_error(self, error: guards.PrivacyGuardError
+                  ) -> guards.PrivacyGuardError:
+    """`error` with the plan keyword that fixes it, for a plan's user."""
+    advice = {
+        'capacity': (
+            f'This plan is accounted for {self.num_steps} steps: to train '
+            'longer, build the plan with more epochs= (its noise is then '
+            'calibrated, and its epsilon accounted, for the longer run), '
+            'and start a fresh run from its init.'),
+        'batch': (
+            'Feed the step the items of plan.batches_of(data), in order, '
+            'once each: the plan accounts for the batches its own sampler '
+            'forms.'),
+        'mechanism': (
+            'Use the optimizer state of this plan\'s init (or of a '
+            'checkpoint of this plan\'s run).'),
+    }.get(error.kind)
+    if advice is None:
+      return error
+    return guards.PrivacyGuardError(
+        f'{error} {advice}', check=error.check, step=error.step,
+        kind=error.kind)
+
+  def check_refusals(self, opt_state: PyTree) -> None:
+    """Raises the refusal recorded in `opt_state`, if any (waits for it).
+
+    What `finish`, the ledger's reads and checkpoint saves do; call it
+    wherever your loop wants to know for sure.
+
+    Example:
+      >>> plan.check_refusals(opt_state)
+
+    Args:
+      opt_state: the optimizer state of a run of this plan.
+
+    Raises:
+      PrivacyGuardError: a step of the run was refused; the message names
+        the check, the step, and the plan keyword that fixes it.
+    """
+    try:
+      guards.raise_if_refused(opt_state)
+    except guards.PrivacyGuardError as error:
+      raise self._plan_error(error) from None
+
+  def finish(self, opt_state: PyTree) -> None:
+    """The end of a run: waits for every step and raises any refusal.
+
+    `step` raises a refusal up to `REFUSAL_LAG` steps late; call `finish`
+    after the last step so that none goes unreported.
+
+    Example:
+      >>> for inputs in plan.batches_of(data):
+      ...   params, opt_state = plan.step(params, opt_state, inputs)
+      >>> plan.finish(opt_state)
+
+    Args:
+      opt_state: the run's final optimizer state.
+
+    Raises:
+      PrivacyGuardError: a step of the run was refused.
+    """
+    try:
+      self._refusal_monitor.flush()
+    except guards.PrivacyGuardError as error:
+      raise self._plan_error(error) from None
+    self.check_refusals(opt_state)
+
   def step(self, params: PyTree, opt_state: PyTree,
-           batch_inputs: Mapping[str, Any], *, block: bool = True
+           batch_inputs: Mapping[str, Any], *, block: bool = False
            ) -> tuple[PyTree, PyTree]:
     """One compiled training step: `(params, opt_state)` after `inputs`.
 
     Runs `transformation.update` and `optax.apply_updates` as ONE program,
-    compiled at the first call and reused after. A step the plan refuses
-    (one past `num_steps`, a batch its accounting does not describe) raises
-    the library's `PrivacyGuardError`, its message the first line of the
-    error, not JAX's runtime error that carries it at the end (what a
-    hand-written `jax.jit` step raises).
+    compiled at the first call and reused after. The program makes no host
+    round trip: its checks (a step past `num_steps`, a batch the plan's
+    accounting does not describe, a state of another mechanism) poison the
+    outputs with NaN on the device and record the refusal in `opt_state`
+    (`dpsco_jax.guards`); the record is sticky, so every later step is
+    poisoned too and nothing after a refusal is released.
 
-    In the steady state the step makes no host round trip: the refusal
-    checks run on the device and call back to the host only when one fails
-    (`guards.refuse`). With `block=True` (default) the call waits for its
-    outputs, so a refusal is raised by the call that made it on every
-    backend; the wait gives up only the overlap of the host's next batch
-    with the device's step. `block=False` keeps JAX's asynchronous
-    dispatch: on an accelerator a refusal may then be raised by a later
-    `step` call, or by JAX (its long error) when the outputs are read.
+    The call does not wait for the device (JAX's asynchronous dispatch
+    keeps the device busy while the host forms the next batch). It reads
+    the records of earlier steps once they are ready, and waits for one
+    only when it is `REFUSAL_LAG` (2) steps old: a refused step raises
+    `PrivacyGuardError` from this call or from one of the next
+    `REFUSAL_LAG` calls at the latest, and `finish(opt_state)` at the end
+    of the run raises any refusal left. `block=True` waits for this step
+    and raises its refusal at once (at the cost of the overlap).
 
     The step runs on one device, or on arrays already sharded over several
     under `jit`; a plan built with `axis_name=` runs under `jax.pmap` or
-    `jax.shard_map`, in your own step.
+    `jax.shard_map`, in your own step (check its records with
+    `guards.raise_if_refused`).
 
     Example:
       >>> opt_state = plan.init(params)
       >>> for inputs in plan.batches_of(data):
       ...   params, opt_state = plan.step(params, opt_state, inputs)
+      >>> plan.finish(opt_state)
 
     Args:
       params: the current params.
@@ -305,28 +382,39 @@ class Plan:
         previous step).
       batch_inputs: one item of `batches_of(data)` (for DIFF2 plans, whose
         rounds use all local data: `{'batch': ..., 'batch_mask': ...}`).
-      block: wait for the outputs before returning (see above).
+      block: wait for this step and raise its refusal at once.
 
     Returns:
       `(params, opt_state)` after the step.
 
     Raises:
-      PrivacyGuardError: the step was refused (its outputs, poisoned with
-        NaN on the device, are not returned).
+      PrivacyGuardError: this step (with `block=True`) or an earlier one was
+        refused; the message names the check, the step, and the plan keyword
+        that fixes it.
       TypeError: `batch_inputs` is not a mapping of `update`'s inputs.
     """
     if not isinstance(batch_inputs, Mapping):
       raise TypeError('batch_inputs must be a mapping of update\'s inputs '
                       '(an item of plan.batches_of(data)), got '
                       f'{type(batch_inputs).__name__}')
-    step = guards.library_errors(self._compiled_update, block=block)
-    compiled = getattr(self._compiled_update, '_cache_size', lambda: 0)()
-    if compiled:
-      return step(params, opt_state, dict(batch_inputs))
-    # The first call compiles (seconds to minutes for a big model): say so
-    # on stderr if it takes long.
-    with progress.task(f'dpsco_jax: compiling the {self.algorithm} step'):
-      return step(params, opt_state, dict(batch_inputs))
+    try:
+      if getattr(self._compiled_update, '_cache_size', lambda: 0)():
+        outputs = self._compiled_update(params, opt_state, dict(batch_inputs))
+      else:
+        # The first call compiles (seconds to minutes for a big model): say
+        # so on stderr if it takes long.
+        with progress.task(
+            f'dpsco_jax: compiling the {self.algorithm} step'):
+          outputs = self._compiled_update(params, opt_state,
+                                          dict(batch_inputs))
+      if block:
+        self._refusal_monitor.flush()
+        guards.raise_if_refused(outputs[1])
+      else:
+        self._refusal_monitor.watch(outputs[1])
+    except guards.PrivacyGuardError as error:
+      raise self._plan_error(error) from None
+    return outputs
 
 
 # ---------------------------------------------------------------- shared

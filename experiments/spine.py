@@ -28,7 +28,6 @@ import jax
 import optax
 
 from dpsco_jax import checkpoint
-from dpsco_jax import guards
 from dpsco_jax import ledger as ledger_lib
 from dpsco_jax import plans
 from experiments import outputs
@@ -145,14 +144,10 @@ def run_plan(name: str, plan: plans.Plan, params: PyTree, data: PyTree, *,
                    multiplier, (int, float)) else multiplier, plan.num_steps,
                plan.epsilon, plan.delta, plan.mechanism.name)
 
-  def step(params, opt_state, batch_inputs):
-    updates, opt_state = plan.transformation.update(None, opt_state, params,
-                                                    **batch_inputs)
-    return optax.apply_updates(params, updates), opt_state
-
-  # A refusal inside the compiled step is raised as the library's short
-  # PrivacyGuardError, not as XLA's runtime error.
-  step = guards.library_errors(jax.jit(step))
+  # The plan's compiled step: no host round trip, and a refusal raised as
+  # the library's short PrivacyGuardError at most plan.REFUSAL_LAG steps
+  # late (plan.finish below raises any left at the end).
+  step = plan.step
   steps_per_epoch = plan.num_examples / plan.hyperparameters.get(
       'batch_size', plan.num_examples)
   opt_state, first, hooks = plan.init(params), 0, []
@@ -182,6 +177,9 @@ def run_plan(name: str, plan: plans.Plan, params: PyTree, data: PyTree, *,
     hooks.append(save_when_due)
   if on_step is not None:
     hooks.append(lambda t, params, opt_state: on_step(t))
+  last_state = [opt_state]
+  hooks.append(lambda t, params, opt_state: last_state.__setitem__(
+      0, opt_state))
 
   def after_step(t, params, opt_state):
     for hook in hooks:
@@ -196,6 +194,7 @@ def run_plan(name: str, plan: plans.Plan, params: PyTree, data: PyTree, *,
   result = _loop(name, plan.num_steps, steps_per_epoch, inputs, step, params,
                  opt_state, evaluate, eval_every, plan.epsilon_at, first,
                  after_step, stop_after)
+  plan.finish(last_state[0])
   final = ledger[0]
   if final is not None and checkpoint_dir is None:
     final = final.advance_to(result.last_step)

@@ -8,6 +8,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import dpsco_jax
 from dpsco_jax import accounting
 from dpsco_jax import batching
 
@@ -146,10 +147,8 @@ def test_guard_refuses_an_example_twice_in_a_batch(jit):
   if jit:
     update = jax.jit(update)
   state = guard.init(None)
-  with pytest.raises(Exception) as info:
-    out, _ = update(state, jnp.array([0, 1, 2, 1]))
-    jax.block_until_ready(out)
-    jax.effects_barrier()
+  with pytest.raises(dpsco_jax.PrivacyGuardError) as info:
+    dpsco_jax.raise_if_refused(update(state, jnp.array([0, 1, 2, 1])))
   assert 'the same example id twice' in str(info.value)
 
 
@@ -183,19 +182,18 @@ def test_guard_ignores_masked_padding_even_repeated_or_out_of_range():
                  batch_mask=np.array([True, False, True, True]))
 
 
-def test_guard_refusal_under_jit_poisons_the_updates(monkeypatch):
-  """Under jit the refused step's updates are NaN (the host error aside)."""
-  from dpsco_jax import guards  # pylint: disable=g-import-not-at-top
-  monkeypatch.setattr(guards, '_raise_if',
-                      lambda flag, anchor, message: np.zeros(
-                          np.shape(flag)[:-1], bool))
+def test_guard_refusal_under_jit_poisons_the_updates():
+  """Under jit the refused step's updates are NaN, and so are the next's."""
   guard = batching.fixed_order_guard(2, num_examples=10)
   step = jax.jit(lambda state, ids: guard.update(UPDATES, state,
                                                  example_ids=ids))
   out, state = step(guard.init(None), jnp.array([0, 1]))
   assert np.all(np.asarray(out) == 1.0)
-  out, _ = step(state, jnp.array([2, 0]))   # 0 again in the first epoch
+  out, state = step(state, jnp.array([2, 0]))  # 0 again in the first epoch
   assert np.all(np.isnan(np.asarray(out)))
+  out, state = step(state, jnp.array([3, 4]))  # fine, but after a refusal
+  assert np.all(np.isnan(np.asarray(out)))
+  assert int(state.refusal.step) == 1
 
 
 def test_guard_gathers_the_ids_of_all_devices():
@@ -207,10 +205,9 @@ def test_guard_gathers_the_ids_of_all_devices():
   out, state = step(guard.init(None), jnp.arange(8).reshape(4, 2))
   assert np.all(np.asarray(out) == 1.0)
   # Example 3 on device 0 and on device 2 of the second batch.
-  with pytest.raises(Exception) as info:
-    out, _ = step(state, jnp.array([[8, 3], [9, 10], [11, 3], [12, 13]]))
-    jax.block_until_ready(out)
-    jax.effects_barrier()
+  with pytest.raises(dpsco_jax.PrivacyGuardError) as info:
+    dpsco_jax.raise_if_refused(
+        step(state, jnp.array([[8, 3], [9, 10], [11, 3], [12, 13]])))
   assert 'the same example id twice' in str(info.value)
 
 

@@ -1,4 +1,7 @@
-"""Refusals: an eager ValueError, or NaN-poisoned output plus a raised error."""
+"""Refusals: an eager error at once; under jit, NaN-poisoned output and a
+record in the state that the host reads without waiting on the device
+(`record`, `raise_if_refused`, `RefusalMonitor`). The legacy host-callback
+`refuse` is tested last."""
 
 import jax
 import jax.numpy as jnp
@@ -100,11 +103,10 @@ def test_a_refusal_under_jit_surfaces_as_one_short_exception(caplog):
     step(state)
   first_line = str(caught.value).splitlines()[0]
   assert first_line.startswith('gaussian: a step past the capacity of 1')
+  assert 'refused at step 1' in first_line
   assert 'Traceback' not in str(caught.value)
-  assert caught.value.__cause__ is None and caught.value.__suppress_context__
-  # JAX's own log of the callback failure is not printed for a refusal.
-  assert not [r for r in caplog.records if 'pure_callback failed' in
-              r.getMessage()]
+  assert caught.value.__cause__ is None
+  assert not [r for r in caplog.records if 'callback' in r.getMessage()]
   # Eagerly, the same refusal is the same exception (a ValueError).
   with pytest.raises(guards.PrivacyGuardError, match='past the capacity'):
     tx.update(None, state, jnp.zeros(3), batch=jnp.ones((2, 3)))
@@ -116,3 +118,116 @@ def test_library_errors_passes_other_errors_through():
     raise TypeError('not ours')
   with pytest.raises(TypeError, match='not ours'):
     guards.library_errors(broken)(1)
+
+
+# ------------------------------------------------ records kept in the state
+
+
+def _record_step(limit, record, step):
+  return guards.record([(limit > 100, 'over the limit'),
+                        (limit < 0, 'negative')], jnp.ones(3) * limit,
+                       record, step)
+
+
+def test_record_poisons_and_keeps_the_first_failed_check():
+  step = jax.jit(_record_step)
+  clear = guards.no_refusal()
+  out, record = step(jnp.asarray(5.0), clear, 0)
+  np.testing.assert_array_equal(out, 5.0 * np.ones(3))
+  assert int(record.check) == 0 and int(record.step) == -1
+  out, record = step(jnp.asarray(-1.0), record, 7)
+  assert np.all(np.isnan(out))
+  with pytest.raises(guards.PrivacyGuardError) as raised:
+    guards.raise_if_refused({'state': record})
+  assert str(raised.value).startswith('negative (refused at step 7')
+  assert raised.value.step == 7 and raised.value.check == 'negative'
+  # Sticky: a passing check after a refusal is still poisoned, and the
+  # first refusal is the one kept.
+  out, later = step(jnp.asarray(5.0), record, 8)
+  assert np.all(np.isnan(out))
+  out, later = step(jnp.asarray(500.0), later, 9)
+  assert int(later.step) == 7 and int(later.check) == int(record.check)
+
+
+def test_a_mechanism_state_that_refused_draws_nan_ever_after():
+  mechanism = dpsco_jax.noise.gaussian(num_steps=1)
+  draw = jax.jit(mechanism.next)
+  template = jnp.zeros(4)
+  state = mechanism.init(template, jax.random.key(0))
+  noise, state = draw(state, template)
+  assert np.all(np.isfinite(noise))
+  noise, refused = draw(state, template)          # past the capacity
+  assert np.all(np.isnan(noise)) and int(refused.refusal.step) == 1
+  # Put the counter back below the capacity: the record still poisons.
+  rewound = refused._replace(step=jnp.zeros((), jnp.int32))
+  noise, _ = draw(rewound, template)
+  assert np.all(np.isnan(noise))
+  with pytest.raises(guards.PrivacyGuardError, match='refused at step 1'):
+    guards.raise_if_refused(rewound)
+
+
+def test_record_in_a_compiled_step_has_no_callback_and_no_conditional():
+  text = jax.jit(_record_step).lower(
+      jnp.asarray(1.0), guards.no_refusal(), 0).compile().as_text()
+  assert 'conditional' not in text and 'callback' not in text.lower()
+  # The legacy callback guard does hold both (what the check would catch).
+  legacy = jax.jit(lambda x: guards.refuse(x > 1, x, 'no')).lower(
+      jnp.asarray(1.0)).compile().as_text()
+  assert 'conditional' in legacy and 'callback' in legacy.lower()
+
+
+def test_record_under_vmap_names_the_run_that_refused():
+  runs = jnp.arange(8.0) * 20.0             # runs 6 and 7 exceed 100
+  records = jax.vmap(guards.no_refusal, axis_size=8)()
+  out, records = jax.jit(jax.vmap(_record_step, in_axes=(0, 0, None)))(
+      runs, records, 3)
+  assert np.all(np.isfinite(out[:6])) and np.all(np.isnan(out[6:]))
+  with pytest.raises(guards.PrivacyGuardError) as raised:
+    guards.raise_if_refused(records)
+  assert 'over the limit (refused at step 3, in entry 6 of the 8' in str(
+      raised.value)
+
+
+def test_record_raises_at_once_when_eager():
+  with pytest.raises(guards.PrivacyGuardError, match='negative'):
+    _record_step(jnp.asarray(-1.0), guards.no_refusal(), 0)
+  out, record = _record_step(jnp.asarray(1.0), guards.no_refusal(), 0)
+  np.testing.assert_array_equal(out, np.ones(3))
+  _, refused = jax.jit(_record_step)(jnp.asarray(-1.0), record, 2)
+  with pytest.raises(guards.PrivacyGuardError, match='refused at step 2'):
+    _record_step(jnp.asarray(1.0), refused, 3)
+
+
+def test_monitor_raises_at_most_max_lag_steps_late():
+  step = jax.jit(_record_step)
+  monitor = guards.RefusalMonitor(max_lag=2)
+  record = guards.no_refusal()
+  raised_at = None
+  for t in range(10):
+    _, record = step(jnp.asarray(-1.0 if t == 4 else 1.0), record, t)
+    try:
+      monitor.watch(record)
+    except guards.PrivacyGuardError as error:
+      raised_at = t
+      assert error.step == 4
+      break
+  assert raised_at is not None and 4 <= raised_at <= 6
+  # flush waits for everything still pending.
+  monitor = guards.RefusalMonitor(max_lag=5)
+  _, record = step(jnp.asarray(-1.0), guards.no_refusal(), 0)
+  try:
+    monitor.watch(record)
+  except guards.PrivacyGuardError:
+    pass                                    # already ready: raised at once
+  else:
+    with pytest.raises(guards.PrivacyGuardError):
+      monitor.flush()
+  with pytest.raises(ValueError, match='max_lag'):
+    guards.RefusalMonitor(max_lag=-1)
+
+
+def test_an_unknown_code_still_raises():
+  record = guards.Refusal(check=np.asarray(12345, np.uint32),
+                          step=np.asarray(3, np.int32))
+  with pytest.raises(guards.PrivacyGuardError, match='code 0x00003039'):
+    guards.raise_if_refused(record)

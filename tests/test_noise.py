@@ -16,6 +16,7 @@ import pytest
 import scipy.linalg
 from scipy import stats
 
+import dpsco_jax
 from dpsco_jax import noise
 
 STEPS = 40
@@ -279,10 +280,14 @@ def test_eager_next_past_capacity_raises(name):
 def test_jitted_next_past_capacity_raises(name):
   mech = _capped(name)
   state = _state_at_capacity(mech)
-  # Inside jit the error comes from a host callback, wrapped by the runtime.
-  with pytest.raises(Exception) as info:
-    jax.block_until_ready(jax.jit(mech.next)(state, SMALL))
+  # Inside jit: the noise is NaN and the refusal is recorded in the state.
+  noise, state = jax.jit(mech.next)(state, SMALL)
+  assert all(np.all(np.isnan(np.asarray(leaf)))
+             for leaf in jax.tree_util.tree_leaves(noise))
+  with pytest.raises(dpsco_jax.PrivacyGuardError) as info:
+    dpsco_jax.raise_if_refused(state)
   assert 'capacity' in str(info.value)
+  assert info.value.step == mech.num_steps
 
 
 def _assert_identical(tree_a, tree_b):

@@ -202,6 +202,7 @@ def test_shard_map_per_example_gradients_stay_on_their_device():
 
 _PER_DEVICE_KEYS_SCRIPT = """
 import jax, jax.numpy as jnp, numpy as np
+import dpsco_jax
 from tests import test_parallel as tp
 params, batches = tp.make_data()
 tx = tp.make_tx('dpsgd', 'devices')
@@ -211,12 +212,12 @@ state = (state[0]._replace(noise=state[0].noise._replace(key=keys)),) + tuple(
     state[1:])
 step = jax.pmap(tp.step_fn(tx), axis_name='devices')
 try:
-  out, _ = step(tp.replicate(params), state, tp.shard_batch(batches[0]))
+  out, state = step(tp.replicate(params), state, tp.shard_batch(batches[0]))
   values = [np.asarray(x) for x in jax.tree_util.tree_leaves(out)]
   print('ALL_NAN', all(np.isnan(v).all() for v in values))
-  jax.effects_barrier()
+  dpsco_jax.raise_if_refused(state)
   print('NOT_RAISED')
-except Exception as error:  # The callback error arrives as a runtime error.
+except dpsco_jax.PrivacyGuardError as error:
   print('RAISED', 'differs across devices' in str(error))
 """
 
@@ -224,10 +225,9 @@ except Exception as error:  # The callback error arrives as a runtime error.
 def test_pmap_refuses_per_device_noise_keys():
   """A key that differs across devices would add different noise per device.
 
-  Runs in a subprocess: the refused step raises from a host callback on every
-  device, and those errors must not leak into the other tests' runtime. The
-  callback is asynchronous, so the step's output may be read before the error
-  arrives: it must then be NaN, and the error must arrive by the barrier.
+  Runs in a subprocess (eight host devices). The refused step's output is
+  NaN on every device, and the refusal recorded in the replicated state is
+  raised by `raise_if_refused`.
   """
   env = dict(os.environ)
   env['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8'

@@ -632,7 +632,10 @@ def diff2_estimator(
         lambda v, previous: scale.astype(v.dtype) * v + jnp.where(
             is_restart, jnp.zeros_like(previous), previous).astype(v.dtype),
         private, state.estimate)
-    estimate = guards.refuse(smallest < 1, estimate, _EMPTY_CLIENT_MESSAGE)
+    estimate, refusal = guards.record(
+        [(smallest < 1, _EMPTY_CLIENT_MESSAGE, 'batch')], estimate,
+        noise_state.refusal, state.count)
+    noise_state = noise_state._replace(refusal=refusal)
     new_state = Diff2State(count=state.count + 1, prev_params=params,
                            estimate=estimate, noise=noise_state)
     return estimators.cast_like(estimate, params), new_state
@@ -1036,8 +1039,11 @@ def diff2_bvr_local_sgd(
       total = from_active(displacement)
       if keep_output:
         x_out = from_active(x_out)
-    total = guards.refuse(smallest < local_batch_size, total,
-                          _SMALL_CLIENT_MESSAGE)
+    total, refusal = guards.record(
+        [(smallest < local_batch_size, _SMALL_CLIENT_MESSAGE, 'batch')],
+        total, server_state.noise.refusal, count)
+    server_state = server_state._replace(
+        noise=server_state.noise._replace(refusal=refusal))
     return estimators.cast_like(total, params), Diff2BvrState(
         server=server_state, local_noise=local_noise,
         sampling_key=state.sampling_key, output=keep(state, params, x_out))

@@ -407,12 +407,14 @@ def _oracle(shape: _OracleShape, stddev_at, *, keep_noisy: bool, mechanism,
     size = local * parallel.axis_size(axis_name)
     expected = jnp.where(anchor_step, shape.anchor_batch_size,
                          shape.batch_size)
-    output = guards.refuse(
-        size != expected, output,
-        f'{name}: the batch has {size} examples, but the step is accounted '
-        f'for {shape.anchor_batch_size} (anchor steps, every '
-        f'{shape.period}-th from the first) or {shape.batch_size} (the '
-        'others); pad with batch_mask if fewer are real')
+    output, refusal = guards.record(
+        [(size != expected,
+          f'{name}: the batch has {size} examples, but the step is accounted '
+          f'for {shape.anchor_batch_size} (anchor steps, every '
+          f'{shape.period}-th from the first) or {shape.batch_size} (the '
+          'others); pad with batch_mask if fewer are real', 'batch')],
+        output, noise_state.refusal, state.count)
+    noise_state = noise_state._replace(refusal=refusal)
     new_state = NonsmoothOracleState(
         count=state.count + 1, prev_params=params, estimate=estimate,
         noise=noise_state, directions_key=state.directions_key)

@@ -675,12 +675,15 @@ class OutlierRemovalGradientState(NamedTuple):
     halted: True from the first failed test on; every later output is 0.
     step: releases made (refused past the calibrated `num_steps`).
     key: the phase's key (releases use folds of it).
+    refusal: the `guards.Refusal` record of the step's checks (the
+      calibrated number of steps, a key that differs across devices).
   """
 
   threshold_noise: jax.Array
   halted: jax.Array
   step: jax.Array
   key: jax.Array
+  refusal: Optional[guards.Refusal] = None
 
 
 def smoothed_item_loss(loss_fn: Callable[[PyTree, PyTree], jax.Array],
@@ -775,7 +778,7 @@ def outlier_removal_gradient(
         threshold_noise=outlier_removal.draw_threshold_noise(
             calibration, jax.random.fold_in(phase_key, 0)),
         halted=jnp.zeros((), bool), step=jnp.zeros((), jnp.int32),
-        key=phase_key)
+        key=phase_key, refusal=guards.no_refusal())
 
   def update_fn(updates, state, params=None, *, batch=None, **extra):
     del updates, extra
@@ -810,11 +813,18 @@ def outlier_removal_gradient(
     halted = state.halted | ~release.passed
     private = jax.tree_util.tree_map(
         lambda g: jnp.where(halted, jnp.zeros_like(g), g), release.value)
-    private = guards.refuse(
-        state.step >= calibration.num_steps, private,
+    conditions = [(
+        state.step >= calibration.num_steps,
         f'{name} is calibrated for {calibration.num_steps} steps per phase; '
-        'this step would release more than was accounted')
-    return private, state._replace(halted=halted, step=state.step + 1)
+        'this step would release more than was accounted', 'capacity')]
+    if release.not_replicated is not None:
+      conditions.append((release.not_replicated,
+                         parallel.NOT_REPLICATED_MESSAGE, 'replication'))
+    private, refusal = guards.record(
+        conditions, private, state.refusal or guards.no_refusal(),
+        state.step)
+    return private, state._replace(halted=halted, step=state.step + 1,
+                                   refusal=refusal)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

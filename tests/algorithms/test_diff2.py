@@ -507,8 +507,7 @@ def test_rounds_beyond_calibration_are_refused():
   for _ in range(2):
     params, state = step(params, state, batch, mask)
   with pytest.raises(REFUSED, match='capacity'):
-    step(params, state, batch, mask)
-    jax.effects_barrier()
+    dpsco_jax.raise_if_refused(step(params, state, batch, mask))
 
 
 def test_empty_client_and_small_client_are_refused():
@@ -516,13 +515,13 @@ def test_empty_client_and_small_client_are_refused():
   _, batch, mask = make_clients()
   tx = default_gd()
   with pytest.raises(REFUSED, match='no real examples'):
-    vmapped(tx)(params, tx.init(params), batch, mask.at[1].set(False))
-    jax.effects_barrier()
+    dpsco_jax.raise_if_refused(
+        vmapped(tx)(params, tx.init(params), batch, mask.at[1].set(False)))
   bvr = diff2.diff2_bvr_local_sgd(loss_fn, local_steps=2, local_batch_size=6,
                                   **kwargs())
   with pytest.raises(REFUSED, match='fewer real examples'):
-    vmapped(bvr)(params, bvr.init(params), batch, mask)
-    jax.effects_barrier()
+    dpsco_jax.raise_if_refused(vmapped(bvr)(params, bvr.init(params), batch,
+                                            mask))
 
 
 @pytest.mark.parametrize('overrides,match', [
