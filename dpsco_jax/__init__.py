@@ -58,6 +58,9 @@ The curated public API. Modules, one concern each:
   scaling by public bounds or by a DP release the plan spends;
 * `dpsco_jax.checkpoint`: checkpoint and resume with a privacy ledger, and
   releases that hold only what is safe to publish;
+* `dpsco_jax.profiling`: what a compiled step costs, read from XLA's
+  compiled program without running it (`compiled_cost`: flops, bytes,
+  temporary memory, host callbacks and conditionals run every step);
 * `dpsco_jax.audit`: empirical privacy auditing: canary runs of any
   transformation (or your own training loop) as one vmapped program, and
   epsilon lower bounds (Clopper-Pearson, one-run) to set beside the claim.
@@ -81,6 +84,7 @@ from dpsco_jax import outlier_removal
 from dpsco_jax import parallel
 from dpsco_jax import plans
 from dpsco_jax import preprocessing
+from dpsco_jax import profiling
 from dpsco_jax import progress
 from dpsco_jax import rounding
 from dpsco_jax import smoothing
@@ -149,6 +153,8 @@ from dpsco_jax.ledger import PrivacyLedger
 from dpsco_jax.neighboring import NeighboringRelation
 from dpsco_jax.noise import NoiseMechanism
 from dpsco_jax.noise import NoiseState
+from dpsco_jax.profiling import compiled_cost
+from dpsco_jax.profiling import CompiledCost
 from dpsco_jax.strategies import optimize_strategy
 from dpsco_jax.strategies import workload
 
@@ -170,6 +176,7 @@ __all__ = (
     'parallel',
     'plans',
     'preprocessing',
+    'profiling',
     'progress',
     'smoothing',
     'strategies',
@@ -237,6 +244,8 @@ __all__ = (
     'NeighboringRelation',
     'NoiseMechanism',
     'NoiseState',
+    'compiled_cost',
+    'CompiledCost',
     'optimize_strategy',
     'workload',
 )
