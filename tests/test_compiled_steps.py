@@ -105,6 +105,20 @@ def _plan_case(plan, inputs=None):
   return plan._compiled_update, _abstract((params, opt_state, dict(inputs)))
 
 
+def _guard_case(guard):
+  """A batch guard checks the updates of the estimator before it."""
+  params = _params()
+  opt_state = guard.init(params)
+
+  def step(params, opt_state, example_ids):
+    updates = jax.tree_util.tree_map(jnp.zeros_like, params)
+    updates, opt_state = guard.update(updates, opt_state, params,
+                                      example_ids=example_ids)
+    return optax.apply_updates(params, updates), opt_state
+
+  return step, _abstract((params, opt_state, np.arange(BATCH)))
+
+
 def _batch(n=BATCH):
   return {'batch': _data(n)}
 
@@ -149,6 +163,10 @@ TRANSFORMATIONS: dict[str, Callable[[], tuple[Any, Any]]] = {
     'unaccelerated_dp_srg': lambda: _transformation_case(
         dpsco_jax.unaccelerated_dp_srg(loss_fn, num_steps=STEPS, beta=10.0,
                                        radius=None, **COMMON), _batch()),
+    'srg_gradient': lambda: _transformation_case(dpsco_jax.srg_gradient(
+        loss_fn, num_steps=STEPS, **COMMON), _batch()),
+    'fixed_order_guard': lambda: _guard_case(dpsco_jax.fixed_order_guard(
+        STEPS, num_examples=N)),
     'dp_srg_memf': lambda: _transformation_case(dpsco_jax.dp_srg_memf(
         loss_fn, strategy=strategies.banded_square_root(STEPS, 3),
         steps_per_epoch=STEPS, decay=0.5, num_examples=N, **COMMON),
@@ -158,6 +176,11 @@ TRANSFORMATIONS: dict[str, Callable[[], tuple[Any, Any]]] = {
         restart_interval=2, num_rounds=STEPS,
         noise_multipliers=dpsco_jax.Diff2NoiseMultipliers(1.0, 1.0), key=0),
                                              _batch(N)),
+    'diff2_estimator': lambda: _transformation_case(dpsco_jax.diff2_estimator(
+        loss_fn, grad_clip=1.0, diff_clip_factor=1.5, restart_interval=2,
+        num_rounds=STEPS,
+        noise_multipliers=dpsco_jax.Diff2NoiseMultipliers(1.0, 1.0), key=0),
+                                                    _batch(N)),
     'dp_gd': lambda: _transformation_case(dpsco_jax.dp_gd(
         loss_fn, learning_rate=0.1, grad_clip=1.0, noise_multiplier=1.0,
         num_rounds=STEPS, key=0), _batch(N)),
