@@ -57,6 +57,11 @@ _BRANCHES = re.compile(
 class HloCounts:
   """What the optimized HLO text says about host round trips and size.
 
+  Example:
+    >>> counts = hlo_counts(jax.jit(step).lower(*shapes).compile().as_text())
+    >>> counts.host_callbacks, counts.conditionals_every_step
+    (0, 0)
+
   Attributes:
     host_callbacks: host callbacks anywhere in the program (custom calls
       whose target names a callback, plus host transfers such as `outfeed`
@@ -85,6 +90,10 @@ class HloCounts:
 @dataclasses.dataclass(frozen=True)
 class CompiledCost:
   """The cost of one compiled program, from XLA's own analyses.
+
+  Example:
+    >>> cost = dpsco_jax.compiled_cost(step, params, opt_state, batch)
+    >>> cost.bytes_accessed, cost.temp_bytes, cost.host_round_trips
 
   Attributes:
     flops: `cost_analysis()['flops']` (XLA's count; 0 where absent).
