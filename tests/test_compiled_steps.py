@@ -9,6 +9,11 @@ that asynchronous dispatch builds. This file compiles (never runs) the
 tiny flax MLP, from abstract arguments, and reads the optimized HLO with
 `dpsco_jax.compiled_cost`: no host callback, no conditional run every step.
 
+The user-level drivers that run whole phases themselves
+(`user_level.phased_sgd`, `user_level.accelerated_phased_erm`) have no
+`update` of their own: their private step is `outlier_removal_gradient`,
+covered here.
+
 The last tests plant a `jax.pure_callback` and a `lax.cond` in a clean step
 and check that the same assertion catches each.
 """
