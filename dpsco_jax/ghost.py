@@ -11,7 +11,8 @@ layer's output `g_i` (notes/fast-clipping.md):
   Gram form) when that is cheaper than materializing the `d_in x d_out`
   per-example gradient, else the per-example gradient of that layer alone
   (the cost model `clipping_choice` decides per layer, and whether the
-  vmap path is cheaper for the whole loss);
+  vmap path is cheaper for the whole loss, unless its per-example
+  gradients would exceed a memory budget);
 * bias add and elementwise scale: the per-example gradient of that
   parameter (small) is materialized;
 * embedding lookup (a `gather` of whole rows of a 2-D table): the
