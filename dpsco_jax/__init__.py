@@ -44,6 +44,9 @@ The curated public API. Modules, one concern each:
 * `dpsco_jax.progress`: progress lines on stderr for long work (strategy
   optimization, calibration, compilation); `DPSCO_JAX_PROGRESS=0` silences
   them;
+* `dpsco_jax.profiling`: what a compiled step costs, read from XLA's
+  compiled program without running it (`compiled_cost`: flops, bytes,
+  temporary memory, host callbacks and conditionals run every step);
 * `dpsco_jax.ledger`: the run's privacy record (mechanism identity, noise
   multiplier, participation, steps taken), which the loop asks for the
   epsilon spent so far;
@@ -58,9 +61,6 @@ The curated public API. Modules, one concern each:
   scaling by public bounds or by a DP release the plan spends;
 * `dpsco_jax.checkpoint`: checkpoint and resume with a privacy ledger, and
   releases that hold only what is safe to publish;
-* `dpsco_jax.profiling`: what a compiled step costs, read from XLA's
-  compiled program without running it (`compiled_cost`: flops, bytes,
-  temporary memory, host callbacks and conditionals run every step);
 * `dpsco_jax.audit`: empirical privacy auditing: canary runs of any
   transformation (or your own training loop) as one vmapped program, and
   epsilon lower bounds (Clopper-Pearson, one-run) to set beside the claim.
