@@ -44,6 +44,9 @@ The curated public API. Modules, one concern each:
 * `dpsco_jax.progress`: progress lines on stderr for long work (strategy
   optimization, calibration, compilation); `DPSCO_JAX_PROGRESS=0` silences
   them;
+* `dpsco_jax.profiling`: what a compiled step costs, read from XLA's
+  compiled program without running it (`compiled_cost`: flops, bytes,
+  temporary memory, host callbacks and conditionals run every step);
 * `dpsco_jax.ledger`: the run's privacy record (mechanism identity, noise
   multiplier, participation, steps taken), which the loop asks for the
   epsilon spent so far;
@@ -84,6 +87,7 @@ from dpsco_jax import outlier_removal
 from dpsco_jax import parallel
 from dpsco_jax import plans
 from dpsco_jax import preprocessing
+from dpsco_jax import profiling
 from dpsco_jax import progress
 from dpsco_jax import rounding
 from dpsco_jax import smoothing
@@ -155,6 +159,8 @@ from dpsco_jax.ledger import PrivacyLedger
 from dpsco_jax.neighboring import NeighboringRelation
 from dpsco_jax.noise import NoiseMechanism
 from dpsco_jax.noise import NoiseState
+from dpsco_jax.profiling import compiled_cost
+from dpsco_jax.profiling import CompiledCost
 from dpsco_jax.strategies import optimize_strategy
 from dpsco_jax.strategies import workload
 from dpsco_jax.tuning import calibrate_trial_noise
@@ -179,6 +185,7 @@ __all__ = (
     'parallel',
     'plans',
     'preprocessing',
+    'profiling',
     'progress',
     'smoothing',
     'strategies',
@@ -249,6 +256,8 @@ __all__ = (
     'NeighboringRelation',
     'NoiseMechanism',
     'NoiseState',
+    'compiled_cost',
+    'CompiledCost',
     'optimize_strategy',
     'workload',
     'calibrate_trial_noise',

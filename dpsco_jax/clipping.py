@@ -460,6 +460,11 @@ class ClippedStatistic:
     method: 'vmap', 'ghost' or 'auto'.
     ghost_form: how a unit's gradient is made of per-example gradient terms
       (`GRADIENT_FORM`, `DIFFERENCE_FORM` or `USER_FORM`).
+    memory_budget: for `method='auto'`, the bytes per-example gradients may
+      take (parameter bytes x units held at once: the batch, or
+      `microbatch_size`); above it the ghost path is taken whatever the
+      cost estimates say. Default `ghost.DEFAULT_MEMORY_BUDGET` (1 GiB);
+      None: the estimates alone decide.
   """
 
   contribution_fn: Callable[..., PyTree]
@@ -470,12 +475,15 @@ class ClippedStatistic:
   loss_fn: Optional[Callable[[PyTree, PyTree], jax.Array]] = None
   method: str = 'vmap'
   ghost_form: GhostForm = GRADIENT_FORM
+  memory_budget: Optional[int] = ghost.DEFAULT_MEMORY_BUDGET
   # Fallback reasons already announced by this statistic (once each).
   _announced: set = dataclasses.field(
       default_factory=set, init=False, repr=False, compare=False, hash=False)
 
   def __post_init__(self):
     object.__setattr__(self, 'l2_clip', validate_clip(self.l2_clip))
+    object.__setattr__(self, 'memory_budget',
+                       ghost.validate_memory_budget(self.memory_budget))
     if self.method not in METHODS:
       raise ValueError(
           f'method must be one of {METHODS}, got {self.method!r}')
@@ -625,8 +633,9 @@ class ClippedStatistic:
     # The terms per unit of each tap, from the shapes of one unit's values.
     values = jax.eval_shape(lambda: self.ghost_form.terms(
         plan, jax.tree_util.tree_map(lambda x: x[:1], batch), *args))
-    return ghost.clipping_choice(plan, size,
-                                 tuple(g.shape[1] for g in values.grads))
+    return ghost.clipping_choice(
+        plan, size, tuple(g.shape[1] for g in values.grads),
+        rows=self.microbatch_size, memory_budget=self.memory_budget)
 
   def clipping_choice(self, batch: PyTree,
                       *args: Any) -> Optional[ghost.ClippingChoice]:
@@ -681,6 +690,7 @@ def clipped_grad_sum(
     *,
     microbatch_size: Optional[int] = None,
     method: str = 'auto',
+    memory_budget: Optional[int] = ghost.DEFAULT_MEMORY_BUDGET,
 ) -> ClippedStatistic:
   """Sum of per-example gradients, each clipped to global l2 norm `l2_clip`.
 
@@ -706,6 +716,9 @@ def clipped_grad_sum(
     microbatch_size: optional cap on examples processed at once.
     method: 'auto' (default), 'ghost' (raise if the loss does not
       qualify) or 'vmap' (always per-example gradients).
+    memory_budget: bytes the per-example gradients of the vmap path may
+      take before `'auto'` takes the ghost path whatever its estimates
+      (`ClippedStatistic.memory_budget`; default 1 GiB, None: no budget).
 
   Returns:
     A `ClippedStatistic` called as `stat(batch, params, mask=None)`.
@@ -719,7 +732,7 @@ def clipped_grad_sum(
   return ClippedStatistic(
       contribution_fn=lambda example, params: grad_fn(params, example),
       l2_clip=l2_clip, microbatch_size=microbatch_size, loss_fn=loss_fn,
-      method=method)
+      method=method, memory_budget=memory_budget)
 
 
 def clipped_grad_difference_sum(
@@ -728,6 +741,7 @@ def clipped_grad_difference_sum(
     *,
     microbatch_size: Optional[int] = None,
     method: str = 'auto',
+    memory_budget: Optional[int] = ghost.DEFAULT_MEMORY_BUDGET,
 ) -> ClippedStatistic:
   """Sum of per-example gradient differences, each difference clipped.
 
@@ -757,6 +771,9 @@ def clipped_grad_difference_sum(
     microbatch_size: optional cap on per-example differences held at once.
     method: 'auto' (default), 'ghost' (raise if the loss does not qualify)
       or 'vmap' (always per-example gradients).
+    memory_budget: bytes the per-example gradients of the vmap path may
+      take before `'auto'` takes the ghost path whatever its estimates
+      (`ClippedStatistic.memory_budget`; default 1 GiB, None: no budget).
 
   Returns:
     A `ClippedStatistic` called as
@@ -778,7 +795,7 @@ def clipped_grad_difference_sum(
   return ClippedStatistic(
       contribution_fn=difference, l2_clip=l2_clip,
       microbatch_size=microbatch_size, loss_fn=loss_fn, method=method,
-      ghost_form=DIFFERENCE_FORM)
+      ghost_form=DIFFERENCE_FORM, memory_budget=memory_budget)
 
 
 class UserBatch(NamedTuple):
@@ -837,6 +854,7 @@ def clipped_user_grad_sum(
     *,
     microbatch_size: Optional[int] = None,
     method: str = 'auto',
+    memory_budget: Optional[int] = ghost.DEFAULT_MEMORY_BUDGET,
 ) -> ClippedStatistic:
   """Sum over users of the clipped gradient of each user's mean loss.
 
@@ -861,6 +879,9 @@ def clipped_user_grad_sum(
     microbatch_size: optional cap on users processed at once.
     method: 'auto' (default), 'ghost' (raise if the loss does not qualify)
       or 'vmap' (always per-item gradients).
+    memory_budget: bytes the per-example gradients of the vmap path may
+      take before `'auto'` takes the ghost path whatever its estimates
+      (`ClippedStatistic.memory_budget`; default 1 GiB, None: no budget).
 
   Returns:
     A `ClippedStatistic` called as `stat(batch, params, mask=None)`, where
@@ -875,4 +896,5 @@ def clipped_user_grad_sum(
   return ClippedStatistic(
       contribution_fn=user_mean_gradient(loss_fn), l2_clip=l2_clip,
       microbatch_size=microbatch_size, unit='user', min_ndim=2,
-      loss_fn=loss_fn, method=method, ghost_form=USER_FORM)
+      loss_fn=loss_fn, method=method, ghost_form=USER_FORM,
+      memory_budget=memory_budget)

@@ -11,7 +11,8 @@ layer's output `g_i` (notes/fast-clipping.md):
   Gram form) when that is cheaper than materializing the `d_in x d_out`
   per-example gradient, else the per-example gradient of that layer alone
   (the cost model `clipping_choice` decides per layer, and whether the
-  vmap path is cheaper for the whole loss);
+  vmap path is cheaper for the whole loss, unless its per-example
+  gradients would exceed a memory budget);
 * bias add and elementwise scale: the per-example gradient of that
   parameter (small) is materialized;
 * embedding lookup (a `gather` of whole rows of a 2-D table): the
@@ -85,6 +86,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
+import numpy as np
 
 from dpsco_jax import rounding
 
@@ -219,12 +221,14 @@ class GhostPlan:
     taps: one entry per used params leaf, in program order.
     num_leaves: number of params leaves.
     treedef: the params tree structure.
+    params_bytes: the bytes of all params leaves (of one gradient).
   """
 
   program: _Program
   taps: tuple[Tap, ...]
   num_leaves: int
   treedef: Any
+  params_bytes: int = 0
 
 
 def _bind(eqn, invals: Sequence[Any]) -> list[Any]:
@@ -1003,7 +1007,10 @@ def _analyze(loss_fn: Callable[[PyTree, PyTree], jax.Array], params: PyTree,
       not _is_var(atom) or atom not in dependent
       for i, atom in enumerate(program.nodes[tap.node].invars)
       if i != tap.position)) for tap in taps)
-  return GhostPlan(program, taps, len(leaves), treedef)
+  params_bytes = sum(
+      _size(jax.typeof(leaf).shape) * jnp.dtype(jax.typeof(leaf).dtype).itemsize
+      for leaf in leaves)
+  return GhostPlan(program, taps, len(leaves), treedef, params_bytes)
 
 
 def _checked_tap(program: _Program, names: Sequence[str],
@@ -1520,6 +1527,9 @@ _MEMORY_WEIGHT = 8.0
 # (`_gram_squared_norms`, step 4): beyond this many columns per unit the
 # per-unit gradient is formed instead, whatever the flops.
 _GRAM_MAX_COLUMNS = 256
+# The memory `method='auto'` lets per-example gradients take (bytes): above
+# it the ghost path is taken whatever the estimates say (1 GiB).
+DEFAULT_MEMORY_BUDGET = 2**30
 
 
 class TapEstimate(NamedTuple):
@@ -1534,8 +1544,9 @@ class TapEstimate(NamedTuple):
       sum), or None where the rule has none.
     materialized: cost of forming the per-unit gradient (flops, plus
       `_MEMORY_WEIGHT` per float written or read).
-    ghost: cost on the ghost path: the chosen form plus recording the
-      tap's operands and output gradients in the first pass.
+    ghost: cost on the ghost path: the chosen form, plus for the Gram form
+      reading the tap's operands and output gradients again in the
+      re-weighted pass.
     vmap: cost of the leaf's per-example gradients on the vmap path.
   """
 
@@ -1552,16 +1563,62 @@ class ClippingChoice(NamedTuple):
   """What `method='auto'` does with a loss, and why.
 
   Attributes:
-    path: 'ghost' or 'vmap' (the cheaper by the estimates).
+    path: 'ghost' or 'vmap' (the cheaper by the estimates, or 'ghost' when
+      the vmap path's per-example gradients would exceed the memory budget).
     ghost: estimated cost of the ghost path (sum over taps, all units).
     vmap: estimated cost of the vmap path (alike).
     taps: one `TapEstimate` per tap, costs for all units.
+    per_example_bytes: the memory the vmap path's per-example gradients of
+      every params leaf take (parameter bytes x rows held at once).
+    memory_budget: the budget they were held to (bytes; None: none).
+    reason: 'cost' (the estimates decided) or 'memory budget'.
   """
 
   path: str
   ghost: float
   vmap: float
   taps: tuple[TapEstimate, ...]
+  per_example_bytes: int = 0
+  memory_budget: Optional[int] = None
+  reason: str = 'cost'
+
+
+def validate_memory_budget(memory_budget: Optional[int]) -> Optional[int]:
+  """`memory_budget` as an int of bytes (or None), or a clear error.
+
+  Example:
+    >>> validate_memory_budget(4 * 2**30)
+    4294967296
+
+  Raises:
+    ValueError: unless None or a positive number of bytes.
+  """
+  if memory_budget is None:
+    return None
+  if (isinstance(memory_budget, bool) or
+      not isinstance(memory_budget, (int, np.integer)) or memory_budget < 1):
+    raise ValueError('memory_budget must be a positive number of bytes or '
+                     f'None, got {memory_budget!r}')
+  return int(memory_budget)
+
+
+def per_example_gradient_bytes(plan: GhostPlan, rows: int) -> int:
+  """Bytes of `rows` per-example gradients of every params leaf.
+
+  What the vmap path holds at once: one params-sized gradient per example
+  (per unit) of a block of `rows`, in the params' dtypes.
+
+  Example:
+    >>> per_example_gradient_bytes(analyze(loss_fn, params, batch), 32)
+
+  Args:
+    plan: from `analyze`.
+    rows: the examples (units) whose gradients are held at once.
+
+  Returns:
+    The byte count.
+  """
+  return int(rows) * int(plan.params_bytes)
 
 
 def _tap_estimate(tap: Tap, program: _Program, terms: int) -> TapEstimate:
@@ -1574,6 +1631,10 @@ def _tap_estimate(tap: Tap, program: _Program, terms: int) -> TapEstimate:
                eqn.invars[tap.position].aval.shape)
   others = sum(_size(v.aval.shape) for i, v in enumerate(eqn.invars)
                if i != tap.position)
+  # The ghost path's second (re-weighted) pass reads a Gram-form tap's
+  # operands and output gradients again. A formed tap reads them once, to
+  # form its per-unit gradient, as the vmap path's per-example backward
+  # pass does: the two paths then cost the same, and nothing is charged.
   record = kappa * terms * (others + out)
   gram = None
   if tap.rule == 'gather':
@@ -1603,13 +1664,16 @@ def _tap_estimate(tap: Tap, program: _Program, terms: int) -> TapEstimate:
         gram += kappa * batch * columns * contract
   form = 'gram' if gram is not None and gram <= materialized else (
       'materialized')
-  chosen = gram if form == 'gram' else materialized
-  return TapEstimate(tap.leaf, tap.rule, form, gram, materialized,
-                     chosen + record, vmap)
+  ghost = gram + record if form == 'gram' else materialized
+  return TapEstimate(tap.leaf, tap.rule, form, gram, materialized, ghost,
+                     vmap)
 
 
 def clipping_choice(plan: GhostPlan, units: int,
-                    terms: Union[int, Sequence[int]] = 1) -> ClippingChoice:
+                    terms: Union[int, Sequence[int]] = 1, *,
+                    rows: Optional[int] = None,
+                    memory_budget: Optional[int] = DEFAULT_MEMORY_BUDGET
+                    ) -> ClippingChoice:
   """The form of each layer, and whether the ghost path pays, by cost.
 
   A flop-and-memory estimate in the spirit of mixed ghost clipping (Li et
@@ -1631,16 +1695,25 @@ def clipping_choice(plan: GhostPlan, units: int,
     Gram form `K^2 (F + 8) + K F`, formed table gradient
     `K F + 3 _MEMORY_WEIGHT V F`;
   * biases and scales: formed (`out + 3 _MEMORY_WEIGHT leaf`);
-  * the ghost path also records each tap's operands and output gradients
-    (`_MEMORY_WEIGHT` per float);
+  * the ghost path also reads a Gram-form tap's operands and output
+    gradients again in its re-weighted pass (`_MEMORY_WEIGHT` per float); a
+    formed tap reads them once, as the vmap path does;
   * the vmap path forms every term's per-example gradient of every leaf:
     the same flops as the formed form, and `3 _MEMORY_WEIGHT` per entry per
-    term.
+    term. A loss whose every layer is formed on the ghost path costs the
+    same on both paths.
 
   The forward pass and the backward pass through the activations are
   common to both paths and left out. `method='auto'` takes the vmap path
   when its estimate is not above the ghost path's; then no warning is
   issued (it is a choice, not a failure).
+
+  A memory budget comes first: when the vmap path's per-example gradients
+  (the parameter bytes times the `rows` held at once,
+  `per_example_gradient_bytes`) exceed `memory_budget`, the ghost path is
+  taken whatever the estimates say (`reason='memory budget'`). The default,
+  `DEFAULT_MEMORY_BUDGET`, is 1 GiB: a GPT-style decoder of 35.8M float32
+  parameters at 32 sequences would hold 4.6 GB of per-example gradients.
 
   Example:
     >>> plan = analyze(loss_fn, params, batch)
@@ -1654,13 +1727,18 @@ def clipping_choice(plan: GhostPlan, units: int,
     terms: the terms per unit, one for all taps or one per tap (2 for a
       difference where the tap's operands depend on the params, the items
       per user).
+    rows: the units whose per-example gradients the vmap path holds at once
+      (the microbatch size); default `units`.
+    memory_budget: bytes the vmap path's per-example gradients may take
+      (None: no budget, the estimates alone decide).
 
   Returns:
     A `ClippingChoice`.
 
   Raises:
-    ValueError: for a non-positive `units` or `terms`, or a `terms` sequence
-      whose length is not the number of taps.
+    ValueError: for a non-positive `units`, `terms` or `rows`, a `terms`
+      sequence whose length is not the number of taps, or a bad
+      `memory_budget`.
   """
   if isinstance(terms, int):
     terms = (terms,) * len(plan.taps)
@@ -1680,5 +1758,14 @@ def clipping_choice(plan: GhostPlan, units: int,
     taps.append(estimate._replace(**scaled))
   ghost_cost = sum(t.ghost for t in taps)
   vmap_cost = sum(t.vmap for t in taps)
-  return ClippingChoice('ghost' if ghost_cost < vmap_cost else 'vmap',
-                        ghost_cost, vmap_cost, tuple(taps))
+  memory_budget = validate_memory_budget(memory_budget)
+  rows = int(units) if rows is None else int(rows)
+  if rows < 1:
+    raise ValueError(f'rows must be positive, got {rows}')
+  held = per_example_gradient_bytes(plan, min(rows, int(units)))
+  if memory_budget is not None and held > memory_budget:
+    path, reason = 'ghost', 'memory budget'
+  else:
+    path, reason = ('ghost' if ghost_cost < vmap_cost else 'vmap'), 'cost'
+  return ClippingChoice(path, ghost_cost, vmap_cost, tuple(taps), held,
+                        memory_budget, reason)
