@@ -8,6 +8,7 @@ accounting on the whole logical batch.
 
 import os
 import re
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -24,8 +25,9 @@ from dpsco_jax import plans
 
 nn = pytest.importorskip('flax.linen')
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N, DIM, CLASSES, EXPECTED = 96, 6, 3, 24
-STEPS = 3   # logical steps compared per plan
+STEPS = 2   # logical steps compared per plan
 
 
 class Mlp(nn.Module):
@@ -61,10 +63,11 @@ def _plan(physical_batch_size=8, **kwargs):
       **kwargs)
 
 
-# One plan per clipping path, shared by the tests (compiled once each).
+# One plan per clipping path, shared by the tests (compiled once each):
+# ghost norms with a granularity of one example (physical sizes 8, 4, 2,
+# 1), per-example gradients in microbatches of 4 (sizes 8, 4).
 PLANS = {'ghost': _plan(clipping_method='ghost'),
-         'vmap': _plan(clipping_method='vmap'),
-         'microbatch': _plan(clipping_method='vmap', microbatch_size=4)}
+         'vmap': _plan(clipping_method='vmap', microbatch_size=4)}
 
 
 def _close(a, b):
@@ -110,14 +113,14 @@ def test_default_granularity_is_the_microbatch_or_a_sixteenth():
   assert physical.default_granularity(256, None) == 16
   assert physical.default_granularity(256, 32) == 32
   assert physical.default_granularity(24, None) == 1
-  assert PLANS['microbatch'].physical_form.granularity == 4
+  assert PLANS['vmap'].physical_form.granularity == 4
 
 
 def test_split_pads_only_the_last_pieces_and_keeps_every_real_example():
   inputs = _first_inputs(PLANS['vmap'])
   real = np.flatnonzero(inputs['batch_mask'])
   assert len(real) > 8   # the logical batch is larger than a physical one
-  logical = physical.split_logical_batch(inputs, 8, 2)
+  logical = physical.split_logical_batch(inputs, 8, 4)
   ids = np.concatenate([p.example_ids[p.batch_mask]
                         for p in logical.physical])
   np.testing.assert_array_equal(ids, inputs['example_ids'][real])
@@ -125,7 +128,8 @@ def test_split_pads_only_the_last_pieces_and_keeps_every_real_example():
   np.testing.assert_array_equal(xs, inputs['batch']['x'][real])
   masks = [p.batch_mask for p in logical.physical]
   assert all(m.all() for m in masks[:-1])       # only the last is padded
-  assert (~masks[-1]).sum() < 2                 # by less than g = 2
+  assert (~masks[-1]).sum() < 4                 # by less than g = 4
+  assert {len(m) for m in masks} <= {8, 4}
   # The checks get the logical batch as the sampler yielded it.
   assert logical.inputs['example_ids'] is inputs['example_ids']
   assert 'batch' not in logical.inputs
@@ -175,16 +179,17 @@ def test_a_batch_larger_than_memory_by_hand_equals_one_call():
       clipping.clipped_grad_sum(_loss, 0.5, method='vmap'), 16))
   batch = jax.tree_util.tree_map(lambda x: x[:40], DATA)
   state = tx.init(PARAMS)
-  updates, expected_state = tx.update(None, state, PARAMS, batch=batch)
+  updates, expected_state = jax.jit(
+      lambda state: tx.update(None, state, PARAMS, batch=batch))(state)
   got, got_state = step(PARAMS, state, {'batch': batch})
   _close(got, optax.apply_updates(PARAMS, updates))
   _close(got_state, expected_state)
   # Without a public divisor the accumulated sum cannot be normalized.
-  bare = optax.chain(dpsco_jax.dpsgd(_loss, l2_clip=0.5, noise_multiplier=1.0,
-                                     num_steps=4, key=2), optax.sgd(0.1))
+  bare = dpsco_jax.dpsgd(_loss, l2_clip=0.5, noise_multiplier=1.0,
+                         num_steps=4, key=3)
+  accumulated = step.start(state, PARAMS, batch).clipped
   with pytest.raises(ValueError, match='no normalize_by'):
-    physical.LogicalStep(bare, step.form)(PARAMS, bare.init(PARAMS),
-                                          {'batch': batch})
+    bare.update(None, bare.init(PARAMS), PARAMS, clipped_sum=accumulated)
 
 
 def test_dpftrl_fixed_order_batches_equal_the_one_call_step():
@@ -289,8 +294,7 @@ def test_physical_batches_that_are_not_the_logical_batch_are_refused():
 
 
 def test_the_docs_example_runs():
-  path = os.path.join(os.path.dirname(os.path.dirname(
-      os.path.abspath(__file__))), 'docs', 'physical_batches.md')
+  path = os.path.join(ROOT, 'docs', 'physical_batches.md')
   with open(path) as handle:
     blocks = re.findall(r'^```python\n(.*?)^```', handle.read(), re.S | re.M)
   assert blocks
@@ -298,3 +302,20 @@ def test_the_docs_example_runs():
   for block in blocks:
     exec(compile(block, path, 'exec'), namespace)  # pylint: disable=exec-used
   assert namespace['step_inputs'] is not None
+
+
+def test_the_benchmark_reads_compiled_costs_of_each_way(capsys):
+  sys.path.insert(0, os.path.join(ROOT, 'benchmarks'))
+  import physical_batches  # pylint: disable=g-import-not-at-top
+  results = physical_batches.main(
+      ['--expected', '8', '--num_examples', '16', '--input', '4',
+       '--hidden', '4', '--physical_fractions', '1'])
+  fixed, one_call, by_pieces = results[8]
+  assert fixed['step'] == 'fixed B=8' and fixed['flops_ratio'] == 1.0
+  assert one_call['step'] == 'one call (padded to 32)'
+  assert by_pieces['step'] == 'physical P=8 (g=1)'
+  # Padded to 32, one call does about four times the fixed batch's work;
+  # the physical batches do about the realized batch's.
+  assert one_call['flops_ratio'] > 2.0
+  assert 0.5 < by_pieces['flops_ratio'] < 1.5
+  assert '| 8 | physical P=8 (g=1) |' in capsys.readouterr().out
