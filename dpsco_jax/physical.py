@@ -60,7 +60,6 @@ from dpsco_jax import batching
 from dpsco_jax import checks
 from dpsco_jax import clipping
 from dpsco_jax import guards
-from dpsco_jax import parallel
 
 PyTree = Any
 
@@ -290,17 +289,20 @@ class PhysicalForm:
     _checked_sizes(self.physical_batch_size, granularity)
 
 
-def gradient_form(statistic: clipping.ClippedStatistic,
+def statistic_form(statistic: clipping.ClippedStatistic,
                   physical_batch_size: int, *,
                   granularity: Optional[int] = None,
                   axis_name: Optional[str] = None) -> PhysicalForm:
-  """The physical form of `estimators.noisy_statistic` (DP-SGD, DP-FTRL, MF).
+  """The physical form of `estimators.noisy_statistic`.
 
-  Its statistic takes `(batch, params)`; nothing comes from the state.
+  That is the estimator of DP-SGD, DP-FTRL and DP-MF (`noisy_gradient`,
+  per-example gradients) and of user-level DP-SGD
+  (`clipping.clipped_user_grad_sum`). Its statistic takes `(batch,
+  params)`; nothing comes from the state.
 
   Example:
     >>> stat = clipping.clipped_grad_sum(loss_fn, 1.0)
-    >>> form = gradient_form(stat, physical_batch_size=256)
+    >>> form = statistic_form(stat, physical_batch_size=256)
 
   Args:
     statistic: the statistic the transformation was built with (e.g.
@@ -308,15 +310,26 @@ def gradient_form(statistic: clipping.ClippedStatistic,
       method=...)` for `noisy_gradient`).
     physical_batch_size: P.
     granularity: g (default: see `default_granularity`).
-    axis_name: the transformation's device axis, or None.
+    axis_name: the transformation's device axis: must be None (see
+      Raises).
 
   Returns:
     A `PhysicalForm`.
+
+  Raises:
+    ValueError: with `axis_name`: `LogicalStep` compiles its programs with
+      `jax.jit` on one device or on arrays sharded under it, not inside
+      `pmap` / `shard_map`, where the transformation's device axis is
+      bound (not supported yet).
   """
+  if axis_name is not None:
+    raise ValueError(
+        f'physical batches do not run under a device axis yet (axis_name='
+        f'{axis_name!r}): build the plan without physical_batch_size, or '
+        'without axis_name and shard the arrays under jit')
   return PhysicalForm(
       statistic=statistic,
-      arguments=lambda opt_state, params: (
-          parallel.per_device(params, axis_name),),
+      arguments=lambda opt_state, params: (params,),
       physical_batch_size=physical_batch_size, granularity=granularity)
 
 
@@ -339,7 +352,7 @@ class LogicalStep:
     ...                                  noise_multiplier=1.1, num_steps=T,
     ...                                  normalize_by=256.0),
     ...                  optax.sgd(0.1))
-    >>> step = LogicalStep(tx, gradient_form(
+    >>> step = LogicalStep(tx, statistic_form(
     ...     clipping.clipped_grad_sum(loss_fn, 1.0), physical_batch_size=64))
     >>> params, opt_state = step(params, opt_state, {'batch': big_batch})
 

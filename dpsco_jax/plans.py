@@ -514,16 +514,16 @@ def _check_relation(algorithm: str, relation: Relation,
         "and epsilon) or Poisson sampling")
 
 
-def _gradient_form(loss_fn: LossFn, l2_clip: float,
-                   physical_batch_size: Optional[int],
-                   microbatch_size: Optional[int], clipping_method: str,
-                   axis_name: Optional[str]
-                   ) -> Optional[physical.PhysicalForm]:
+def _noisy_gradient_form(loss_fn: LossFn, l2_clip: float,
+                         physical_batch_size: Optional[int],
+                         microbatch_size: Optional[int],
+                         clipping_method: str, axis_name: Optional[str]
+                         ) -> Optional[physical.PhysicalForm]:
   """The physical form of `estimators.noisy_gradient` built with these
   arguments (its statistic, built alike), or None without a size."""
   if physical_batch_size is None:
     return None
-  return physical.gradient_form(
+  return physical.statistic_form(
       clipping.clipped_grad_sum(loss_fn, l2_clip,
                                 microbatch_size=microbatch_size,
                                 method=clipping_method),
@@ -691,9 +691,9 @@ def dpsgd(
       axis_name=axis_name, releases=releases,
       hyperparameters={'l2_clip': l2_clip, 'epochs': epochs,
                        'physical_batch_size': physical_batch_size},
-      physical_form=_gradient_form(loss_fn, l2_clip, physical_batch_size,
-                                   microbatch_size, clipping_method,
-                                   axis_name))
+      physical_form=_noisy_gradient_form(
+          loss_fn, l2_clip, physical_batch_size, microbatch_size,
+          clipping_method, axis_name))
 
 
 def _restart_every(restart: Union[None, str, int], steps_per_epoch: int
@@ -801,9 +801,9 @@ def dpftrl(
       hyperparameters={'l2_clip': l2_clip, 'epochs': epochs,
                        'restart_every': restart_every, 'honaker': honaker,
                        'physical_batch_size': physical_batch_size},
-      physical_form=_gradient_form(loss_fn, l2_clip, physical_batch_size,
-                                   microbatch_size, clipping_method,
-                                   axis_name))
+      physical_form=_noisy_gradient_form(
+          loss_fn, l2_clip, physical_batch_size, microbatch_size,
+          clipping_method, axis_name))
 
 
 # The default cap on the noise state of an MF plan, in params-sized buffers.
@@ -1099,9 +1099,9 @@ def dpmemf(
                                      and strategy == 'blt' else None),
                        'max_noise_buffers': max_noise_buffers,
                        'physical_batch_size': physical_batch_size},
-      physical_form=_gradient_form(loss_fn, l2_clip, physical_batch_size,
-                                   microbatch_size, clipping_method,
-                                   axis_name))
+      physical_form=_noisy_gradient_form(
+          loss_fn, l2_clip, physical_batch_size, microbatch_size,
+          clipping_method, axis_name))
 
 
 def _single_pass(algorithm: str, loss_fn: LossFn, *, num_examples: int,
@@ -1585,6 +1585,7 @@ def user_level_dpsgd(
     microbatch_size: Optional[int] = None,
     clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
+    physical_batch_size: Optional[int] = None,
 ) -> Plan:
   """A user-level DP-SGD run (`algorithms.user_level`), calibrated per USER.
 
@@ -1622,6 +1623,9 @@ def user_level_dpsgd(
     microbatch_size: optional cap on users processed at once.
     clipping_method: 'auto', 'ghost' or 'vmap'.
     axis_name: the device axis on several devices.
+    physical_batch_size: run each logical batch as physical batches of at
+      most this many users, noised once (`Plan.run_logical_step`,
+      `dpsco_jax.physical`). None (default): one call per batch only.
 
   Returns:
     A `Plan`.
@@ -1643,7 +1647,14 @@ def user_level_dpsgd(
       noise_multiplier=noise_multiplier, delta=delta, method=method,
       relation=neighboring_relation, axis_name=axis_name,
       hyperparameters={'l2_clip': l2_clip, 'epochs': epochs,
-                       'privacy_unit': 'user'})
+                       'privacy_unit': 'user',
+                       'physical_batch_size': physical_batch_size},
+      physical_form=None if physical_batch_size is None else
+      physical.statistic_form(
+          clipping.clipped_user_grad_sum(loss_fn, l2_clip,
+                                         microbatch_size=microbatch_size,
+                                         method=clipping_method),
+          physical_batch_size, axis_name=axis_name))
 
 
 # ----------------------------------------------- nonsmooth (paper 004)

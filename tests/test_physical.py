@@ -175,7 +175,7 @@ def test_a_batch_larger_than_memory_by_hand_equals_one_call():
                          num_steps=4, key=2, normalize_by=40.0,
                          clipping_method='vmap')
   tx = optax.chain(grad, optax.adam(0.05))
-  step = physical.LogicalStep(tx, physical.gradient_form(
+  step = physical.LogicalStep(tx, physical.statistic_form(
       clipping.clipped_grad_sum(_loss, 0.5, method='vmap'), 16))
   batch = jax.tree_util.tree_map(lambda x: x[:40], DATA)
   state = tx.init(PARAMS)
@@ -207,6 +207,31 @@ def test_dpftrl_fixed_order_batches_equal_the_one_call_step():
                                                     inputs)
   _close(by_pieces, one)
   _close(pieces_state, one_state)
+
+
+def test_user_level_batches_equal_the_one_call_step():
+  # Users as the privacy unit: Poisson batches of about 10 of 40 users, up
+  # to 3 items each, run 4 users at a time.
+  user_ids = np.arange(N) % 40
+  users = batching.group_by_user(DATA, user_ids, max_items=3)
+  plan = plans.user_level_dpsgd(
+      _loss, optimizer=optax.sgd(0.1), num_users=40, users_per_batch=10,
+      epochs=1, l2_clip=0.5, noise_multiplier=1.0, delta=1e-5, key=0,
+      seed=1, method='rdp', clipping_method='vmap', physical_batch_size=4)
+  one = by_pieces = PARAMS
+  one_state = pieces_state = plan.init(PARAMS)
+  for _, inputs in zip(range(STEPS), plan.batches_of(users)):
+    one, one_state = plan.step(one, one_state, inputs)
+    by_pieces, pieces_state = plan.run_logical_step(by_pieces, pieces_state,
+                                                    inputs)
+  _close(by_pieces, one)
+  _close(pieces_state, one_state)
+
+
+def test_a_device_axis_is_refused_with_a_reason():
+  with pytest.raises(ValueError, match='do not run under a device axis'):
+    physical.statistic_form(clipping.clipped_grad_sum(_loss, 0.5), 8,
+                            axis_name='devices')
 
 
 def test_a_plan_without_physical_batches_says_how_to_get_them():
