@@ -289,6 +289,29 @@ class PhysicalForm:
     _checked_sizes(self.physical_batch_size, granularity)
 
 
+def check_no_device_axis(axis_name: Optional[str]) -> None:
+  """Refuses a device axis: physical batches run under `jax.jit` only.
+
+  `LogicalStep` compiles its programs with `jax.jit` (on one device, or on
+  arrays sharded under it), not inside `pmap` / `shard_map` where a
+  transformation's device axis is bound.
+
+  Example:
+    >>> check_no_device_axis(None)      # passes
+
+  Args:
+    axis_name: the transformation's device axis, or None.
+
+  Raises:
+    ValueError: if `axis_name` is not None.
+  """
+  if axis_name is not None:
+    raise ValueError(
+        f'physical batches do not run under a device axis yet (axis_name='
+        f'{axis_name!r}): build the plan without physical_batch_size, or '
+        'without axis_name and shard the arrays under jit')
+
+
 def statistic_form(statistic: clipping.ClippedStatistic,
                   physical_batch_size: int, *,
                   granularity: Optional[int] = None,
@@ -322,11 +345,7 @@ def statistic_form(statistic: clipping.ClippedStatistic,
       `pmap` / `shard_map`, where the transformation's device axis is
       bound (not supported yet).
   """
-  if axis_name is not None:
-    raise ValueError(
-        f'physical batches do not run under a device axis yet (axis_name='
-        f'{axis_name!r}): build the plan without physical_batch_size, or '
-        'without axis_name and shard the arrays under jit')
+  check_no_device_axis(axis_name)
   return PhysicalForm(
       statistic=statistic,
       arguments=lambda opt_state, params: (params,),

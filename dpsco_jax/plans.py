@@ -1311,6 +1311,7 @@ def dp_srg_memf(
     microbatch_size: Optional[int] = None,
     clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
+    physical_batch_size: Optional[int] = None,
 ) -> Plan:
   """A DP-SRG-MEMF run (paper 001 Algorithm 3), calibrated.
 
@@ -1376,6 +1377,9 @@ def dp_srg_memf(
       else per-example gradients, announced once), 'ghost' or 'vmap'
       (`dpsco_jax.clipping`).
     axis_name: the device axis on several devices.
+    physical_batch_size: run each logical batch as physical batches of at
+      most this many examples, noised once (`Plan.run_logical_step`,
+      `dpsco_jax.physical`). None (default): one call per batch only.
 
   Returns:
     A `Plan`.
@@ -1385,6 +1389,15 @@ def dp_srg_memf(
       num_examples, batch_size, epochs, seed, strategy, momentum, decay, bands,
       n_buffers, max_noise_buffers, sampling)
   b = getattr(sampler, 'steps_per_epoch', sampler.num_steps)
+  physical_form = None
+  if physical_batch_size is not None:
+    physical.check_no_device_axis(axis_name)
+    physical_form = srg.memf_physical_form(
+        loss_fn, l2_clip=l2_clip, decay=decay,
+        physical_batch_size=physical_batch_size,
+        microbatch_size=microbatch_size, clipping_method=clipping_method,
+        # The estimator is first in the plan's chain.
+        state_of=lambda opt_state: opt_state[0])
   return _batched_plan(
       'dp_srg_memf',
       lambda z, divisor: srg.dp_srg_memf(
@@ -1406,7 +1419,9 @@ def dp_srg_memf(
                        'momentum': momentum, 'bands': bands,
                        'n_buffers': (n_buffers if isinstance(strategy, str)
                                      and strategy == 'blt' else None),
-                       'max_noise_buffers': max_noise_buffers})
+                       'max_noise_buffers': max_noise_buffers,
+                       'physical_batch_size': physical_batch_size},
+      physical_form=physical_form)
 
 
 def diff2_gd(

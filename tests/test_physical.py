@@ -228,6 +228,25 @@ def test_user_level_batches_equal_the_one_call_step():
   _close(pieces_state, one_state)
 
 
+def test_srg_memf_differences_at_two_points_equal_the_one_call_step():
+  # DP-SRG-MEMF: each example's clipped difference grad f(x_t) - c grad
+  # f(x_{t-1}) at the state's two points, a batch of 24 run 8 at a time;
+  # a clip no difference reaches, so a wrong coefficient shows.
+  plan = plans.dp_srg_memf(
+      _loss, optimizer=optax.sgd(0.1), num_examples=N, batch_size=24,
+      epochs=1, l2_clip=50.0, noise_multiplier=1.0, delta=1e-5, decay=0.5,
+      strategy='banded_sqrt', bands=2, key=0, seed=1,
+      clipping_method='ghost', physical_batch_size=8)
+  one = by_pieces = PARAMS
+  one_state = pieces_state = plan.init(PARAMS)
+  for inputs in plan.batches_of(DATA):   # 4 steps: c_0 = 0, then c = 0.5
+    one, one_state = plan.step(one, one_state, inputs)
+    by_pieces, pieces_state = plan.run_logical_step(by_pieces, pieces_state,
+                                                    inputs)
+  _close(by_pieces, one)
+  _close(pieces_state, one_state)
+
+
 def test_a_device_axis_is_refused_with_a_reason():
   with pytest.raises(ValueError, match='do not run under a device axis'):
     physical.statistic_form(clipping.clipped_grad_sum(_loss, 0.5), 8,
