@@ -313,9 +313,9 @@ def check_no_device_axis(axis_name: Optional[str]) -> None:
 
 
 def statistic_form(statistic: clipping.ClippedStatistic,
-                  physical_batch_size: int, *,
-                  granularity: Optional[int] = None,
-                  axis_name: Optional[str] = None) -> PhysicalForm:
+                   physical_batch_size: int, *,
+                   granularity: Optional[int] = None,
+                   axis_name: Optional[str] = None) -> PhysicalForm:
   """The physical form of `estimators.noisy_statistic`.
 
   That is the estimator of DP-SGD, DP-FTRL and DP-MF (`noisy_gradient`,
@@ -340,10 +340,8 @@ def statistic_form(statistic: clipping.ClippedStatistic,
     A `PhysicalForm`.
 
   Raises:
-    ValueError: with `axis_name`: `LogicalStep` compiles its programs with
-      `jax.jit` on one device or on arrays sharded under it, not inside
-      `pmap` / `shard_map`, where the transformation's device axis is
-      bound (not supported yet).
+    ValueError: with `axis_name` (`check_no_device_axis`: not supported
+      yet).
   """
   check_no_device_axis(axis_name)
   return PhysicalForm(
