@@ -396,8 +396,8 @@ def _recursive_gradient(
     estimators.check_params(params)
     step = state.count.astype(jnp.float32)
     if clipped_sum is not None:
-      # Accumulated over physical batches (`dpsco_jax.physical`), at the
-      # arguments `difference_arguments` gives.
+      # Accumulated over physical batches (`dpsco_jax.physical`), at this
+      # state's points and coefficients (`memf_physical_form`).
       divisor = estimators.accumulated_batch_size(normalize_by,
                                                   'srg_gradient')
       clipped = clipped_sum
