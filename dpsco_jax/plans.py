@@ -1111,7 +1111,8 @@ def _single_pass(algorithm: str, loss_fn: LossFn, *, num_examples: int,
                  seed: Optional[int], key: estimators.KeyLike, method: str,
                  relation: Relation, microbatch_size: Optional[int],
                  axis_name: Optional[str], clipping_method: str,
-                 releases: Sequence[accounting.GaussianRelease] = ()) -> Plan:
+                 releases: Sequence[accounting.GaussianRelease] = (),
+                 physical_batch_size: Optional[int] = None) -> Plan:
   """The plans of Algorithm 1 and its unaccelerated ablation."""
   sampler = _sampler('fixed', num_examples, batch_size, 1, seed)
   steps = sampler.num_steps
@@ -1134,13 +1135,25 @@ def _single_pass(algorithm: str, loss_fn: LossFn, *, num_examples: int,
       return srg.accelerated_dp_srgd(loss_fn, gradient=gradient, **common)
     return srg.unaccelerated_dp_srg(loss_fn, **common)
 
+  physical_form = None
+  if physical_batch_size is not None:   # unaccelerated_dp_srg only
+    physical.check_no_device_axis(axis_name)
+    physical_form = srg.srg_physical_form(
+        loss_fn, l2_clip=l2_clip, num_steps=steps,
+        physical_batch_size=physical_batch_size,
+        microbatch_size=microbatch_size, clipping_method=clipping_method,
+        # chain(chain(srg_gradient, sgd, projection), guard).
+        state_of=lambda opt_state: opt_state[0][0])
+
   return _batched_plan(
       algorithm, build, mechanism=mechanism, sampler=sampler, optimizer=None,
       epsilon=epsilon, noise_multiplier=noise_multiplier, delta=delta,
       method=method, relation=relation, axis_name=axis_name,
       releases=releases,
       hyperparameters={'l2_clip': l2_clip, 'beta': beta, 'radius': radius,
-                       'gradient': gradient})
+                       'gradient': gradient,
+                       'physical_batch_size': physical_batch_size},
+      physical_form=physical_form)
 
 
 def accelerated_dp_srgd(
@@ -1237,6 +1250,7 @@ def unaccelerated_dp_srg(
     microbatch_size: Optional[int] = None,
     clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
+    physical_batch_size: Optional[int] = None,
 ) -> Plan:
   """An unaccelerated SRG run (the §4.3 ablation of Algorithm 1), calibrated.
 
@@ -1270,6 +1284,9 @@ def unaccelerated_dp_srg(
       else per-example gradients, announced once), 'ghost' or 'vmap'
       (`dpsco_jax.clipping`).
     axis_name: the device axis on several devices.
+    physical_batch_size: run each batch as physical batches of at most
+      this many examples, noised once (`Plan.run_logical_step`,
+      `dpsco_jax.physical`). None (default): one call per batch only.
 
   Returns:
     A `Plan`.
@@ -1282,7 +1299,7 @@ def unaccelerated_dp_srg(
       relation=neighboring_relation, releases=releases,
       microbatch_size=microbatch_size,
                                      clipping_method=clipping_method,
-      axis_name=axis_name)
+      axis_name=axis_name, physical_batch_size=physical_batch_size)
 
 
 def dp_srg_memf(

@@ -247,6 +247,23 @@ def test_srg_memf_differences_at_two_points_equal_the_one_call_step():
   _close(pieces_state, one_state)
 
 
+def test_unaccelerated_srg_differences_equal_the_one_call_step():
+  # Weighted differences (t + 1) grad f(x_t) - t grad f(x_{t-1}) over one
+  # pass, a batch of 24 run 8 at a time; a clip no difference reaches.
+  plan = plans.unaccelerated_dp_srg(
+      _loss, num_examples=N, batch_size=24, beta=20.0, radius=None,
+      l2_clip=50.0, noise_multiplier=1.0, delta=1e-5, key=0, seed=1,
+      clipping_method='vmap', physical_batch_size=8)
+  one = by_pieces = PARAMS
+  one_state = pieces_state = plan.init(PARAMS)
+  for inputs in plan.batches_of(DATA):
+    one, one_state = plan.step(one, one_state, inputs)
+    by_pieces, pieces_state = plan.run_logical_step(by_pieces, pieces_state,
+                                                    inputs)
+  _close(by_pieces, one)
+  _close(pieces_state, one_state)
+
+
 def test_a_device_axis_is_refused_with_a_reason():
   with pytest.raises(ValueError, match='do not run under a device axis'):
     physical.statistic_form(clipping.clipped_grad_sum(_loss, 0.5), 8,
