@@ -264,6 +264,34 @@ def public_batch_size(batch: PyTree, batch_mask: Optional[jax.Array],
   return clipping.batch_size_of(batch) * parallel.axis_size(axis_name)
 
 
+def accumulated_batch_size(normalize_by: Optional[float],
+                           transformation: str) -> float:
+  """The public divisor of a statistic summed over physical batches.
+
+  Example:
+    >>> accumulated_batch_size(256.0, 'noisy_gradient')
+    256.0
+
+  Args:
+    normalize_by: the public batch size given at construction, or None.
+    transformation: the estimator's name, for the message.
+
+  Returns:
+    `normalize_by`.
+
+  Raises:
+    ValueError: if it is None: the batch's size is not known from an
+      accumulated sum, and its count is private.
+  """
+  if normalize_by is None:
+    raise ValueError(
+        f'{transformation} was given a clipped_sum accumulated over physical '
+        'batches, but no normalize_by: build it with normalize_by= (the '
+        'public logical batch size; plans do); the accumulated count is '
+        'private and cannot be the divisor')
+  return normalize_by
+
+
 def noisy_gradient(
     loss_fn: Callable[[PyTree, PyTree], jax.Array],
     *,
@@ -372,7 +400,10 @@ def noisy_statistic(
 
   Returns:
     An `optax.GradientTransformationExtraArgs`; call
-    `update(None, state, params, batch=batch, batch_mask=None)`.
+    `update(None, state, params, batch=batch, batch_mask=None)`, or
+    `update(None, state, params, clipped_sum=clipped)` with the statistic
+    already summed over a logical batch's physical batches
+    (`dpsco_jax.physical`; needs `normalize_by`).
   """
   noise_multiplier = validate_noise_multiplier(
       noise_multiplier, f'{name}({mechanism.name})')
@@ -390,14 +421,19 @@ def noisy_statistic(
     return NoisyGradientState(noise=mechanism.init(params, key))
 
   def update_fn(updates, state, params=None, *, batch=None, batch_mask=None,
-                **extra_args):
+                clipped_sum=None, **extra_args):
     del extra_args
     check_first_in_chain(updates, name)
     checks.state_type(state, NoisyGradientState, name)
     check_params(params)
-    divisor = public_batch_size(batch, batch_mask, normalize_by, axis_name)
-    clipped = statistic(batch, parallel.per_device(params, axis_name),
-                        mask=batch_mask)
+    if clipped_sum is not None:
+      # Accumulated over physical batches (`dpsco_jax.physical`).
+      divisor = accumulated_batch_size(normalize_by, name)
+      clipped = clipped_sum
+    else:
+      divisor = public_batch_size(batch, batch_mask, normalize_by, axis_name)
+      clipped = statistic(batch, parallel.per_device(params, axis_name),
+                          mask=batch_mask)
     private, noise_state = privatize_sum(
         clipped, state.noise, mechanism, stddev, normalize_by=divisor,
         axis_name=axis_name)

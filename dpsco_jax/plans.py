@@ -57,11 +57,13 @@ from dpsco_jax import accounting
 from dpsco_jax import batching
 from dpsco_jax import blt
 from dpsco_jax import checks
+from dpsco_jax import clipping
 from dpsco_jax import estimators
 from dpsco_jax import guards
 from dpsco_jax import ledger as ledger_lib
 from dpsco_jax import neighboring
 from dpsco_jax import noise
+from dpsco_jax import physical
 from dpsco_jax import progress
 from dpsco_jax import smoothing
 from dpsco_jax import strategies
@@ -112,6 +114,9 @@ class Plan:
     num_examples: the training set size.
     hyperparameters: the description's other values (clip, batch size,
       restarts...), for run records.
+    physical_form: how the private estimator's statistic is evaluated over
+      physical batches (`dpsco_jax.physical`), when the plan was built with
+      `physical_batch_size`; None otherwise.
   """
 
   algorithm: str
@@ -135,6 +140,8 @@ class Plan:
   num_examples: int
   hyperparameters: Mapping[str, Any]
   _epsilon_of_prefix: Optional[Callable[[int], float]] = dataclasses.field(
+      default=None, repr=False)
+  physical_form: Optional[physical.PhysicalForm] = dataclasses.field(
       default=None, repr=False)
 
   def init(self, params: PyTree) -> PyTree:
@@ -416,6 +423,55 @@ class Plan:
       raise self._plan_error(error) from None
     return outputs
 
+  @functools.cached_property
+  def _logical_step(self) -> physical.LogicalStep:
+    if self.physical_form is None:
+      raise ValueError(
+          f'this {self.algorithm} plan was built without physical_batch_size='
+          ': build it with one to run logical batches as physical batches')
+    return physical.LogicalStep(self.transformation, self.physical_form)
+
+  def run_logical_step(self, params: PyTree, opt_state: PyTree,
+                       batch_inputs: Mapping[str, Any], *, block: bool = True
+                       ) -> tuple[PyTree, PyTree]:
+    """`step` over physical batches: the same update, at the realized cost.
+
+    The logical batch's real examples are cut into physical batches of at
+    most `physical_batch_size` (`physical.physical_sizes`: each size
+    compiled once, at most one microbatch of padding), their clipped
+    statistic summed on the device, then the noise, the batch checks (on
+    the whole logical batch) and the optimizer run once, as in `step`:
+    equal to `step` on the same inputs up to float summation order, with
+    the same accounting. See `dpsco_jax.physical`.
+
+    Example:
+      >>> plan = plans.dpsgd(loss_fn, optimizer=optax.sgd(0.1), ...,
+      ...                    physical_batch_size=64)
+      >>> for inputs in plan.batches_of(data):
+      ...   params, opt_state = plan.run_logical_step(params, opt_state,
+      ...                                             inputs)
+
+    Args:
+      params: the current params.
+      opt_state: the current optimizer state.
+      batch_inputs: one item of `batches_of(data)` (host arrays).
+      block: wait for the outputs before returning (as in `step`).
+
+    Returns:
+      `(params, opt_state)` after the logical step.
+
+    Raises:
+      PrivacyGuardError: the step was refused.
+      ValueError: the plan was built without `physical_batch_size`.
+      TypeError: `batch_inputs` is not a mapping.
+    """
+    if not isinstance(batch_inputs, Mapping):
+      raise TypeError('batch_inputs must be a mapping of update\'s inputs '
+                      '(an item of plan.batches_of(data)), got '
+                      f'{type(batch_inputs).__name__}')
+    step = guards.library_errors(self._logical_step, block=block)
+    return step(params, opt_state, batch_inputs)
+
 
 # ---------------------------------------------------------------- shared
 
@@ -554,6 +610,22 @@ def _check_relation(algorithm: str, relation: Relation,
         "and epsilon) or Poisson sampling")
 
 
+def _noisy_gradient_form(loss_fn: LossFn, l2_clip: float,
+                         physical_batch_size: Optional[int],
+                         microbatch_size: Optional[int],
+                         clipping_method: str, axis_name: Optional[str]
+                         ) -> Optional[physical.PhysicalForm]:
+  """The physical form of `estimators.noisy_gradient` built with these
+  arguments (its statistic, built alike), or None without a size."""
+  if physical_batch_size is None:
+    return None
+  return physical.statistic_form(
+      clipping.clipped_grad_sum(loss_fn, l2_clip,
+                                microbatch_size=microbatch_size,
+                                method=clipping_method),
+      physical_batch_size, axis_name=axis_name)
+
+
 def _batched_plan(
     algorithm: str,
     build: Callable[[float, float], optax.GradientTransformationExtraArgs],
@@ -569,12 +641,15 @@ def _batched_plan(
     axis_name: Optional[str],
     hyperparameters: Mapping[str, Any],
     releases: Sequence[accounting.GaussianRelease] = (),
+    physical_form: Optional[physical.PhysicalForm] = None,
 ) -> Plan:
   """Calibrates, builds and checks a plan whose batches come from `sampler`.
 
   `build(noise_multiplier, normalize_by)` makes the private transformation.
   The noise is calibrated to what the `releases` (private preprocessing of
   the same data) leave of the target, and the ledger spends them too.
+  `physical_form` (the private transformation's statistic, for
+  `Plan.run_logical_step`) changes nothing else.
   """
   _target(epsilon, noise_multiplier, delta, sampler.num_examples,
           hyperparameters.get('privacy_unit', 'example'))
@@ -613,7 +688,8 @@ def _batched_plan(
       num_examples=sampler.num_examples,
       hyperparameters={'sampling': type(sampler).__name__,
                        'batch_size': _normalize_by(sampler),
-                       **hyperparameters})
+                       **hyperparameters},
+      physical_form=physical_form)
 
 
 # ----------------------------------------------------------------- plans
@@ -639,6 +715,7 @@ def dpsgd(
     microbatch_size: Optional[int] = None,
     clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
+    physical_batch_size: Optional[int] = None,
 ) -> Plan:
   """A DP-SGD run (`dpsco_jax.dpsgd`), calibrated to (epsilon, delta).
 
@@ -683,6 +760,11 @@ def dpsgd(
       else per-example gradients, announced once), 'ghost' or 'vmap'
       (`dpsco_jax.clipping`).
     axis_name: the device axis on several devices.
+    physical_batch_size: run each logical batch as physical batches of at
+      most this many examples, noised once (`Plan.run_logical_step`,
+      `dpsco_jax.physical`): Poisson batches at the cost of their realized
+      size, and logical batches larger than memory. None (default): one
+      call per batch only.
 
   Returns:
     A `Plan`.
@@ -704,7 +786,11 @@ def dpsgd(
       optimizer=optimizer, epsilon=epsilon, noise_multiplier=noise_multiplier,
       delta=delta, method=method, relation=neighboring_relation,
       axis_name=axis_name, releases=releases,
-      hyperparameters={'l2_clip': l2_clip, 'epochs': epochs})
+      hyperparameters={'l2_clip': l2_clip, 'epochs': epochs,
+                       'physical_batch_size': physical_batch_size},
+      physical_form=_noisy_gradient_form(
+          loss_fn, l2_clip, physical_batch_size, microbatch_size,
+          clipping_method, axis_name))
 
 
 def _restart_every(restart: Union[None, str, int], steps_per_epoch: int
@@ -738,6 +824,7 @@ def dpftrl(
     microbatch_size: Optional[int] = None,
     clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
+    physical_batch_size: Optional[int] = None,
 ) -> Plan:
   """A DP-FTRL run (`dpsco_jax.dpftrl`, tree noise), calibrated.
 
@@ -781,6 +868,11 @@ def dpftrl(
       else per-example gradients, announced once), 'ghost' or 'vmap'
       (`dpsco_jax.clipping`).
     axis_name: the device axis on several devices.
+    physical_batch_size: run each logical batch as physical batches of at
+      most this many examples, noised once (`Plan.run_logical_step`,
+      `dpsco_jax.physical`): Poisson batches at the cost of their realized
+      size, and logical batches larger than memory. None (default): one
+      call per batch only.
 
   Returns:
     A `Plan`.
@@ -804,7 +896,11 @@ def dpftrl(
       noise_multiplier=noise_multiplier, delta=delta, method=method,
       relation=neighboring_relation, axis_name=axis_name, releases=releases,
       hyperparameters={'l2_clip': l2_clip, 'epochs': epochs,
-                       'restart_every': restart_every, 'honaker': honaker})
+                       'restart_every': restart_every, 'honaker': honaker,
+                       'physical_batch_size': physical_batch_size},
+      physical_form=_noisy_gradient_form(
+          loss_fn, l2_clip, physical_batch_size, microbatch_size,
+          clipping_method, axis_name))
 
 
 # The default cap on the noise state of an MF plan, in params-sized buffers.
@@ -998,6 +1094,7 @@ def dpmemf(
     microbatch_size: Optional[int] = None,
     clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
+    physical_batch_size: Optional[int] = None,
 ) -> Plan:
   """A DP-MEMF run (paper 001 Algorithm 2), calibrated.
 
@@ -1063,6 +1160,11 @@ def dpmemf(
       else per-example gradients, announced once), 'ghost' or 'vmap'
       (`dpsco_jax.clipping`).
     axis_name: the device axis on several devices.
+    physical_batch_size: run each logical batch as physical batches of at
+      most this many examples, noised once (`Plan.run_logical_step`,
+      `dpsco_jax.physical`): Poisson batches at the cost of their realized
+      size, and logical batches larger than memory. None (default): one
+      call per batch only.
 
   Returns:
     A `Plan`.
@@ -1092,7 +1194,11 @@ def dpmemf(
                        'momentum': momentum, 'bands': bands,
                        'n_buffers': (n_buffers if isinstance(strategy, str)
                                      and strategy == 'blt' else None),
-                       'max_noise_buffers': max_noise_buffers})
+                       'max_noise_buffers': max_noise_buffers,
+                       'physical_batch_size': physical_batch_size},
+      physical_form=_noisy_gradient_form(
+          loss_fn, l2_clip, physical_batch_size, microbatch_size,
+          clipping_method, axis_name))
 
 
 def _single_pass(algorithm: str, loss_fn: LossFn, *, num_examples: int,
@@ -1102,7 +1208,8 @@ def _single_pass(algorithm: str, loss_fn: LossFn, *, num_examples: int,
                  seed: Optional[int], key: estimators.KeyLike, method: str,
                  relation: Relation, microbatch_size: Optional[int],
                  axis_name: Optional[str], clipping_method: str,
-                 releases: Sequence[accounting.GaussianRelease] = ()) -> Plan:
+                 releases: Sequence[accounting.GaussianRelease] = (),
+                 physical_batch_size: Optional[int] = None) -> Plan:
   """The plans of Algorithm 1 and its unaccelerated ablation."""
   sampler = _sampler('fixed', num_examples, batch_size, 1, seed)
   steps = sampler.num_steps
@@ -1125,13 +1232,25 @@ def _single_pass(algorithm: str, loss_fn: LossFn, *, num_examples: int,
       return srg.accelerated_dp_srgd(loss_fn, gradient=gradient, **common)
     return srg.unaccelerated_dp_srg(loss_fn, **common)
 
+  physical_form = None
+  if physical_batch_size is not None:   # unaccelerated_dp_srg only
+    physical.check_no_device_axis(axis_name)
+    physical_form = srg.srg_physical_form(
+        loss_fn, l2_clip=l2_clip, num_steps=steps,
+        physical_batch_size=physical_batch_size,
+        microbatch_size=microbatch_size, clipping_method=clipping_method,
+        # chain(chain(srg_gradient, sgd, projection), guard).
+        state_of=lambda opt_state: opt_state[0][0])
+
   return _batched_plan(
       algorithm, build, mechanism=mechanism, sampler=sampler, optimizer=None,
       epsilon=epsilon, noise_multiplier=noise_multiplier, delta=delta,
       method=method, relation=relation, axis_name=axis_name,
       releases=releases,
       hyperparameters={'l2_clip': l2_clip, 'beta': beta, 'radius': radius,
-                       'gradient': gradient})
+                       'gradient': gradient,
+                       'physical_batch_size': physical_batch_size},
+      physical_form=physical_form)
 
 
 def accelerated_dp_srgd(
@@ -1228,6 +1347,7 @@ def unaccelerated_dp_srg(
     microbatch_size: Optional[int] = None,
     clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
+    physical_batch_size: Optional[int] = None,
 ) -> Plan:
   """An unaccelerated SRG run (the §4.3 ablation of Algorithm 1), calibrated.
 
@@ -1261,6 +1381,9 @@ def unaccelerated_dp_srg(
       else per-example gradients, announced once), 'ghost' or 'vmap'
       (`dpsco_jax.clipping`).
     axis_name: the device axis on several devices.
+    physical_batch_size: run each batch as physical batches of at most
+      this many examples, noised once (`Plan.run_logical_step`,
+      `dpsco_jax.physical`). None (default): one call per batch only.
 
   Returns:
     A `Plan`.
@@ -1273,7 +1396,7 @@ def unaccelerated_dp_srg(
       relation=neighboring_relation, releases=releases,
       microbatch_size=microbatch_size,
                                      clipping_method=clipping_method,
-      axis_name=axis_name)
+      axis_name=axis_name, physical_batch_size=physical_batch_size)
 
 
 def dp_srg_memf(
@@ -1302,6 +1425,7 @@ def dp_srg_memf(
     microbatch_size: Optional[int] = None,
     clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
+    physical_batch_size: Optional[int] = None,
 ) -> Plan:
   """A DP-SRG-MEMF run (paper 001 Algorithm 3), calibrated.
 
@@ -1367,6 +1491,9 @@ def dp_srg_memf(
       else per-example gradients, announced once), 'ghost' or 'vmap'
       (`dpsco_jax.clipping`).
     axis_name: the device axis on several devices.
+    physical_batch_size: run each logical batch as physical batches of at
+      most this many examples, noised once (`Plan.run_logical_step`,
+      `dpsco_jax.physical`). None (default): one call per batch only.
 
   Returns:
     A `Plan`.
@@ -1376,6 +1503,15 @@ def dp_srg_memf(
       num_examples, batch_size, epochs, seed, strategy, momentum, decay, bands,
       n_buffers, max_noise_buffers, sampling)
   b = getattr(sampler, 'steps_per_epoch', sampler.num_steps)
+  physical_form = None
+  if physical_batch_size is not None:
+    physical.check_no_device_axis(axis_name)
+    physical_form = srg.memf_physical_form(
+        loss_fn, l2_clip=l2_clip, decay=decay,
+        physical_batch_size=physical_batch_size,
+        microbatch_size=microbatch_size, clipping_method=clipping_method,
+        # The estimator is first in the plan's chain.
+        state_of=lambda opt_state: opt_state[0])
   return _batched_plan(
       'dp_srg_memf',
       lambda z, divisor: srg.dp_srg_memf(
@@ -1397,7 +1533,9 @@ def dp_srg_memf(
                        'momentum': momentum, 'bands': bands,
                        'n_buffers': (n_buffers if isinstance(strategy, str)
                                      and strategy == 'blt' else None),
-                       'max_noise_buffers': max_noise_buffers})
+                       'max_noise_buffers': max_noise_buffers,
+                       'physical_batch_size': physical_batch_size},
+      physical_form=physical_form)
 
 
 def diff2_gd(
@@ -1576,6 +1714,7 @@ def user_level_dpsgd(
     microbatch_size: Optional[int] = None,
     clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
+    physical_batch_size: Optional[int] = None,
 ) -> Plan:
   """A user-level DP-SGD run (`algorithms.user_level`), calibrated per USER.
 
@@ -1613,6 +1752,9 @@ def user_level_dpsgd(
     microbatch_size: optional cap on users processed at once.
     clipping_method: 'auto', 'ghost' or 'vmap'.
     axis_name: the device axis on several devices.
+    physical_batch_size: run each logical batch as physical batches of at
+      most this many users, noised once (`Plan.run_logical_step`,
+      `dpsco_jax.physical`). None (default): one call per batch only.
 
   Returns:
     A `Plan`.
@@ -1634,7 +1776,14 @@ def user_level_dpsgd(
       noise_multiplier=noise_multiplier, delta=delta, method=method,
       relation=neighboring_relation, axis_name=axis_name,
       hyperparameters={'l2_clip': l2_clip, 'epochs': epochs,
-                       'privacy_unit': 'user'})
+                       'privacy_unit': 'user',
+                       'physical_batch_size': physical_batch_size},
+      physical_form=None if physical_batch_size is None else
+      physical.statistic_form(
+          clipping.clipped_user_grad_sum(loss_fn, l2_clip,
+                                         microbatch_size=microbatch_size,
+                                         method=clipping_method),
+          physical_batch_size, axis_name=axis_name))
 
 
 # ----------------------------------------------- nonsmooth (paper 004)

@@ -67,6 +67,7 @@ from dpsco_jax import keys
 from dpsco_jax import neighboring
 from dpsco_jax import noise
 from dpsco_jax import parallel
+from dpsco_jax import physical
 from dpsco_jax.algorithms import mf
 
 PyTree = Any
@@ -319,14 +320,7 @@ def srg_gradient(
   """
   mechanism = _prefix_mechanism(mechanism, num_steps)
   schedule = _weights_constants(weights, mechanism.num_steps, outside_theory)
-
-  def coefficients(step):
-    # (eta_t, eta_{t-1}) of eta_t grad f(x_t, d) - eta_{t-1} grad
-    # f(x_{t-1}, d); eta_t = t + 1 unless a schedule is given.
-    if schedule is None:
-      return step + 1.0, step
-    eta, previous, _ = schedule.at(step.astype(jnp.int32))
-    return eta, previous
+  coefficients = _srg_coefficients(schedule)
 
   def recursion(step, grad, total, divisor, noise_state, stddev):
     eta, previous = coefficients(step)
@@ -345,6 +339,74 @@ def srg_gradient(
       neighboring_relation=neighboring_relation, normalize_by=normalize_by,
       microbatch_size=microbatch_size,
       clipping_method=clipping_method, axis_name=axis_name)
+
+
+def _srg_coefficients(schedule: Optional[_Weights]
+                      ) -> Callable[[jax.Array], tuple[Any, Any]]:
+  """`step -> (eta_t, eta_{t-1})` of `srg_gradient`'s differences."""
+
+  def coefficients(step):
+    # (eta_t, eta_{t-1}) of eta_t grad f(x_t, d) - eta_{t-1} grad
+    # f(x_{t-1}, d); eta_t = t + 1 unless a schedule is given.
+    if schedule is None:
+      return step + 1.0, step
+    eta, previous, _ = schedule.at(step.astype(jnp.int32))
+    return eta, previous
+
+  return coefficients
+
+
+def srg_physical_form(loss_fn: LossFn, *, l2_clip: float, num_steps: int,
+                      physical_batch_size: int,
+                      microbatch_size: Optional[int] = None,
+                      clipping_method: str = 'auto', weights: Any = None,
+                      outside_theory: str = 'refuse',
+                      state_of: Callable[[Any], Any] = lambda s: s,
+                      ) -> physical.PhysicalForm:
+  """The physical form of `srg_gradient` built with these arguments.
+
+  Each physical batch adds its clipped differences `eta_t grad f(x_t, d) -
+  eta_{t-1} grad f(x_{t-1}, d)` at the points and weights of the
+  estimator's state; the estimator then takes the sum as `update(...,
+  clipped_sum=...)`.
+
+  Example:
+    >>> form = srg_physical_form(loss_fn, l2_clip=1.0, num_steps=100,
+    ...                          physical_batch_size=64,
+    ...                          state_of=lambda opt_state: opt_state[0][0])
+
+  Args:
+    loss_fn, l2_clip, num_steps, microbatch_size, clipping_method, weights,
+      outside_theory: as given to `srg_gradient`.
+    physical_batch_size: P.
+    state_of: the `SrgGradientState` within the whole chain's state.
+
+  Returns:
+    A `physical.PhysicalForm`.
+  """
+  return _difference_form(
+      _srg_coefficients(_weights_constants(weights, num_steps,
+                                           outside_theory)),
+      loss_fn, l2_clip, physical_batch_size, microbatch_size,
+      clipping_method, state_of)
+
+
+def _difference_form(coefficients, loss_fn, l2_clip, physical_batch_size,
+                     microbatch_size, clipping_method, state_of
+                     ) -> physical.PhysicalForm:
+  """A recursive gradient's physical form: the clipped differences at
+  `(params, prev_params, *coefficients(count))` of its state."""
+
+  def arguments(opt_state, params):
+    state = state_of(opt_state)
+    a, b = coefficients(state.count.astype(jnp.float32))
+    return params, state.prev_params, a, b
+
+  return physical.PhysicalForm(
+      statistic=clipping.clipped_grad_difference_sum(
+          loss_fn, l2_clip, microbatch_size=microbatch_size,
+          method=clipping_method),
+      arguments=arguments, physical_batch_size=physical_batch_size)
 
 
 def _recursive_gradient(
@@ -388,18 +450,26 @@ def _recursive_gradient(
         grad=_float_zeros_like(params), noise=mechanism.init(params, key))
 
   def update_fn(updates, state, params=None, *, batch=None, batch_mask=None,
-                **extra_args):
+                clipped_sum=None, **extra_args):
     del extra_args
     estimators.check_first_in_chain(updates, 'srg_gradient')
     checks.state_type(state, state_class, 'srg_gradient')
     estimators.check_params(params)
-    divisor = estimators.public_batch_size(batch, batch_mask, normalize_by,
-                                           axis_name)
     step = state.count.astype(jnp.float32)
-    a, b = coefficients(step)
-    clipped = statistic(batch, parallel.per_device(params, axis_name),
-                        parallel.per_device(state.prev_params, axis_name),
-                        a, b, mask=batch_mask)
+    if clipped_sum is not None:
+      # Accumulated over physical batches (`dpsco_jax.physical`), at this
+      # state's points and coefficients (`srg_physical_form`,
+      # `memf_physical_form`).
+      divisor = estimators.accumulated_batch_size(normalize_by,
+                                                  'srg_gradient')
+      clipped = clipped_sum
+    else:
+      divisor = estimators.public_batch_size(batch, batch_mask, normalize_by,
+                                             axis_name)
+      a, b = coefficients(step)
+      clipped = statistic(batch, parallel.per_device(params, axis_name),
+                          parallel.per_device(state.prev_params, axis_name),
+                          a, b, mask=batch_mask)
     total = parallel.psum(clipped.sum, axis_name)
     output, grad, noise_state = recursion(step, state.grad, total, divisor,
                                           state.noise, stddev)
@@ -957,10 +1027,7 @@ def dp_srg_memf(
   decay = validate_decay(decay)
   mechanism = mf.epoch_mechanism(strategy, storage, steps_per_epoch,
                                  mechanism)
-
-  def coefficients(step):
-    # c_0 = 0: the first step is a plain clipped gradient (DP-MEMF's).
-    return 1.0, jnp.where(step == 0, 0.0, decay)
+  coefficients = memf_coefficients(decay)
 
   def recursion(step, grad, total, divisor, noise_state, stddev):
     # The noise is added ONCE, to this step's fresh sum, then decays with
@@ -980,6 +1047,59 @@ def dp_srg_memf(
       clipping_method=clipping_method, axis_name=axis_name)
   return mf.with_order_check(estimator, steps_per_epoch, check_order,
                              axis_name, num_examples)
+
+
+def memf_coefficients(decay: float
+                      ) -> Callable[[jax.Array], tuple[Any, jax.Array]]:
+  """`step -> (a_t, b_t)`: DP-SRG-MEMF's difference `grad f(x_t, d) - c_t
+  grad f(x_{t-1}, d)` (paper 001 Algorithm 3, c_0 = 0).
+
+  Example:
+    >>> memf_coefficients(0.5)(jnp.float32(0))    # (1.0, 0.0): a gradient
+
+  Args:
+    decay: c.
+
+  Returns:
+    The function of the (float) step.
+  """
+
+  def coefficients(step):
+    # c_0 = 0: the first step is a plain clipped gradient (DP-MEMF's).
+    return 1.0, jnp.where(step == 0, 0.0, decay)
+
+  return coefficients
+
+
+def memf_physical_form(loss_fn: LossFn, *, l2_clip: float, decay: float,
+                       physical_batch_size: int,
+                       microbatch_size: Optional[int] = None,
+                       clipping_method: str = 'auto',
+                       state_of: Callable[[Any], Any] = lambda s: s,
+                       ) -> physical.PhysicalForm:
+  """The physical form of `dp_srg_memf` built with these arguments.
+
+  Each physical batch adds its clipped differences at `(params,
+  prev_params, 1, c_t)`, read from the estimator's state; the estimator
+  then takes the sum as `update(..., clipped_sum=...)`.
+
+  Example:
+    >>> form = memf_physical_form(loss_fn, l2_clip=1.0, decay=0.5,
+    ...                           physical_batch_size=64,
+    ...                           state_of=lambda opt_state: opt_state[0])
+
+  Args:
+    loss_fn, l2_clip, decay, microbatch_size, clipping_method: as given to
+      `dp_srg_memf`.
+    physical_batch_size: P.
+    state_of: the `SrgMemfState` within the whole chain's state.
+
+  Returns:
+    A `physical.PhysicalForm`.
+  """
+  return _difference_form(
+      memf_coefficients(validate_decay(decay)), loss_fn, l2_clip,
+      physical_batch_size, microbatch_size, clipping_method, state_of)
 
 
 class SrgdParameters(NamedTuple):
