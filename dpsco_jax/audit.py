@@ -1626,6 +1626,26 @@ def _padded_runs(runs: Sequence[Sequence[Any]], width: int
   return indices, masks
 
 
+def _poisson_chunk(sampler: Any, seeds: Sequence[int], run_ids: np.ndarray,
+                   width: int) -> tuple[np.ndarray, Any, list[Any]]:
+  """A chunk of Poisson runs: those that fit `width`, and the others.
+
+  Returns `(ids, (indices, masks) or None, wide)`: the runs whose batches
+  all fit `width`, their batches padded to it (`_padded_runs`), and for
+  every other run `(id, batches, needed width)`, its batches compacted to
+  their real examples until they run at a wider size.
+  """
+  drawn = [_drawn_batches(sampler, seed) for seed in seeds]
+  needed = [_needed_width(b, sampler.pad_to_multiple) for b in drawn]
+  fits = [k for k, size in enumerate(needed) if size <= width]
+  wide = [(run_ids[k], [(ids[keep].astype(np.int32),
+                         np.ones(int(np.sum(keep)), bool))
+                        for ids, keep in drawn[k]], needed[k])
+          for k in range(len(run_ids)) if needed[k] > width]
+  batches = _padded_runs([drawn[k] for k in fits], width) if fits else None
+  return run_ids[fits], batches, wide
+
+
 def _run_batches(sampler: Any, seeds: Sequence[int],
                  width: Optional[int] = None) -> Any:
   """The batches of runs with these sampler seeds, laid out for `vmap`.
@@ -1653,6 +1673,33 @@ def _even_chunks(total: int, most: int) -> int:
   into the fewest chunks (the last chunk is filled with discarded runs)."""
   chunks = -(-total // min(total, most))
   return -(-total // chunks)
+
+
+def _chunk_size(memory_of: Callable[[int], Optional[int]], total: int, *,
+                max_parallel: Optional[int], max_memory_bytes: int,
+                data_bytes: int) -> tuple[int, Optional[int]]:
+  """`(runs per chunk, its program's bytes)` for `audit_plan`.
+
+  `max_parallel` if given; else from `_DEFAULT_RUNS_PER_CHUNK` down until
+  `memory_of(runs)` (a compilation) is at most `max_memory_bytes`, the
+  memory beyond the data taken as proportional to the runs. Warns when
+  even one run takes more.
+  """
+  count = _even_chunks(total, max_parallel or _DEFAULT_RUNS_PER_CHUNK)
+  memory = memory_of(count)
+  if max_parallel is not None or memory is None:
+    return count, memory
+  while count > 1 and memory > max_memory_bytes:
+    per_run = max(1.0, (memory - data_bytes) / count)
+    count = _even_chunks(total, max(1, min(
+        count - 1, int((max_memory_bytes - data_bytes) // per_run))))
+    memory = memory_of(count)
+  if memory > max_memory_bytes:
+    warnings.warn(
+        f'one run of the audit takes {memory / 2**20:.0f} MiB, more than '
+        f'max_memory_bytes = {max_memory_bytes}: the runs go one at a time',
+        stacklevel=4)
+  return count, memory
 
 
 def _program_bytes(compiled: Any) -> Optional[int]:
@@ -1794,22 +1841,10 @@ def _plan_scores(plan: Any, *, params: PyTree, data: PyTree, canary: PyTree,
   with progress_lib.task(what, progress=progress) as report:
     report('compiling')
     common = None if widths is None else widths[0]
-    count = _even_chunks(total, max_parallel or _DEFAULT_RUNS_PER_CHUNK)
-    memory = _program_bytes(program(common, count))
-    while (max_parallel is None and memory is not None and count > 1 and
-           memory > max_memory_bytes):
-      # Memory grows with the runs beyond what the data take.
-      fixed = _tree_bytes(data)
-      per_run = max(1.0, (memory - fixed) / count)
-      count = _even_chunks(total, max(1, min(
-          count - 1, int((max_memory_bytes - fixed) // per_run))))
-      memory = _program_bytes(program(common, count))
-    if memory is not None and memory > max_memory_bytes and (
-        max_parallel is None):
-      warnings.warn(
-          f'one run of the audit takes {memory / 2**20:.0f} MiB, more than '
-          f'max_memory_bytes = {max_memory_bytes}: the runs go one at a time',
-          stacklevel=3)
+    count, memory = _chunk_size(
+        lambda count: _program_bytes(program(common, count)), total,
+        max_parallel=max_parallel, max_memory_bytes=max_memory_bytes,
+        data_bytes=_tree_bytes(data))
     chunk_note = f'{count} runs per chunk' + (
         '' if memory is None else f' of about {memory / 2**20:.0f} MiB')
     scores = np.full(total, np.nan)
@@ -1852,18 +1887,9 @@ def _plan_scores(plan: Any, *, params: PyTree, data: PyTree, canary: PyTree,
       elif widths is None:
         batches = _run_batches(sampler, [seeds[i] for i in run_ids])
       else:
-        drawn = [_drawn_batches(sampler, seeds[i]) for i in run_ids]
-        needed = [_needed_width(b, sampler.pad_to_multiple) for b in drawn]
-        fits = [k for k, size in enumerate(needed) if size <= common]
-        # Runs with a batch past the common size keep only their real
-        # examples until they run, in a chunk of their own.
-        wide += [(run_ids[k], [(ids[keep].astype(np.int32),
-                                np.ones(int(np.sum(keep)), bool))
-                               for ids, keep in drawn[k]], needed[k])
-                 for k in range(len(run_ids)) if needed[k] > common]
-        run_ids = run_ids[fits]
-        batches = (_padded_runs([drawn[k] for k in fits], common)
-                   if fits else None)
+        run_ids, batches, too_wide = _poisson_chunk(
+            sampler, [seeds[i] for i in run_ids], run_ids, common)
+        wide += too_wide
       if len(run_ids):
         launch(run_ids, batches, common)
       while len(wide) >= count:
