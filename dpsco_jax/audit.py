@@ -28,7 +28,8 @@ Runners (one vmapped, jit-compiled program for all runs):
 * `audit_plan(plan, ...)`: a `plans.Plan` as it runs (its transformation,
   its sampler reseeded per run, Poisson sampling included, its noise with
   a key per run), your data and a canary row; the bound beside
-  `plan.epsilon`.
+  `plan.epsilon`. Its program is called on chunks of runs of bounded
+  memory, with a progress line.
 * `run_canary_audit(train_fn, ...)`: any whole run written as a pure
   function `train_fn(key, include) -> observations`; this is how to audit
   your own training loop.
