@@ -1561,9 +1561,9 @@ def _reseeded(sampler: Any, seed: int) -> Any:
   return dataclasses.replace(sampler, **{name: seed})
 
 
-# The chunk size `audit_plan` starts from: enough runs to keep the
-# vectorized step busy, few enough that progress is reported often (on a
-# 2-core CPU, 32 to 256 runs per chunk ran at the same runs per second).
+# The chunk size `audit_plan` starts from: enough runs to vectorize the
+# step over, few enough that progress is reported often and a chunk's
+# batches stay small on the host.
 _DEFAULT_RUNS_PER_CHUNK = 64
 # `audit_plan`'s default bound on one chunk's memory.
 DEFAULT_AUDIT_MEMORY_BYTES = 2**30
