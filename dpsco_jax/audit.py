@@ -28,7 +28,8 @@ Runners (one vmapped, jit-compiled program for all runs):
 * `audit_plan(plan, ...)`: a `plans.Plan` as it runs (its transformation,
   its sampler reseeded per run, Poisson sampling included, its noise with
   a key per run), your data and a canary row; the bound beside
-  `plan.epsilon`.
+  `plan.epsilon`. Its program is called on chunks of runs of bounded
+  memory, with a progress line.
 * `run_canary_audit(train_fn, ...)`: any whole run written as a pure
   function `train_fn(key, include) -> observations`; this is how to audit
   your own training loop.
@@ -47,7 +48,9 @@ Results are `AuditReport`s (`to_markdown`, `plot_roc`). See docs/audit.md.
 
 import dataclasses
 import math
+import time
 from typing import Any, Callable, Optional, Sequence, Union
+import warnings
 
 import jax
 from jax import flatten_util
@@ -61,6 +64,7 @@ from dpsco_jax import checks
 from dpsco_jax import keys as keys_lib
 from dpsco_jax import neighboring
 from dpsco_jax import noise as noise_lib
+from dpsco_jax import progress as progress_lib
 from dpsco_jax.algorithms import nonsmooth
 from dpsco_jax.algorithms import srg
 
@@ -1557,28 +1561,164 @@ def _reseeded(sampler: Any, seed: int) -> Any:
   return dataclasses.replace(sampler, **{name: seed})
 
 
-def _run_batches(sampler: Any, seeds: Sequence[int]):
-  """Per step, `(indices [runs, P_t], mask [runs, P_t] or None)`.
+# The chunk size `audit_plan` starts from: enough runs to vectorize the
+# step over, few enough that progress is reported often and a chunk's
+# batches stay small on the host.
+_DEFAULT_RUNS_PER_CHUNK = 64
+# `audit_plan`'s default bound on one chunk's memory.
+DEFAULT_AUDIT_MEMORY_BYTES = 2**30
+# The share of runs allowed to need a wider padding than the common one.
+_WIDE_RUN_SHARE = 0.01
 
-  Each run's batches are those of `sampler` reseeded with its seed. Poisson
-  batches of one step are padded (index 0, masked out) to the largest
-  padded size any run drew at that step: still a multiple of the sampler's
-  `pad_to_multiple`, as its guard requires.
+
+def _padded_size(size: int, multiple: int) -> int:
+  return max(1, -(-int(size) // multiple)) * multiple
+
+
+def _poisson_widths(sampler: Any) -> Optional[tuple[int, int]]:
+  """`(common, widest)` padded batch sizes for a Poisson sampler, else None.
+
+  `common` is the smallest multiple of the sampler's `pad_to_multiple` that
+  holds every batch of a run with probability at least
+  `1 - _WIDE_RUN_SHARE` (a union bound over the steps; usually the
+  sampler's own padded size); `widest` the multiple that holds the largest
+  batch the plan's size check accepts (`batching.poisson_size_bound`).
+  Both are multiples of `pad_to_multiple`, as the check requires.
   """
-  per_run = [list(_reseeded(sampler, seed).iterate()) for seed in seeds]
-  steps = []
-  for t in range(len(per_run[0])):
-    drawn = [batches[t] for batches in per_run]
-    if isinstance(drawn[0], tuple):
-      size = max(len(indices) for indices, _ in drawn)
-      indices = np.zeros((len(drawn), size), np.int32)
-      mask = np.zeros((len(drawn), size), bool)
-      for run, (ids, keep) in enumerate(drawn):
-        indices[run, :len(ids)], mask[run, :len(ids)] = ids, keep
-      steps.append((indices, mask))
-    else:
-      steps.append((np.stack(drawn).astype(np.int32), None))
-  return steps
+  if isinstance(sampler, batching.CyclicPoissonBatches):
+    population = sampler.largest_partition
+  elif isinstance(sampler, batching.PoissonBatches):
+    population = sampler.num_examples
+  else:
+    return None
+  q, pad = float(sampler.sampling_probability), sampler.pad_to_multiple
+  fits = int(stats.binom.isf(_WIDE_RUN_SHARE / sampler.num_steps,
+                             population, q))
+  common = _padded_size(fits, pad)
+  widest = _padded_size(batching.poisson_size_bound(population, q), pad)
+  return common, max(common, widest)
+
+
+def _drawn_batches(sampler: Any, seed: int) -> list[Any]:
+  """One run's batches: those of `sampler` reseeded with `seed`."""
+  return list(_reseeded(sampler, seed).iterate())
+
+
+def _needed_width(batches: Sequence[Any], multiple: int) -> int:
+  """The padded size that holds every real example of a run's batches."""
+  return _padded_size(max(int(np.sum(mask)) for _, mask in batches),
+                      multiple)
+
+
+def _padded_runs(runs: Sequence[Sequence[Any]], width: int
+                 ) -> tuple[np.ndarray, np.ndarray]:
+  """Poisson runs as `[runs, steps, width]` indices and masks.
+
+  Every step's real examples, in the sampler's order, followed by padding
+  (index 0, masked out): the same batches, padded to one common size.
+  """
+  shape = (len(runs), len(runs[0]), width)
+  indices, masks = np.zeros(shape, np.int32), np.zeros(shape, bool)
+  for run, batches in enumerate(runs):
+    for step, (ids, keep) in enumerate(batches):
+      real = ids[keep]
+      indices[run, step, :len(real)] = real
+      masks[run, step, :len(real)] = True
+  return indices, masks
+
+
+def _poisson_chunk(sampler: Any, seeds: Sequence[int], run_ids: np.ndarray,
+                   width: int) -> tuple[np.ndarray, Any, list[Any]]:
+  """A chunk of Poisson runs: those that fit `width`, and the others.
+
+  Returns `(ids, (indices, masks) or None, wide)`: the runs whose batches
+  all fit `width`, their batches padded to it (`_padded_runs`), and for
+  every other run `(id, batches, needed width)`, its batches compacted to
+  their real examples until they run at a wider size.
+  """
+  drawn = [_drawn_batches(sampler, seed) for seed in seeds]
+  needed = [_needed_width(b, sampler.pad_to_multiple) for b in drawn]
+  fits = [k for k, size in enumerate(needed) if size <= width]
+  wide = [(run_ids[k], [(ids[keep].astype(np.int32),
+                         np.ones(int(np.sum(keep)), bool))
+                        for ids, keep in drawn[k]], needed[k])
+          for k in range(len(run_ids)) if needed[k] > width]
+  batches = _padded_runs([drawn[k] for k in fits], width) if fits else None
+  return run_ids[fits], batches, wide
+
+
+def _run_batches(sampler: Any, seeds: Sequence[int],
+                 width: Optional[int] = None) -> Any:
+  """The batches of runs with these sampler seeds, laid out for `vmap`.
+
+  Poisson samplers (`(indices, mask)` batches): `(indices, masks)`, each
+  `[runs, steps, width]`, every batch padded to `width` (default: the
+  widest run's need); batches of one size: `(indices [runs, steps, batch],
+  None)`; batches whose size varies across steps (the anchored single
+  pass): a tuple of per-step `(indices [runs, batch_t], None)`.
+  """
+  runs = [_drawn_batches(sampler, seed) for seed in seeds]
+  if isinstance(runs[0][0], tuple):
+    if width is None:
+      width = max(_needed_width(batches, sampler.pad_to_multiple)
+                  for batches in runs)
+    return _padded_runs(runs, width)
+  if len({len(batch) for batch in runs[0]}) == 1:
+    return np.asarray(runs, np.int32), None
+  return tuple((np.stack([batches[step] for batches in runs]).astype(
+      np.int32), None) for step in range(len(runs[0])))
+
+
+def _even_chunks(total: int, most: int) -> int:
+  """The chunk size, at most `most`, that splits `total` runs most evenly
+  into the fewest chunks (the last chunk is filled with discarded runs)."""
+  chunks = -(-total // min(total, most))
+  return -(-total // chunks)
+
+
+def _chunk_size(memory_of: Callable[[int], Optional[int]], total: int, *,
+                max_parallel: Optional[int], max_memory_bytes: int,
+                data_bytes: int) -> tuple[int, Optional[int]]:
+  """`(runs per chunk, its program's bytes)` for `audit_plan`.
+
+  `max_parallel` if given; else from `_DEFAULT_RUNS_PER_CHUNK` down until
+  `memory_of(runs)` (a compilation) is at most `max_memory_bytes`, the
+  memory beyond the data taken as proportional to the runs. Warns when
+  even one run takes more.
+  """
+  count = _even_chunks(total, max_parallel or _DEFAULT_RUNS_PER_CHUNK)
+  memory = memory_of(count)
+  if max_parallel is not None or memory is None:
+    return count, memory
+  while count > 1 and memory > max_memory_bytes:
+    per_run = max(1.0, (memory - data_bytes) / count)
+    count = _even_chunks(total, max(1, min(
+        count - 1, int((max_memory_bytes - data_bytes) // per_run))))
+    memory = memory_of(count)
+  if memory > max_memory_bytes:
+    warnings.warn(
+        f'one run of the audit takes {memory / 2**20:.0f} MiB, more than '
+        f'max_memory_bytes = {max_memory_bytes}: the runs go one at a time',
+        stacklevel=4)
+  return count, memory
+
+
+def _program_bytes(compiled: Any) -> Optional[int]:
+  """What XLA says a compiled program holds at once: its arguments,
+  outputs and temporaries (None where the backend does not say)."""
+  try:
+    memory = compiled.memory_analysis()
+  except (AttributeError, NotImplementedError, RuntimeError):
+    return None
+  if memory is None:
+    return None
+  return int(memory.argument_size_in_bytes + memory.output_size_in_bytes +
+             memory.temp_size_in_bytes - memory.alias_size_in_bytes)
+
+
+def _tree_bytes(tree: PyTree) -> int:
+  return sum(int(np.prod(np.shape(leaf))) * np.dtype(leaf.dtype).itemsize
+             for leaf in jax.tree_util.tree_leaves(tree))
 
 
 def _plan_relation(plan: Any) -> neighboring.NeighboringRelation:
@@ -1595,6 +1735,174 @@ def _plan_output(plan: Any) -> Callable[[PyTree, PyTree], PyTree]:
   if plan.algorithm.startswith('nonsmooth_'):
     return lambda params, state: nonsmooth.o2nc_output(state)
   return lambda params, state: params
+
+
+def _plan_scores(plan: Any, *, params: PyTree, data: PyTree, canary: PyTree,
+                 replacement: PyTree, canary_index: int, masked: bool,
+                 score_fn: Callable[[PyTree, PyTree], jax.Array],
+                 output_fn: Callable[[PyTree, PyTree], PyTree],
+                 num_runs: int, key: Any, max_parallel: Optional[int],
+                 max_memory_bytes: int, progress: Optional[bool]
+                 ) -> np.ndarray:
+  """`audit_plan`'s runs: the score of run i at index i, `[2 num_runs]`.
+
+  `data` holds jnp arrays, `replacement` the neighbour's row (ignored where
+  `masked`: the row is then masked out of the runs without the canary).
+  """
+  n = plan.num_examples
+  tx = plan.transformation
+  # The plan's own initial state (its checks run here, on the host); each
+  # run swaps in its own noise keys.
+  initial_state = tx.init(params)
+
+  def batch_of(data, indices, include):
+    # The rows at `indices` (None: all) of this run's data set: the canary's
+    # row holds the canary or its neighbour (masked out of every batch when
+    # `masked`, so then its value is never used). Gathered per step, so no
+    # run holds a copy of the data.
+    if indices is None:
+      batch, at_row = data, jnp.arange(n) == canary_index
+    else:
+      batch = jax.tree_util.tree_map(lambda leaf: leaf[indices], data)
+      at_row = indices == canary_index
+
+    def patch(leaf, inserted, neighbour):
+      row = jnp.where(include, jnp.asarray(inserted, leaf.dtype),
+                      jnp.asarray(neighbour, leaf.dtype))
+      return jnp.where(at_row.reshape(at_row.shape + (1,) * (
+          leaf.ndim - at_row.ndim)), row, leaf)
+
+    return jax.tree_util.tree_map(patch, batch, canary, replacement)
+
+  def step_inputs(data, include, indices, mask):
+    if indices is None:              # full batch: every row, every step
+      return {'batch': batch_of(data, None, include)}
+    inputs = {'batch': batch_of(data, indices, include),
+              'example_ids': indices}
+    keep = jnp.ones(indices.shape, bool) if mask is None else mask
+    if masked:
+      keep = keep & ~((indices == canary_index) & ~include)
+    if mask is not None or masked:
+      inputs['batch_mask'] = keep
+    return inputs
+
+  def train_fn(data, run_key, include, batches):
+    def one_step(carry, step_batch):
+      p, s = carry
+      indices, mask = step_batch
+      updates, s = tx.update(None, s, p, **step_inputs(data, include,
+                                                       indices, mask))
+      return (optax.apply_updates(p, updates), s), None
+
+    carry = (params, _fresh_run_keys(initial_state, run_key))
+    if batches is None:
+      carry, _ = jax.lax.scan(lambda c, _: one_step(c, (None, None)), carry,
+                              None, length=plan.num_steps)
+    elif isinstance(batches[0], tuple):
+      # Batch sizes that vary across steps (the anchored single pass).
+      for step_batch in batches:
+        carry, _ = one_step(carry, step_batch)
+    else:
+      carry, _ = jax.lax.scan(one_step, carry, batches)
+    output = output_fn(*carry)
+    return jnp.asarray(score_fn(output, canary), jnp.float32)
+
+  def run_chunk(data, run_key_array, includes, batches):
+    return jax.vmap(train_fn, in_axes=(None, 0, 0, 0))(
+        data, run_key_array, includes, batches)
+
+  total = 2 * num_runs
+  run_key_array = run_keys(key, total)
+  includes = np.arange(total) % 2 == 0
+  sampler = plan.batches
+  seeds = None if sampler is None else _sampler_seeds(key, total)
+  widths = None if sampler is None else _poisson_widths(sampler)
+  compiled = {}
+
+  def program(width, count):
+    # One compilation per (padded size, chunk size): the common size, and
+    # the widest only if some run needs it.
+    if (width, count) not in compiled:
+      if sampler is None:
+        batches = None
+      elif widths is None:
+        batches = _run_batches(sampler, seeds[:1])
+      else:
+        batches = (np.zeros((1, plan.num_steps, width), np.int32),
+                   np.zeros((1, plan.num_steps, width), bool))
+      specs = jax.tree_util.tree_map(
+          lambda a: jax.ShapeDtypeStruct((count,) + a.shape[1:], a.dtype),
+          (run_key_array[:1], includes[:1], batches))
+      compiled[(width, count)] = jax.jit(run_chunk).lower(
+          data, *specs).compile()
+    return compiled[(width, count)]
+
+  what = (f'dpsco_jax: auditing the {plan.algorithm} plan ({total} runs of '
+          f'{plan.num_steps} steps)')
+  with progress_lib.task(what, progress=progress) as report:
+    report('compiling')
+    common = None if widths is None else widths[0]
+    count, memory = _chunk_size(
+        lambda count: _program_bytes(program(common, count)), total,
+        max_parallel=max_parallel, max_memory_bytes=max_memory_bytes,
+        data_bytes=_tree_bytes(data))
+    chunk_note = f'{count} runs per chunk' + (
+        '' if memory is None else f' of about {memory / 2**20:.0f} MiB')
+    scores = np.full(total, np.nan)
+    in_flight, wide = [], []
+    timing = {'done': 0, 'since': None, 'done_since': 0}
+
+    def launch(run_ids, batches, width):
+      # A short chunk is filled with repeats of its first run, discarded.
+      fill = count - len(run_ids)
+      chosen = np.concatenate([run_ids, np.full(fill, run_ids[0])])
+      batches = jax.tree_util.tree_map(
+          lambda a: np.concatenate([a, np.repeat(a[:1], fill, axis=0)]),
+          batches)
+      in_flight.append((run_ids, program(width, count)(
+          data, run_key_array[chosen], includes[chosen], batches)))
+
+    def collect():
+      run_ids, out = in_flight.pop(0)
+      scores[run_ids] = np.asarray(out, np.float64)[:len(run_ids)]
+      timing['done'] += len(run_ids)
+      now = time.perf_counter()
+      if timing['since'] is None:     # the first chunk paid the compilation
+        timing['since'], timing['done_since'] = now, timing['done']
+        eta = ''
+      else:
+        rate = (timing['done'] - timing['done_since']) / (
+            now - timing['since'])
+        eta = f', eta {(total - timing["done"]) / rate:.0f} s'
+      report(f'{timing["done"]}/{total} runs ({chunk_note}){eta}')
+
+    def launch_wide(group):
+      width = max([widths[1]] + [needed for _, _, needed in group])
+      launch(np.array([run for run, _, _ in group]),
+             _padded_runs([batches for _, batches, _ in group], width), width)
+
+    for start in range(0, total, count):
+      run_ids = np.arange(start, min(start + count, total))
+      if sampler is None:
+        batches = None
+      elif widths is None:
+        batches = _run_batches(sampler, [seeds[i] for i in run_ids])
+      else:
+        run_ids, batches, too_wide = _poisson_chunk(
+            sampler, [seeds[i] for i in run_ids], run_ids, common)
+        wide += too_wide
+      if len(run_ids):
+        launch(run_ids, batches, common)
+      while len(wide) >= count:
+        launch_wide(wide[:count])
+        wide = wide[count:]
+      while len(in_flight) > 1:
+        collect()
+    if wide:
+      launch_wide(wide)
+    while in_flight:
+      collect()
+  return scores
 
 
 def audit_plan(
@@ -1614,12 +1922,14 @@ def audit_plan(
     calibration_fraction: float = 0.25,
     num_thresholds: int = 5,
     max_parallel: Optional[int] = None,
+    max_memory_bytes: int = DEFAULT_AUDIT_MEMORY_BYTES,
+    progress: Optional[bool] = None,
     name: Optional[str] = None,
 ) -> AuditReport:
   """Black-box canary audit of a `plans.Plan`: its lower bound beside its epsilon.
 
-  What is simulated: `2 num_runs` whole runs of the plan, as one vmapped,
-  jit-compiled program. Each run is the plan itself with fresh randomness:
+  What is simulated: `2 num_runs` whole runs of the plan, each the plan
+  itself with fresh randomness:
 
   * its transformation (`plan.transformation`: the private estimator with
     the plan's calibrated noise multiplier and clip, the in-step batch
@@ -1634,6 +1944,35 @@ def audit_plan(
     amplification the plan's epsilon counts on is what is attacked.
     Full-batch plans (DIFF2, DP-GD, multi-pass O2NC) use all of `data`
     every step.
+
+  How it runs: ONE compiled program (the steps in a `lax.scan`, a chunk of
+  runs `jax.vmap`-ed) is called chunk after chunk; the host draws the next
+  chunk's batches while the current one runs. Poisson batches are the
+  sampler's own, re-padded to one common size: the smallest multiple of
+  its `pad_to_multiple` that holds all of a run's batches with probability
+  0.99 (usually the sampler's own padded size), so every step has one
+  shape. The rare run with a larger batch is run afterwards, in chunks of
+  its own, at the padded size of the largest batch the plan's check
+  accepts (one more compilation, only if such a run occurs). Padding is
+  masked out; the batches are exactly the sampler's. The cost is about
+  `2 num_runs x plan.num_steps` steps of the plan's batch (see
+  docs/audit.md for measured times), plus the host's draws (under Poisson
+  sampling `num_examples` uniforms per run and step).
+
+  Memory: a chunk's program holds `data`, the chunk's batch indices and
+  masks (`runs x num_steps x width` int32 and bool) and, for each run, the
+  params, the optimizer state and one step's work (e.g. per-example
+  gradients, `width x` the params). Without `max_parallel`, the chunk
+  starts at 64 runs and is shrunk until the compiled program's memory, as
+  XLA reports it (arguments, outputs and temporaries), is at most
+  `max_memory_bytes`; two chunks' batches are alive at once on the host.
+  The progress line says the chunk size and its memory.
+
+  A faster, looser alternative where it applies: many canaries in ONE run
+  (`run_one_run_gradient_audit`, Steinke, Nasr and Jagielski 2023): one
+  training run instead of `2 num_runs`, but white-box gradient canaries
+  against a transformation (not this plan's sampler) and a bound far below
+  this one's for the same mechanism.
 
   How the canary is inserted: `data` (the plan's `num_examples` rows) gets
   the `canary` at row `canary_index`. The neighbouring data set, for the
@@ -1660,11 +1999,8 @@ def audit_plan(
   canary loss says "in"). The claim is `plan.epsilon` at `plan.delta`
   (with any preprocessing releases, which are not simulated: the claim
   is then larger than what is attacked, and the bound still valid).
-
   A canary the data do not explain (a feature no real row uses, a
-  mislabeled outlier) gives the tightest bound. The program holds every
-  run's batch indices (`2 num_runs x num_steps x batch` int32) and runs
-  each step's batch check once for all runs.
+  mislabeled outlier) gives the tightest bound.
 
   Example:
     >>> plan = plans.dpsgd(loss_fn, optimizer=optax.sgd(0.5),
@@ -1685,7 +2021,7 @@ def audit_plan(
     num_runs: runs per arm.
     key: key or int seed: run i's noise key is `fold_in(key, i)` (even runs
       with the canary, odd runs without) and its sampler seed is derived
-      from the key and i.
+      from the key and i; neither depends on the chunking.
     loss_fn: `loss_fn(params, example) -> scalar`, the plan's loss, for the
       default score.
     score_fn: `(output, canary) -> scalar`, higher meaning "in" (instead of
@@ -1696,8 +2032,14 @@ def audit_plan(
       others a zero-contribution example (default: none, the row is masked
       out).
     output_fn: `(params, state) -> output` scored (default: see above).
-    alpha, calibration_fraction, num_thresholds, max_parallel: see
-      `run_canary_audit`.
+    alpha, calibration_fraction, num_thresholds: see `run_canary_audit`.
+    max_parallel: runs per chunk (vmapped at once); None (default) picks it
+      from `max_memory_bytes`.
+    max_memory_bytes: the bound on one chunk's compiled program when
+      `max_parallel` is None (default `DEFAULT_AUDIT_MEMORY_BYTES`, 1 GiB).
+      A single run above it runs alone, with a warning.
+    progress: a progress line on stderr (runs done, runs per chunk, time
+      left); None follows `$DPSCO_JAX_PROGRESS` (`dpsco_jax.progress`).
     name: what was audited (default: the plan's algorithm).
 
   Returns:
@@ -1714,6 +2056,9 @@ def audit_plan(
   if score_fn is None:
     score_fn = lambda output, example: -loss_fn(output, example)
   num_runs = checks.positive_int(num_runs, 'num_runs')
+  if max_parallel is not None:
+    max_parallel = checks.positive_int(max_parallel, 'max_parallel')
+  max_memory_bytes = checks.positive_int(max_memory_bytes, 'max_memory_bytes')
   n = plan.num_examples
   sizes = {np.shape(leaf)[0] if np.ndim(leaf) else None
            for leaf in jax.tree_util.tree_leaves(data)}
@@ -1739,81 +2084,12 @@ def audit_plan(
     replacement = jax.tree_util.tree_map(lambda leaf: leaf[canary_index],
                                          data)
   output_fn = _plan_output(plan) if output_fn is None else output_fn
-  tx = plan.transformation
-  # The plan's own initial state (its checks run here, on the host); each
-  # run swaps in its own noise keys.
-  initial_state = tx.init(params)
-
-  runs = 2 * num_runs
-  run_key_array = run_keys(key, runs)
-  includes = jnp.arange(runs) % 2 == 0
-  # Each run's batches, per step (none for full-batch plans). Steps of one
-  # shape run in a `lax.scan`; the anchored single pass (two batch sizes)
-  # is unrolled.
-  steps = (() if plan.batches is None else
-           tuple(_run_batches(plan.batches, _sampler_seeds(key, runs))))
-  uniform = bool(steps) and len({s[0].shape[1] for s in steps}) == 1
-
-  def run_data(include):
-    # The canary's row: the canary, or its neighbour (masked out of every
-    # batch when `masked`, so then its value is never used).
-    return jax.tree_util.tree_map(
-        lambda leaf, c, r: leaf.at[canary_index].set(
-            jnp.where(include, jnp.asarray(c, leaf.dtype),
-                      jnp.asarray(r, leaf.dtype))),
-        data, canary, replacement)
-
-  def step_inputs(rows, include, indices, mask):
-    if indices is None:              # full batch: every row, every step
-      return {'batch': rows}
-    inputs = {'batch': jax.tree_util.tree_map(lambda leaf: leaf[indices],
-                                              rows),
-              'example_ids': indices}
-    keep = jnp.ones(indices.shape, bool) if mask is None else mask
-    if masked:
-      keep = keep & ~((indices == canary_index) & ~include)
-    if mask is not None or masked:
-      inputs['batch_mask'] = keep
-    return inputs
-
-  def train_fn(run_key, include, batches):
-    rows = run_data(include)
-    state = _fresh_run_keys(initial_state, run_key)
-    params_t = params
-
-    def one_step(carry, step_batch):
-      p, s = carry
-      indices, mask = step_batch
-      updates, s = tx.update(None, s, p, **step_inputs(rows, include,
-                                                       indices, mask))
-      return (optax.apply_updates(p, updates), s), None
-
-    if not batches:
-      for _ in range(plan.num_steps):
-        (params_t, state), _ = one_step((params_t, state), (None, None))
-    elif uniform:
-      indices = jnp.stack([b[0] for b in batches])
-      masks = (None if batches[0][1] is None else
-               jnp.stack([b[1] for b in batches]))
-      (params_t, state), _ = jax.lax.scan(one_step, (params_t, state),
-                                          (indices, masks))
-    else:
-      for step_batch in batches:
-        (params_t, state), _ = one_step((params_t, state), step_batch)
-    output = output_fn(params_t, state)
-    return jnp.asarray(score_fn(output, canary), jnp.float32)
-
-  def run_all(run_key_array, includes, batches):
-    per_run = lambda args: train_fn(*args)
-    if max_parallel is None:
-      return jax.vmap(train_fn)(run_key_array, includes, batches)
-    return jax.lax.map(per_run, (run_key_array, includes, batches),
-                       batch_size=int(max_parallel))
-
-  batches = tuple((jnp.asarray(indices), None if mask is None else
-                   jnp.asarray(mask)) for indices, mask in steps)
-  scores = np.asarray(jax.jit(run_all)(run_key_array, includes, batches),
-                      np.float64).reshape(runs, -1)
+  scores = _plan_scores(
+      plan, params=params, data=data, canary=canary, replacement=replacement,
+      canary_index=canary_index, masked=masked, score_fn=score_fn,
+      output_fn=output_fn, num_runs=num_runs, key=key,
+      max_parallel=max_parallel, max_memory_bytes=max_memory_bytes,
+      progress=progress)
   return audit_observations(
       scores[0::2], scores[1::2], claimed_epsilon=plan.epsilon,
       delta=plan.delta, alpha=alpha,

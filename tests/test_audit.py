@@ -19,6 +19,7 @@ the bug assertion, a build with a bug fails the correct-build one, and the
 null audit, run on the leakiest build, fails once the canary is put back).
 """
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -578,10 +579,11 @@ def test_audit_plan_poisson_dpsgd_below_its_epsilon_and_a_planted_bug():
 def test_audit_plan_draws_each_runs_own_poisson_batches_and_noise():
   data, _, loss_fn, params = _plan_problem()
   plan = _poisson_plan(loss_fn, noise_multiplier=1.0)
-  steps = audit._run_batches(plan.batches, audit._sampler_seeds(0, 400))
-  assert len(steps) == plan.num_steps
-  indices, mask = steps[0]
-  assert indices.shape[1] % plan.batches.pad_to_multiple == 0
+  indices, masks = audit._run_batches(plan.batches,
+                                      audit._sampler_seeds(0, 400))
+  assert indices.shape[:2] == masks.shape[:2] == (400, plan.num_steps)
+  assert indices.shape[2] % plan.batches.pad_to_multiple == 0
+  indices, mask = indices[:, 0], masks[:, 0]
   # Row 0 (the canary's) is drawn with probability q = 0.75 in each run.
   drawn = np.array([np.any((i == 0) & m) for i, m in zip(indices, mask)])
   assert abs(drawn.mean() - 0.75) < 0.08
@@ -628,3 +630,112 @@ def test_audit_plan_runs_fixed_order_and_full_batch_plans():
   report = audit.audit_plan(gd, params=params, data=data, canary=canary,
                             loss_fn=loss_fn, num_runs=100, key=0)
   assert report.epsilon_lower_bound <= report.claimed_epsilon
+
+
+# --------------------------------------------- auditing a plan at scale
+
+
+LONG_ROWS, LONG_BATCH, LONG_EPOCHS = 100, 10, 30   # q = 0.1, 300 steps
+LONG_RUNS = 200                                     # per arm
+
+
+def _long_plan(**privacy):
+  # The white-box linear model: an example's gradient is its `x`; rows use
+  # coordinate 1 only, the canary coordinate 0 (clipped to norm 1).
+  return dpsco_jax.plans.dpsgd(
+      audit.linear_loss, optimizer=optax.sgd(1.0), num_examples=LONG_ROWS,
+      batch_size=LONG_BATCH, epochs=LONG_EPOCHS, l2_clip=1.0, delta=DELTA,
+      **privacy)
+
+
+@functools.lru_cache(maxsize=None)
+def _long_problem():
+  rng = np.random.default_rng(0)
+  x = np.zeros((LONG_ROWS, 2), np.float32)
+  x[:, 1] = rng.normal(size=LONG_ROWS)
+  canary = {'x': np.array([1e3, 0.0], np.float32)}
+  plan = _long_plan(epsilon=TARGET_EPSILON)
+  return plan, {'x': x}, canary
+
+
+@pytest.mark.parametrize('divisor', [1.0, 10.0])
+def test_audit_plan_of_300_poisson_steps_catches_a_tenth_of_the_noise(
+    divisor):
+  # 300 Poisson steps (q = 0.1): the canary joins about 30 of them. The
+  # correct plan's bound stays below its epsilon; with a tenth of the noise
+  # (still claiming it) the bound passes the claim, near the ceiling of 150
+  # evaluated runs per arm (about 3).
+  plan, data, canary = _long_problem()
+  assert plan.num_steps == 300
+  assert plan.hyperparameters['sampling'] == 'PoissonBatches'
+  if divisor != 1.0:
+    weak = _long_plan(noise_multiplier=plan.noise_multiplier / divisor)
+    plan = dataclasses.replace(plan, transformation=weak.transformation)
+  report = audit.audit_plan(plan, params=jnp.zeros(2), data=data,
+                            canary=canary, loss_fn=audit.linear_loss,
+                            num_runs=LONG_RUNS, key=0)
+  assert report.claimed_epsilon == pytest.approx(TARGET_EPSILON, rel=1e-5)
+  print(report.to_markdown())
+  if divisor == 1.0:
+    assert not report.exceeds_claim, report.to_markdown()
+  else:
+    assert report.exceeds_claim, report.to_markdown()
+
+
+def test_audit_plan_scores_do_not_depend_on_chunks_or_padding(monkeypatch):
+  # A run's score depends on its key and its batches only: the same with
+  # every run in one chunk, in uneven chunks, and when some runs are
+  # re-padded wider (as a run with a batch past the common size is).
+  data, canary, loss_fn, params = _plan_problem()
+  plan = _poisson_plan(loss_fn, noise_multiplier=1.0)
+  data = jax.tree_util.tree_map(jnp.asarray, data)
+
+  def scores(**kw):
+    return audit._plan_scores(
+        plan, params=params, data=data, canary=canary,
+        replacement={name: leaf[0] for name, leaf in data.items()},
+        canary_index=0, masked=True,
+        score_fn=lambda output, example: -loss_fn(output, example),
+        output_fn=lambda p, s: p, num_runs=5, key=3, progress=False,
+        **{'max_parallel': None, 'max_memory_bytes': 2**30, **kw})
+
+  # A memory bound below one run: one run per chunk, with a warning.
+  with pytest.warns(UserWarning, match='one at a time'):
+    alone = scores(max_memory_bytes=1)
+  # Uneven chunks of 4, and even runs "needing" twice the sampler's padded
+  # size: those wait, and run in chunks of their own, padded wider, once
+  # there are 4 of them (after the second chunk) and at the end.
+  even_seeds = audit._sampler_seeds(3, 10)[0::2]
+  even_first = [next(audit._reseeded(plan.batches, seed).iterate())[0]
+                for seed in even_seeds]
+  needed = audit._needed_width
+  monkeypatch.setattr(audit, '_needed_width', lambda batches, multiple: (
+      2 if any(np.array_equal(batches[0][0], first) for first in even_first)
+      else 1) * needed(batches, multiple))
+  widths = []
+  padded_runs = audit._padded_runs
+  monkeypatch.setattr(audit, '_padded_runs', lambda runs, width: (
+      widths.append(width), padded_runs(runs, width))[1])
+  np.testing.assert_allclose(scores(max_parallel=4), alone, rtol=1e-5)
+  pad = plan.batches.pad_to_multiple
+  assert widths == [pad, pad, 2 * pad, pad, 2 * pad], widths
+
+
+def test_audit_plan_reports_runs_done_and_time_left(monkeypatch):
+  data, canary, loss_fn, params = _plan_problem()
+  plan = _poisson_plan(loss_fn, noise_multiplier=1.0)
+  details = []
+
+  @contextlib.contextmanager
+  def task(what, progress=None):
+    details.append(what)
+    yield details.append
+
+  monkeypatch.setattr(audit.progress_lib, 'task', task)
+  audit.audit_plan(plan, params=params, data=data, canary=canary,
+                   loss_fn=loss_fn, num_runs=12, key=0, max_parallel=8)
+  assert details[0] == 'dpsco_jax: auditing the dpsgd plan (24 runs of 3 steps)'
+  assert details[1] == 'compiling'
+  assert details[2].startswith('8/24 runs (8 runs per chunk of about ')
+  assert details[3].startswith('16/24 runs') and ', eta ' in details[3]
+  assert details[4].startswith('24/24 runs') and details[4].endswith('eta 0 s')
