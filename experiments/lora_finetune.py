@@ -437,7 +437,8 @@ def run(config: ml_collections.ConfigDict,
           extra={'experiment': 'experiments.lora_finetune',
                  'corpus': corpora.source,
                  'sequences': {k: len(v['x'])
-                               for k, v in corpora._asdict().items()},
+                               for k, v in corpora._asdict().items()
+                               if k != 'source'},
                  'perplexity_before': before}))
   return LoraFinetuneResult(summary, rows, before)
 
