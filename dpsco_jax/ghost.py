@@ -1549,7 +1549,7 @@ class TapEstimate(NamedTuple):
 
 
 class ClippingChoice(NamedTuple):
-  """What `method='auto'` does with a loss, and why.
+  """What `clipping_method='auto'` does with a loss, and why.
 
   Attributes:
     path: 'ghost' or 'vmap' (the cheaper by the estimates).
@@ -1638,9 +1638,9 @@ def clipping_choice(plan: GhostPlan, units: int,
     term.
 
   The forward pass and the backward pass through the activations are
-  common to both paths and left out. `method='auto'` takes the vmap path
-  when its estimate is not above the ghost path's; then no warning is
-  issued (it is a choice, not a failure).
+  common to both paths and left out. `clipping_method='auto'` takes the
+  vmap path when its estimate is not above the ghost path's; then no
+  warning is issued (it is a choice, not a failure).
 
   Example:
     >>> plan = analyze(loss_fn, params, batch)

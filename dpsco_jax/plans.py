@@ -372,9 +372,10 @@ def _check_training_rows(data: PyTree, num_examples: int) -> None:
     dtype = getattr(leaf, 'dtype', None)
     if dtype is None:
       dtype = np.asarray(leaf).dtype
-    if np.dtype(dtype).kind in 'USOa':
+    # Extended dtypes (typed keys) have no kind: they are not strings.
+    if getattr(dtype, 'kind', '') in ('U', 'S', 'O'):
       raise TypeError(
-          f'{where} holds {np.dtype(dtype)} values (strings or objects, '
+          f'{where} holds {dtype} values (strings or objects, '
           'e.g. class names): a plan trains on numbers. Encode labels as '
           'class indices, e.g. `classes, y = np.unique(labels, '
           'return_inverse=True)`, or load the table with '
