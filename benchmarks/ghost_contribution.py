@@ -7,7 +7,8 @@ positions, pre-norm blocks of causal self-attention and a GELU MLP with
 biases, a final norm and an untied head; next-token cross-entropy averaged
 over the positions), a batch of 8 random token sequences, a clip of 1% of the
 smallest per-example gradient norm, and prints, per configuration and path
-(`method='ghost'` and `method='vmap'` of `dpsco_jax.clipped_grad_sum`):
+(`clipping_method='ghost'` and `clipping_method='vmap'` of
+`dpsco_jax.clipped_grad_sum`):
 
 * the worst (smallest) and largest `||contribution|| / clip` over the 8
   examples, a contribution being the clipped sum with only that example
@@ -110,7 +111,8 @@ def measure(vocabulary: int, width: int, layers: int, positions: int,
   clip = float(0.01 * norms.min())   # binds on every example
   out = {}
   for method in ('ghost', 'vmap'):
-    stat = jax.jit(dpsco_jax.clipped_grad_sum(loss_fn, clip, method=method))
+    stat = jax.jit(dpsco_jax.clipped_grad_sum(loss_fn, clip,
+                                              clipping_method=method))
     ratios = [np.linalg.norm(_flat(stat(batch, params,
                                         mask=np.arange(BATCH) == i).sum))
               / clip for i in range(BATCH)]

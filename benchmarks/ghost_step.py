@@ -4,16 +4,16 @@ Times one jitted training step, on synthetic data (784 float inputs, 10
 classes, softmax cross-entropy), for:
 
 * ``non-private``: ``jax.grad`` of the mean batch loss, then ``optax.sgd``;
-* ``vmap``: ``dpsco_jax.clipped_grad_sum(..., method='vmap')`` (per-example
+* ``vmap``: ``dpsco_jax.clipped_grad_sum(..., clipping_method='vmap')`` (per-example
   gradients), the estimator's ``privatize_sum`` with DP-SGD's Gaussian
   mechanism, then ``optax.sgd``;
-* ``ghost``: the same with ``method='ghost'`` (ghost norms, no per-example
+* ``ghost``: the same with ``clipping_method='ghost'`` (ghost norms, no per-example
   gradient);
-* ``auto``: the same with ``method='auto'``, which takes the ghost or the
+* ``auto``: the same with ``clipping_method='auto'``, which takes the ghost or the
   vmap path by the cost model of ``dpsco_jax.ghost.clipping_choice`` (its
   choice and estimates are printed per model);
 * ``dpsgd``: ``optax.chain(dpsco_jax.dpsgd(...), optax.sgd(...))`` as a user
-  writes it (its default ``method='auto'`` takes the ghost path here);
+  writes it (its default ``clipping_method='auto'`` takes the ghost path here);
 * ``ghost clip only``: the ghost clipped sum divided by B, then
   ``optax.sgd``, without noise or the in-step refusals: NOT private, it
   isolates the cost of clipping from the fixed per-step cost of the noise
@@ -239,7 +239,7 @@ def clipped_sum_variant(model: dpsgd_step.Model, method: str,
   """DP-SGD from the library's parts, with the clipped sum's `method`."""
   statistic = dpsco_jax.clipped_grad_sum(
       dpsgd_step.example_loss_fn(model.apply), dpsgd_step.L2_CLIP,
-      method=method)
+      clipping_method=method)
   mechanism = dpsco_jax.dpsgd_mechanism(2**30)
   stddev = dpsgd_step.NOISE_MULTIPLIER * statistic.sensitivity()
   sgd = optax.sgd(dpsgd_step.LEARNING_RATE)
@@ -263,7 +263,7 @@ def clip_only_variant(model: dpsgd_step.Model,
   """The ghost clipped sum over B, then sgd: no noise (cost attribution)."""
   statistic = dpsco_jax.clipped_grad_sum(
       dpsgd_step.example_loss_fn(model.apply), dpsgd_step.L2_CLIP,
-      method='ghost')
+      clipping_method='ghost')
   sgd = optax.sgd(dpsgd_step.LEARNING_RATE)
 
   @jax.jit
@@ -326,7 +326,7 @@ def check_agreement(model: dpsgd_step.Model, batch: dpsgd_step.Batch) -> str:
   """The largest relative difference between ghost and vmap clipped sums."""
   loss = dpsgd_step.example_loss_fn(model.apply)
   sums = [jax.jit(dpsco_jax.clipped_grad_sum(
-      loss, dpsgd_step.L2_CLIP, method=method))(batch, model.params)
+      loss, dpsgd_step.L2_CLIP, clipping_method=method))(batch, model.params)
           for method in ('ghost', 'vmap')]
   ghost, vmap = (np.concatenate([np.ravel(leaf) for leaf in
                                  jax.tree_util.tree_leaves(s.sum)])
@@ -339,7 +339,7 @@ def check_agreement(model: dpsgd_step.Model, batch: dpsgd_step.Batch) -> str:
 
 
 def describe_choice(model: dpsgd_step.Model, batch: dpsgd_step.Batch) -> str:
-  """The cost model's choice for `method='auto'` on the batch."""
+  """The cost model's choice for `clipping_method='auto'` on the batch."""
   statistic = dpsco_jax.clipped_grad_sum(
       dpsgd_step.example_loss_fn(model.apply), dpsgd_step.L2_CLIP)
   if not hasattr(statistic, 'clipping_choice'):   # an older dpsco_jax

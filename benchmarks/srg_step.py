@@ -23,7 +23,7 @@ batch as `dpsgd_step.py` (500 examples, 784 inputs, 10 classes), for:
   noise draws `popcount(t)` nodes per step, DP-SGD's one).
 
 `dpsgd`, `srg` and `accelerated_srgd` take the ghost path of their clipped
-statistics by default (`method='auto'`: ghost norms, no per-example
+statistics by default (`clipping_method='auto'`: ghost norms, no per-example
 gradient; `srg` runs the first pass at both points). Before timing, the
 script prints, per model, which path each statistic takes and how closely
 the ghost and vmap clipped difference sums agree on the batch.
@@ -181,7 +181,7 @@ def describe_paths(model: dpsgd_step.Model, batch: dpsgd_step.Batch) -> str:
         'srg': dpsco_jax.clipped_grad_difference_sum(loss, dpsgd_step.L2_CLIP)
                .ghost_plan(batch, *args)}
   sums = [jax.jit(dpsco_jax.clipped_grad_difference_sum(
-      loss, dpsgd_step.L2_CLIP, method=method))(batch, *args)
+      loss, dpsgd_step.L2_CLIP, clipping_method=method))(batch, *args)
           for method in ('ghost', 'vmap')]
   ghost, vmap = (np.concatenate([np.ravel(leaf) for leaf in
                                  jax.tree_util.tree_leaves(s.sum)])

@@ -62,6 +62,7 @@ from scipy import optimize
 from scipy import stats
 
 from dpsco_jax import checks
+from dpsco_jax import keywords
 from dpsco_jax import neighboring
 from dpsco_jax import noise as noise_lib
 
@@ -662,6 +663,7 @@ def _closed_form_epsilon(method: str, sensitivity: float,
   return mu * math.sqrt(2.0 * math.log(2.5 / delta))
 
 
+@keywords.checked
 def epsilon_spent(
     mechanism: noise_lib.NoiseMechanism,
     noise_multiplier: float,
@@ -729,6 +731,7 @@ def epsilon_spent(
     return float(accountant.compose(event).get_epsilon(delta))
 
 
+@keywords.checked
 def calibrate_noise_multiplier(
     mechanism: noise_lib.NoiseMechanism,
     participation: Participation,

@@ -51,7 +51,16 @@ from dpsco_jax import parallel
 
 
 class RemainderWarning(UserWarning):
-  """Fixed-size batches leave `num_examples % batch_size` examples unused."""
+  """Fixed-size batches leave `num_examples % batch_size` examples unused.
+
+  Said once per process for each kind of sampler, data set size and batch
+  size: building several plans over the same data (the quick start builds
+  three) repeats nothing new.
+  """
+
+
+# The (sampler kind, num_examples, batch_size) whose remainder was announced.
+_REMAINDERS_ANNOUNCED: set[tuple[str, int, int]] = set()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +68,8 @@ class _EpochBatches(abc.ABC):
   """Fixed-size batches over `num_epochs` passes of `num_examples // batch_size`.
 
   The leftover `num_examples % batch_size` examples of an epoch are not used
-  (`unused_per_epoch`), and a `RemainderWarning` says so when the sampler is
-  made.
+  (`unused_per_epoch`), and a `RemainderWarning` says so when the first
+  sampler of this kind, size and batch size is made in the process.
 
   Attributes:
     num_examples: data set size.
@@ -79,7 +88,11 @@ class _EpochBatches(abc.ABC):
     if self.batch_size > self.num_examples:
       raise ValueError(f'batch_size {self.batch_size} exceeds num_examples '
                        f'{self.num_examples}')
-    if self.unused_per_epoch:
+    announced = (type(self).__name__, self.num_examples, self.batch_size)
+    if self.unused_per_epoch and announced not in _REMAINDERS_ANNOUNCED:
+      # Once, by our own record: Python's once-per-place filter forgets what
+      # it said whenever any code enters `warnings.catch_warnings()`.
+      _REMAINDERS_ANNOUNCED.add(announced)
       warnings.warn(
           f'{type(self).__name__}: {self.num_examples} examples make '
           f'{self.steps_per_epoch} batches of {self.batch_size}; '

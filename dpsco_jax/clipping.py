@@ -47,6 +47,7 @@ Guarantees, whatever the data:
   results equal the unbatched ones up to float summation order.
 """
 
+import contextlib
 import dataclasses
 import warnings
 from typing import Any, Callable, NamedTuple, Optional
@@ -55,6 +56,7 @@ import jax
 import jax.numpy as jnp
 
 from dpsco_jax import ghost
+from dpsco_jax import keywords
 from dpsco_jax import neighboring
 from dpsco_jax import rounding
 
@@ -379,6 +381,7 @@ def _sum_in_blocks(
   return total
 
 
+@keywords.checked
 def clipped_sum(
     contribution_fn: Callable[..., PyTree],
     batch: PyTree,
@@ -423,6 +426,38 @@ def clipped_sum(
 
 METHODS = ('auto', 'vmap', 'ghost')
 
+# The open `recording_statistics` blocks, innermost last.
+_RECORDERS: list[list] = []
+
+
+@contextlib.contextmanager
+def recording_statistics():
+  """Collects the `ClippedStatistic`s built inside the block.
+
+  A plan builds its transformation inside one, so that `Plan.describe()`
+  can report the clipping path its step took (`ClippedStatistic.
+  clipping_path`), known once the step has run or been traced.
+
+  Example:
+    >>> with recording_statistics() as built:
+    ...   tx = dpsco_jax.dpsgd(loss_fn, l2_clip=1.0, noise_multiplier=1.0,
+    ...                        num_steps=10)
+    >>> [stat.clipping_method for stat in built]
+    ['auto']
+
+  Yields:
+    The list the statistics are appended to, in the order they were built.
+  """
+  built = []
+  _RECORDERS.append(built)
+  try:
+    yield built
+  finally:
+    _RECORDERS.remove(built)
+# The keyword `clipping_method=` was `method=` until 0.2 (`keywords.checked`);
+# `method=` is the accounting method everywhere else.
+_RENAMED = {'method': 'clipping_method'}
+
 
 class GhostClippingFallbackWarning(UserWarning):
   """Ghost clipping does not apply to a loss; per-example gradients are used.
@@ -456,11 +491,13 @@ class ClippedStatistic:
     unit: 'example' or 'user', the privacy unit (for messages and docs).
     min_ndim: fewest axes a batch leaf must have.
     loss_fn: `loss_fn(params, example) -> scalar` when the contribution is
-      its gradient (`args == (params,)`); required unless `method='vmap'`.
-    method: 'vmap', 'ghost' or 'auto'.
+      its gradient (`args == (params,)`); required unless
+      `clipping_method='vmap'`.
+    clipping_method: 'vmap', 'ghost' or 'auto' (`method` until 0.3.0,
+      deprecated).
     ghost_form: how a unit's gradient is made of per-example gradient terms
       (`GRADIENT_FORM`, `DIFFERENCE_FORM` or `USER_FORM`).
-    memory_budget: for `method='auto'`, the bytes per-example gradients may
+    memory_budget: for `clipping_method='auto'`, the bytes per-example gradients may
       take (parameter bytes x units held at once: the batch, or
       `microbatch_size`); above it the ghost path is taken whatever the
       cost estimates say. Default `ghost.DEFAULT_MEMORY_BUDGET` (1 GiB);
@@ -473,24 +510,69 @@ class ClippedStatistic:
   unit: str = 'example'
   min_ndim: int = 1
   loss_fn: Optional[Callable[[PyTree, PyTree], jax.Array]] = None
-  method: str = 'vmap'
+  clipping_method: str = 'vmap'
   ghost_form: GhostForm = GRADIENT_FORM
   memory_budget: Optional[int] = ghost.DEFAULT_MEMORY_BUDGET
   # Fallback reasons already announced by this statistic (once each).
   _announced: set = dataclasses.field(
       default_factory=set, init=False, repr=False, compare=False, hash=False)
+  # The paths its calls (or traces) took: 'ghost', 'vmap'.
+  _paths: set = dataclasses.field(
+      default_factory=set, init=False, repr=False, compare=False, hash=False)
+
+  @property
+  def method(self) -> str:
+    """Deprecated: `clipping_method` (removed in dpsco_jax 0.3.0)."""
+    warnings.warn(
+        f'ClippedStatistic.method is now ClippedStatistic.clipping_method; '
+        f'method is deprecated and stops working in dpsco_jax '
+        f'{keywords.REMOVED_IN}', DeprecationWarning, stacklevel=2)
+    return self.clipping_method
+
+  @property
+  def clipping_path(self) -> Optional[str]:
+    """The path this statistic's calls took, or None before the first.
+
+    Recorded when a call runs or is traced (under `jax.jit`, at the first
+    step): 'ghost' (ghost norms) or 'vmap' (per-example gradients), or
+    'ghost and vmap' when batches of different shapes took different paths
+    (`'auto'` decides per shape: the cost model, a padded last batch). It is
+    what ran, where `ghost_plan(...) is not None` only says that the ghost
+    path applies (`'auto'` may still choose per-example gradients).
+
+    Example:
+      >>> stat = clipped_grad_sum(loss_fn, 1.0)
+      >>> out = stat(batch, params)
+      >>> stat.clipping_path
+      'ghost'
+    """
+    return ' and '.join(sorted(self.paths_taken)) or None
+
+  @property
+  def paths_taken(self) -> frozenset:
+    """The paths taken so far ('ghost', 'vmap'), as a set (see
+    `clipping_path`).
+
+    Example:
+      >>> clipped_grad_sum(loss_fn, 1.0).paths_taken
+      frozenset()
+    """
+    return frozenset(self._paths)
 
   def __post_init__(self):
     object.__setattr__(self, 'l2_clip', validate_clip(self.l2_clip))
     object.__setattr__(self, 'memory_budget',
                        ghost.validate_memory_budget(self.memory_budget))
-    if self.method not in METHODS:
+    for built in _RECORDERS:
+      built.append(self)
+    if self.clipping_method not in METHODS:
       raise ValueError(
-          f'method must be one of {METHODS}, got {self.method!r}')
-    if self.method != 'vmap' and self.loss_fn is None:
+          f'clipping_method must be one of {METHODS}, got '
+          f'{self.clipping_method!r}')
+    if self.clipping_method != 'vmap' and self.loss_fn is None:
       raise ValueError(
-          f'method={self.method!r} needs loss_fn (the contribution must be '
-          'the gradient of a per-example loss)')
+          f'clipping_method={self.clipping_method!r} needs loss_fn (the '
+          'contribution must be the gradient of a per-example loss)')
 
   def ghost_plan(self, batch: PyTree, *args: Any) -> Optional[ghost.GhostPlan]:
     """The ghost-norm plan for this call signature, or None for `vmap`.
@@ -504,17 +586,17 @@ class ClippedStatistic:
       *args: the call's arguments (`(params,)`).
 
     Returns:
-      The plan when the ghost path applies, else None (for `method='auto'`
-      after announcing the reason once; always None for `'vmap'`).
+      The plan when the ghost path applies, else None (for
+      `clipping_method='auto'` after announcing the reason once; always None for `'vmap'`).
 
     Raises:
-      ghost.GhostClippingUnsupported: for `method='ghost'` when the loss does
-        not qualify, with the reason (chained to the original error). No
+      ghost.GhostClippingUnsupported: for `clipping_method='ghost'` when the
+        loss does not qualify, with the reason (chained to the original error). No
         other exception type leaves this method: under `'auto'` any failure
         of the analysis, or of tracing the ghost passes from its plan,
         falls back to `'vmap'`.
     """
-    if self.method == 'vmap':
+    if self.clipping_method == 'vmap':
       return None
     try:
       params, examples = self.ghost_form.signature(batch, *args)
@@ -526,9 +608,9 @@ class ClippedStatistic:
       # the analysis must cost speed, never the step.
       reason = (str(e) if isinstance(e, ghost.GhostClippingUnsupported) else
                 f'the analysis failed ({ghost.describe_error(e)})')
-      if self.method == 'ghost':
+      if self.clipping_method == 'ghost':
         raise ghost.GhostClippingUnsupported(
-            f"method='ghost' cannot apply: {reason}") from e
+            f"clipping_method='ghost' cannot apply: {reason}") from e
       if reason not in self._announced:
         self._announced.add(reason)
         warnings.warn(
@@ -607,20 +689,23 @@ class ClippedStatistic:
   def __call__(self, batch: PyTree, *args: Any,
                mask: Optional[jax.Array] = None) -> ClippedSum:
     self.check_loss(batch, *args)
-    if self.method == 'vmap':
+    if self.clipping_method == 'vmap':
+      self._paths.add('vmap')
       return clipped_sum(
           self.contribution_fn, batch, *args, l2_clip=self.l2_clip, mask=mask,
           microbatch_size=self.microbatch_size, min_ndim=self.min_ndim)
     size = batch_size_of(batch, self.min_ndim)
     mask = _validated_mask(mask, size)
     plan = self.ghost_plan(batch, *args)
-    if (plan is not None and self.method == 'auto' and
+    if (plan is not None and self.clipping_method == 'auto' and
         self._choice(plan, batch, args).path == 'vmap'):
       plan = None   # the cost model's choice: no warning, not a failure
     if plan is None:
+      self._paths.add('vmap')
       return clipped_sum(
           self.contribution_fn, batch, *args, l2_clip=self.l2_clip, mask=mask,
           microbatch_size=self.microbatch_size, min_ndim=self.min_ndim)
+    self._paths.add('ghost')
     return _sum_in_blocks(
         lambda rows, rows_mask: _ghost_clip_and_sum_rows(
             plan, self.ghost_form, rows, args, rows_mask, self.l2_clip),
@@ -639,7 +724,7 @@ class ClippedStatistic:
 
   def clipping_choice(self, batch: PyTree,
                       *args: Any) -> Optional[ghost.ClippingChoice]:
-    """What `method='auto'` does on this call signature, and the estimates.
+    """What `clipping_method='auto'` does on this call signature, and why.
 
     Example:
       >>> stat = clipped_grad_sum(loss_fn, 1.0)
@@ -655,11 +740,11 @@ class ClippedStatistic:
       The `ghost.ClippingChoice` (per tap the form and the cost estimates,
       and the whole-loss path, 'ghost' or 'vmap'), or None when the ghost
       path does not apply to the loss (for `'auto'`, announced as by
-      `ghost_plan`) or `method='vmap'`. With `method='ghost'` the path
-      taken is the ghost path whatever the choice says.
+      `ghost_plan`) or `clipping_method='vmap'`. With
+      `clipping_method='ghost'` the path taken is the ghost path whatever the choice says.
 
     Raises:
-      ghost.GhostClippingUnsupported: for `method='ghost'` when the loss
+      ghost.GhostClippingUnsupported: for `clipping_method='ghost'` when the loss
         does not qualify.
     """
     plan = self.ghost_plan(batch, *args)
@@ -684,18 +769,24 @@ class ClippedStatistic:
     return self.l2_clip * neighboring.sensitivity_factor(relation)
 
 
+# `ClippedStatistic(method=...)` keeps working until 0.3.0, warned.
+ClippedStatistic.__init__ = keywords.checked(ClippedStatistic.__init__,
+                                             renamed=_RENAMED)
+
+
+@keywords.checked(renamed=_RENAMED)
 def clipped_grad_sum(
     loss_fn: Callable[[PyTree, PyTree], jax.Array],
     l2_clip: float,
     *,
     microbatch_size: Optional[int] = None,
-    method: str = 'auto',
+    clipping_method: str = 'auto',
     memory_budget: Optional[int] = ghost.DEFAULT_MEMORY_BUDGET,
 ) -> ClippedStatistic:
   """Sum of per-example gradients, each clipped to global l2 norm `l2_clip`.
 
-  By default (`method='auto'`) the sum is computed with ghost norms when
-  every use of a parameter of `loss_fn` is a dense layer (`dot_general`,
+  By default (`clipping_method='auto'`) the sum is computed with ghost norms
+  when every use of a parameter of `loss_fn` is a dense layer (`dot_general`,
   with or without positions), a convolution, a bias add, an elementwise
   scale or an embedding lookup (tied weights included): about the cost of
   one non-private step instead of one gradient per example
@@ -714,8 +805,10 @@ def clipped_grad_sum(
     loss_fn: `loss_fn(params, example) -> scalar` for ONE example.
     l2_clip: clip norm per example.
     microbatch_size: optional cap on examples processed at once.
-    method: 'auto' (default), 'ghost' (raise if the loss does not
-      qualify) or 'vmap' (always per-example gradients).
+    clipping_method: 'auto' (default), 'ghost' (raise if the loss does not
+      qualify) or 'vmap' (always per-example gradients). Its old spelling
+      `method=` is accepted with a `DeprecationWarning` until dpsco_jax
+      0.3.0.
     memory_budget: bytes the per-example gradients of the vmap path may
       take before `'auto'` takes the ghost path whatever its estimates
       (`ClippedStatistic.memory_budget`; default 1 GiB, None: no budget).
@@ -724,23 +817,26 @@ def clipped_grad_sum(
     A `ClippedStatistic` called as `stat(batch, params, mask=None)`.
 
   Raises:
-    ValueError: for a bad clip norm or method.
-    ghost.GhostClippingUnsupported: when called, for `method='ghost'` and a
-      loss that does not qualify (the message says why).
+    ValueError: for a bad clip norm or clipping method.
+    ghost.GhostClippingUnsupported: when called, for
+      `clipping_method='ghost'` and a loss that does not qualify (the
+      message says why).
   """
   grad_fn = jax.grad(loss_fn)
   return ClippedStatistic(
       contribution_fn=lambda example, params: grad_fn(params, example),
       l2_clip=l2_clip, microbatch_size=microbatch_size, loss_fn=loss_fn,
-      method=method, memory_budget=memory_budget)
+      clipping_method=clipping_method,
+      memory_budget=memory_budget)
 
 
+@keywords.checked(renamed=_RENAMED)
 def clipped_grad_difference_sum(
     loss_fn: Callable[[PyTree, PyTree], jax.Array],
     l2_clip: float,
     *,
     microbatch_size: Optional[int] = None,
-    method: str = 'auto',
+    clipping_method: str = 'auto',
     memory_budget: Optional[int] = ghost.DEFAULT_MEMORY_BUDGET,
 ) -> ClippedStatistic:
   """Sum of per-example gradient differences, each difference clipped.
@@ -751,8 +847,8 @@ def clipped_grad_difference_sum(
   separately would give a sensitivity growing with `a + b`; papers 000/001
   Alg. 1, 001 Alg. 3, paper 003 Alg. 1, paper 004 Alg. 3/5).
 
-  By default (`method='auto'`) the sum is computed with ghost norms when
-  the loss qualifies (as for `clipped_grad_sum`): the first pass runs at
+  By default (`clipping_method='auto'`) the sum is computed with ghost norms
+  when the loss qualifies (as for `clipped_grad_sum`): the first pass runs at
   both points, each dense layer's difference norm comes from the cross-term
   identity `||a u1 v1^T - b u2 v2^T||^2 = a^2 |u1|^2 |v1|^2 + b^2 |u2|^2
   |v2|^2 - 2ab (u1.u2)(v1.v2)` (Gram forms with positions), evaluated in a
@@ -769,8 +865,9 @@ def clipped_grad_difference_sum(
     loss_fn: `loss_fn(params, example) -> scalar` for ONE example.
     l2_clip: clip norm per example difference.
     microbatch_size: optional cap on per-example differences held at once.
-    method: 'auto' (default), 'ghost' (raise if the loss does not qualify)
-      or 'vmap' (always per-example gradients).
+    clipping_method: 'auto' (default), 'ghost' (raise if the loss does not
+      qualify) or 'vmap' (always per-example gradients; `method=` until
+      0.3.0, deprecated).
     memory_budget: bytes the per-example gradients of the vmap path may
       take before `'auto'` takes the ghost path whatever its estimates
       (`ClippedStatistic.memory_budget`; default 1 GiB, None: no budget).
@@ -781,9 +878,10 @@ def clipped_grad_difference_sum(
     may be traced scalars.
 
   Raises:
-    ValueError: for a bad clip norm or method.
-    ghost.GhostClippingUnsupported: when called, for `method='ghost'` and a
-      loss that does not qualify (the message says why).
+    ValueError: for a bad clip norm or clipping method.
+    ghost.GhostClippingUnsupported: when called, for
+      `clipping_method='ghost'` and a loss that does not qualify (the
+      message says why).
   """
   grad_fn = jax.grad(loss_fn)
 
@@ -794,8 +892,9 @@ def clipped_grad_difference_sum(
 
   return ClippedStatistic(
       contribution_fn=difference, l2_clip=l2_clip,
-      microbatch_size=microbatch_size, loss_fn=loss_fn, method=method,
-      ghost_form=DIFFERENCE_FORM, memory_budget=memory_budget)
+      microbatch_size=microbatch_size, loss_fn=loss_fn,
+      clipping_method=clipping_method, ghost_form=DIFFERENCE_FORM,
+      memory_budget=memory_budget)
 
 
 class UserBatch(NamedTuple):
@@ -848,12 +947,13 @@ def user_mean_gradient(
   return user_gradient
 
 
+@keywords.checked(renamed=_RENAMED)
 def clipped_user_grad_sum(
     loss_fn: Callable[[PyTree, PyTree], jax.Array],
     l2_clip: float,
     *,
     microbatch_size: Optional[int] = None,
-    method: str = 'auto',
+    clipping_method: str = 'auto',
     memory_budget: Optional[int] = ghost.DEFAULT_MEMORY_BUDGET,
 ) -> ClippedStatistic:
   """Sum over users of the clipped gradient of each user's mean loss.
@@ -862,8 +962,8 @@ def clipped_user_grad_sum(
   its per-item gradients), clipped to `l2_clip`. Changing ALL of one user's
   items moves the sum by at most the sensitivity (user-level DP, paper 002).
 
-  By default (`method='auto'`) the sum is computed with ghost norms when
-  the loss qualifies (as for `clipped_grad_sum`): one first pass over every
+  By default (`clipping_method='auto'`) the sum is computed with ghost norms
+  when the loss qualifies (as for `clipped_grad_sum`): one first pass over every
   item, then per dense layer the Gram form over a user's items (and
   positions together), `(1/m^2) sum_{j,k} (a_j . a_k)(g_j . g_k)` over the
   m unmasked items, and the clipped sum from the same values: no per-item
@@ -877,8 +977,9 @@ def clipped_user_grad_sum(
     loss_fn: `loss_fn(params, example) -> scalar` for ONE item.
     l2_clip: clip norm per user.
     microbatch_size: optional cap on users processed at once.
-    method: 'auto' (default), 'ghost' (raise if the loss does not qualify)
-      or 'vmap' (always per-item gradients).
+    clipping_method: 'auto' (default), 'ghost' (raise if the loss does not
+      qualify) or 'vmap' (always per-item gradients; `method=` until 0.3.0,
+      deprecated).
     memory_budget: bytes the per-example gradients of the vmap path may
       take before `'auto'` takes the ghost path whatever its estimates
       (`ClippedStatistic.memory_budget`; default 1 GiB, None: no budget).
@@ -889,12 +990,13 @@ def clipped_user_grad_sum(
     leaves when every item counts) and `mask[u]` False drops user u.
 
   Raises:
-    ValueError: for a bad clip norm or method.
-    ghost.GhostClippingUnsupported: when called, for `method='ghost'` and a
-      loss that does not qualify (the message says why).
+    ValueError: for a bad clip norm or clipping method.
+    ghost.GhostClippingUnsupported: when called, for
+      `clipping_method='ghost'` and a loss that does not qualify (the
+      message says why).
   """
   return ClippedStatistic(
       contribution_fn=user_mean_gradient(loss_fn), l2_clip=l2_clip,
       microbatch_size=microbatch_size, unit='user', min_ndim=2,
-      loss_fn=loss_fn, method=method, ghost_form=USER_FORM,
+      loss_fn=loss_fn, clipping_method=clipping_method, ghost_form=USER_FORM,
       memory_budget=memory_budget)

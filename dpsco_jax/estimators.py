@@ -25,6 +25,7 @@ from dpsco_jax import checks
 from dpsco_jax import clipping
 from dpsco_jax import guards
 from dpsco_jax import keys
+from dpsco_jax import keywords
 from dpsco_jax import neighboring
 from dpsco_jax import noise as noise_lib
 from dpsco_jax import parallel
@@ -292,6 +293,7 @@ def accumulated_batch_size(normalize_by: Optional[float],
   return normalize_by
 
 
+@keywords.checked
 def noisy_gradient(
     loss_fn: Callable[[PyTree, PyTree], jax.Array],
     *,
@@ -354,13 +356,14 @@ def noisy_gradient(
   """
   statistic = clipping.clipped_grad_sum(
       loss_fn, l2_clip, microbatch_size=microbatch_size,
-      method=clipping_method)
+      clipping_method=clipping_method)
   return noisy_statistic(
       statistic, noise_multiplier=noise_multiplier, mechanism=mechanism,
       key=key, neighboring_relation=neighboring_relation,
       normalize_by=normalize_by, axis_name=axis_name)
 
 
+@keywords.checked
 def noisy_statistic(
     statistic: clipping.ClippedStatistic,
     *,

@@ -1560,7 +1560,7 @@ class TapEstimate(NamedTuple):
 
 
 class ClippingChoice(NamedTuple):
-  """What `method='auto'` does with a loss, and why.
+  """What `clipping_method='auto'` does with a loss, and why.
 
   Attributes:
     path: 'ghost' or 'vmap' (the cheaper by the estimates, or 'ghost' when
@@ -1704,9 +1704,9 @@ def clipping_choice(plan: GhostPlan, units: int,
     same on both paths.
 
   The forward pass and the backward pass through the activations are
-  common to both paths and left out. `method='auto'` takes the vmap path
-  when its estimate is not above the ghost path's; then no warning is
-  issued (it is a choice, not a failure).
+  common to both paths and left out. `clipping_method='auto'` takes the
+  vmap path when its estimate is not above the ghost path's; then no
+  warning is issued (it is a choice, not a failure).
 
   A memory budget comes first: when the vmap path's per-example gradients
   (the parameter bytes times the `rows` held at once,

@@ -58,8 +58,10 @@ from dpsco_jax import batching
 from dpsco_jax import blt
 from dpsco_jax import checks
 from dpsco_jax import clipping
+from dpsco_jax import data as data_lib
 from dpsco_jax import estimators
 from dpsco_jax import guards
+from dpsco_jax import keywords
 from dpsco_jax import ledger as ledger_lib
 from dpsco_jax import neighboring
 from dpsco_jax import noise
@@ -143,6 +145,10 @@ class Plan:
       default=None, repr=False)
   physical_form: Optional[physical.PhysicalForm] = dataclasses.field(
       default=None, repr=False)
+  # The clipped statistics the private transformation computes: they record
+  # the clipping path each step took (`describe()['clipping_path']`).
+  _statistics: tuple[clipping.ClippedStatistic, ...] = dataclasses.field(
+      default=(), repr=False)
 
   def init(self, params: PyTree) -> PyTree:
     """The optimizer state of step 0, checked against the accounting.
@@ -202,6 +208,9 @@ class Plan:
     Raises:
       ValueError: if the data's leading axes are not `num_examples`, or the
         plan has no sampler (DIFF2 rounds use all local data).
+      TypeError: for data a plan cannot train on, with the fix: the
+        `data.Table` itself (give `table.train`), a DataFrame, strings
+        (labels not encoded as numbers) or a leaf that is not an array.
 
     Warns:
       NonFiniteDataWarning: once per data object whose rows hold NaN or
@@ -211,13 +220,7 @@ class Plan:
     if self.batches is None:
       raise ValueError(f'{self.algorithm} uses all local data every round: '
                        'pass batch=local_data to update')
-    sizes = {np.shape(leaf)[0] if np.ndim(leaf) else None
-             for leaf in jax.tree_util.tree_leaves(data)}
-    if sizes != {self.num_examples}:
-      raise ValueError(
-          f'the data\'s leading axes are {sorted(map(str, sizes))}; the plan '
-          f'is for num_examples = {self.num_examples} (privacy is accounted '
-          'for that data set size)')
+    _check_training_rows(data, self.num_examples)
     checks.warn_non_finite(data, 'plan.batches_of')
     take = lambda indices: jax.tree_util.tree_map(lambda x: x[indices], data)
     for drawn in self.batches.iterate(start_step):
@@ -231,7 +234,18 @@ class Plan:
   def describe(self) -> dict[str, Any]:
     """The plan as JSON-compatible values (for a run record).
 
+    `'clipping_path'` is the path the clipped sums of the steps took:
+    'ghost' (ghost norms), 'vmap' (per-example gradients), 'ghost and vmap'
+    (batches of different shapes took different paths), 'not traced yet'
+    before the first step, or None for a plan whose private transformation
+    computes no clipped statistic of the library. `clipping_method='auto'`
+    decides per batch shape, so this, not `ghost_plan(...) is not None`
+    (which says only that the ghost path applies), is what ran.
+
     Example:
+      >>> params, opt_state = plan.step(params, opt_state, inputs)
+      >>> plan.describe()['clipping_path']
+      'ghost'
       >>> json.dumps(plan.describe())
 
     Returns:
@@ -258,6 +272,7 @@ class Plan:
         'noise_buffers': noise.noise_buffer_count(self.mechanism),
         'releases': [dataclasses.asdict(release) for release in (
             self.ledger.releases if self.ledger is not None else ())],
+        'clipping_path': _clipping_path(self._statistics),
     }
 
   # ------------------------------------------------- the compiled step
@@ -476,6 +491,69 @@ class Plan:
 # ---------------------------------------------------------------- shared
 
 
+def _check_training_rows(data: PyTree, num_examples: int) -> None:
+  """Refuses data `batches_of` cannot batch, naming the fix.
+
+  Raises:
+    TypeError: for a `data.Table` (its `train` is meant), a DataFrame, a
+      leaf of strings or objects, or a leaf that is not an array.
+    ValueError: if the leaves' leading axes are not `num_examples`.
+  """
+  if isinstance(data, data_lib.Table):
+    raise TypeError(
+        'batches_of takes the training rows, not the Table load_table '
+        'returns: pass table.train (its {\'x\', \'y\'} arrays), e.g. '
+        '`for inputs in plan.batches_of(table.train):`, and build the plan '
+        'with num_examples=table.num_examples')
+  if hasattr(data, 'iloc') and hasattr(data, 'columns'):
+    raise TypeError(
+        'batches_of takes a dict (pytree) of arrays whose leading axis indexes '
+        'the examples, not a DataFrame: use dpsco_jax.data.load_table(df, '
+        "target=..., features=[...]) and pass table.train, or {'x': "
+        "df[features].to_numpy(np.float32), 'y': df[target].to_numpy()}")
+  leaves = jax.tree_util.tree_leaves_with_path(data)
+  if not leaves:
+    raise ValueError('batches_of got no arrays: pass a dict (pytree) of '
+                     'arrays whose leading axis indexes the examples')
+  sizes = {}
+  for path, leaf in leaves:
+    where = 'data' + jax.tree_util.keystr(path)
+    dtype = getattr(leaf, 'dtype', None)
+    if dtype is None:
+      dtype = np.asarray(leaf).dtype
+    # Extended dtypes (typed keys) have no kind: they are not strings.
+    if getattr(dtype, 'kind', '') in ('U', 'S', 'O'):
+      raise TypeError(
+          f'{where} holds {dtype} values (strings or objects, '
+          'e.g. class names): a plan trains on numbers. Encode labels as '
+          'class indices, e.g. `classes, y = np.unique(labels, '
+          'return_inverse=True)`, or load the table with '
+          'dpsco_jax.data.load_table, which encodes them (table.classes[y] '
+          'is the name); leave identifiers and free text out of the data')
+    if not np.ndim(leaf):
+      raise TypeError(
+          f'{where} is a {type(leaf).__name__}, not an array with one row '
+          f'per example (num_examples = {num_examples}): pass only the '
+          'arrays to batch')
+    sizes[where] = np.shape(leaf)[0]
+  if set(sizes.values()) != {num_examples}:
+    raise ValueError(
+        'the data\'s leading axes are ' + ', '.join(
+            f'{size} ({where})' for where, size in sizes.items()) +
+        f'; the plan is for num_examples = {num_examples} (privacy is '
+        'accounted for that data set size): every array needs one row per '
+        'training example')
+
+
+def _clipping_path(statistics: Sequence[clipping.ClippedStatistic]
+                   ) -> Optional[str]:
+  """The paths the statistics' calls took, for `Plan.describe`."""
+  if not statistics:
+    return None
+  paths = set().union(*(stat.paths_taken for stat in statistics))
+  return ' and '.join(sorted(paths)) if paths else 'not traced yet'
+
+
 def _target(epsilon: Optional[float], noise_multiplier: Any,
             delta: float, num_examples: int, unit: str = 'example') -> None:
   """Exactly one of a privacy target and a given noise; a delta that means
@@ -662,7 +740,8 @@ def _batched_plan(
   releases = tuple(releases)
   multiplier = _noise_multiplier(mechanism, participation, epsilon, delta,
                                  noise_multiplier, method, relation, releases)
-  private = build(multiplier, _normalize_by(sampler))
+  with clipping.recording_statistics() as statistics:
+    private = build(multiplier, _normalize_by(sampler))
   guard = batching.participation_guard(
       participation, num_examples=sampler.num_examples,
       batch_size=getattr(sampler, 'batch_size', None),
@@ -689,12 +768,14 @@ def _batched_plan(
       hyperparameters={'sampling': type(sampler).__name__,
                        'batch_size': _normalize_by(sampler),
                        **hyperparameters},
-      physical_form=physical_form)
+      physical_form=physical_form,
+      _statistics=tuple(statistics))
 
 
 # ----------------------------------------------------------------- plans
 
 
+@keywords.checked
 def dpsgd(
     loss_fn: LossFn,
     *,
@@ -802,6 +883,7 @@ def _restart_every(restart: Union[None, str, int], steps_per_epoch: int
   return checks.positive_int(restart, 'restart')
 
 
+@keywords.checked
 def dpftrl(
     loss_fn: LossFn,
     *,
@@ -1069,6 +1151,7 @@ def _check_noise_buffers(mechanism: Optional[noise.NoiseMechanism],
         f'memory is there ({steps} steps).')
 
 
+@keywords.checked
 def dpmemf(
     loss_fn: LossFn,
     *,
@@ -1101,7 +1184,8 @@ def dpmemf(
   Batches in one public order every epoch (`FixedOrder(k, b)`, checked in
   every step). Without `strategy`, one is optimized for the workload of SGD
   with `momentum` (`strategies.workload(k b, 'true', momentum=...)`; set it
-  to your optimizer's) under (k, b)-participation, `bands` making it banded.
+  to your optimizer's; with Adam, its b1 or 0: docs/choosing.md says which
+  and why) under (k, b)-participation, `bands` making it banded.
 
   Example:
     >>> plan = plans.dpmemf(loss_fn, optimizer=optax.sgd(0.5, momentum=0.9),
@@ -1131,7 +1215,8 @@ def dpmemf(
       participation (`dpsco_jax.blt`), whose noise keeps `n_buffers`
       params-sized buffers instead of `k b - 1`.
     momentum: the workload's momentum when the strategy is optimized or
-      built here.
+      built here: your SGD's momentum; with Adam, b1 (its first moment, if
+      its second moment changes slowly) or 0 (the hedge; docs/choosing.md).
     bands: bands of the optimized strategy (None: dense), or of the
       closed form.
     n_buffers: buffers of the BLT strategy (2 to 5 come within a few
@@ -1253,6 +1338,7 @@ def _single_pass(algorithm: str, loss_fn: LossFn, *, num_examples: int,
       physical_form=physical_form)
 
 
+@keywords.checked
 def accelerated_dp_srgd(
     loss_fn: LossFn,
     *,
@@ -1328,6 +1414,7 @@ def accelerated_dp_srgd(
       axis_name=axis_name)
 
 
+@keywords.checked
 def unaccelerated_dp_srg(
     loss_fn: LossFn,
     *,
@@ -1399,6 +1486,7 @@ def unaccelerated_dp_srg(
       axis_name=axis_name, physical_batch_size=physical_batch_size)
 
 
+@keywords.checked
 def dp_srg_memf(
     loss_fn: LossFn,
     *,
@@ -1462,7 +1550,8 @@ def dp_srg_memf(
       participation (`dpsco_jax.blt`), whose noise keeps `n_buffers`
       params-sized buffers instead of `k b - 1`.
     momentum: the workload's momentum when the strategy is optimized or
-      built here.
+      built here: your SGD's momentum; with Adam, b1 (its first moment, if
+      its second moment changes slowly) or 0 (the hedge; docs/choosing.md).
     bands: bands of the optimized strategy (None: dense), or of the
       closed form.
     n_buffers: buffers of the BLT strategy (2 to 5 come within a few
@@ -1538,6 +1627,7 @@ def dp_srg_memf(
       physical_form=physical_form)
 
 
+@keywords.checked
 def diff2_gd(
     loss_fn: LossFn,
     *,
@@ -1614,12 +1704,12 @@ def diff2_gd(
                                    budget_split=budget_split)
   else:
     z = diff2.Diff2NoiseMultipliers(*noise_multipliers)
-  private = diff2.diff2_estimator(
-      loss_fn, grad_clip=grad_clip, diff_clip_factor=diff_clip_factor,
-      restart_interval=restart_interval, num_rounds=num_rounds,
-      noise_multipliers=z, key=key, microbatch_size=microbatch_size,
-                                    clipping_method=clipping_method,
-      axis_name=axis_name)
+  with clipping.recording_statistics() as statistics:
+    private = diff2.diff2_estimator(
+        loss_fn, grad_clip=grad_clip, diff_clip_factor=diff_clip_factor,
+        restart_interval=restart_interval, num_rounds=num_rounds,
+        noise_multipliers=z, key=key, microbatch_size=microbatch_size,
+        clipping_method=clipping_method, axis_name=axis_name)
   spent = lambda rounds: diff2_accounting.epsilon_spent(
       rounds, restart_interval, z, delta, method=method)
   return Plan(
@@ -1639,9 +1729,10 @@ def diff2_gd(
                        'grad_clip': grad_clip,
                        'diff_clip_factor': diff_clip_factor,
                        'output': output},
-      _epsilon_of_prefix=spent)
+      _epsilon_of_prefix=spent, _statistics=tuple(statistics))
 
 
+@keywords.checked
 def dp_gd(
     loss_fn: LossFn,
     *,
@@ -1696,6 +1787,7 @@ def dp_gd(
       axis_name=axis_name)
 
 
+@keywords.checked
 def user_level_dpsgd(
     loss_fn: LossFn,
     *,
@@ -1841,6 +1933,7 @@ def _o2nc_learning_rate(learning_rate: Union[float, str], scale: float, *,
   return float(learning_rate)
 
 
+@keywords.checked
 def nonsmooth_single_pass(
     loss_fn: LossFn,
     *,
@@ -1970,14 +2063,15 @@ def nonsmooth_single_pass(
       failure_probability=failure,
       num_estimates=anchors * anchor_batch_size +
       2 * (steps - anchors) * batch_size)
-  private = nonsmooth.nonsmooth_vr_gradient(
-      loss_fn, order=order, smoothing_radius=smoothing_radius,
-      num_directions=num_directions, clips=clips, period=period,
-      anchor_batch_size=anchor_batch_size, batch_size=batch_size,
-      noise_multiplier=multiplier, num_steps=steps,
-      anchor_directions=anchor_directions, key=key,
-      neighboring_relation=relation, microbatch_size=microbatch_size,
-      axis_name=axis_name, dimension=dimension)
+  with clipping.recording_statistics() as statistics:
+    private = nonsmooth.nonsmooth_vr_gradient(
+        loss_fn, order=order, smoothing_radius=smoothing_radius,
+        num_directions=num_directions, clips=clips, period=period,
+        anchor_batch_size=anchor_batch_size, batch_size=batch_size,
+        noise_multiplier=multiplier, num_steps=steps,
+        anchor_directions=anchor_directions, key=key,
+        neighboring_relation=relation, microbatch_size=microbatch_size,
+        axis_name=axis_name, dimension=dimension)
   guard = batching.participation_guard(participation,
                                        num_examples=num_examples,
                                        axis_name=axis_name)
@@ -2013,9 +2107,11 @@ def nonsmooth_single_pass(
           'num_directions': num_directions,
           'anchor_directions': anchor_directions,
           'released_noise_norm': noise_norm,
-          'learning_rate_scale': learning_rate_scale})
+          'learning_rate_scale': learning_rate_scale},
+      _statistics=tuple(statistics))
 
 
+@keywords.checked
 def nonsmooth_multi_pass(
     loss_fn: LossFn,
     *,
@@ -2104,13 +2200,14 @@ def nonsmooth_multi_pass(
       num_directions=num_directions, anchor_directions=anchor_directions,
       failure_probability=failure,
       num_estimates=n * (anchors + 2 * (steps - anchors)))
-  private = nonsmooth.nonsmooth_multipass_gradient(
-      loss_fn, order=order, smoothing_radius=smoothing_radius,
-      num_directions=num_directions, clips=clips, period=period,
-      num_examples=n, noise_multipliers=z, num_steps=steps,
-      anchor_directions=anchor_directions, key=key,
-      microbatch_size=microbatch_size, axis_name=axis_name,
-      dimension=dimension)
+  with clipping.recording_statistics() as statistics:
+    private = nonsmooth.nonsmooth_multipass_gradient(
+        loss_fn, order=order, smoothing_radius=smoothing_radius,
+        num_directions=num_directions, clips=clips, period=period,
+        num_examples=n, noise_multipliers=z, num_steps=steps,
+        anchor_directions=anchor_directions, key=key,
+        microbatch_size=microbatch_size, axis_name=axis_name,
+        dimension=dimension)
   # Replace-one (Algorithm 4's relation): an increment moves by f C / n.
   noise_norm = nonsmooth.released_noise_norm(
       noise_multiplier=1.0, dimension=dimension,
@@ -2144,7 +2241,7 @@ def nonsmooth_multi_pass(
           'anchor_directions': anchor_directions,
           'budget_split': budget_split, 'released_noise_norm': noise_norm,
           'learning_rate_scale': learning_rate_scale},
-      _epsilon_of_prefix=spent)
+      _epsilon_of_prefix=spent, _statistics=tuple(statistics))
 
 
 __all__ = ('Plan', 'accelerated_dp_srgd', 'diff2_gd', 'dp_gd', 'dp_srg_memf',

@@ -371,8 +371,8 @@ def clipped_smoothed_grad_sum(
 
   return _SmoothedStatistic(
       contribution_fn=contribution, l2_clip=l2_clip,
-      microbatch_size=microbatch_size, loss_fn=loss_fn, method='vmap',
-      ghost_form=SMOOTHED_FORM)
+      microbatch_size=microbatch_size, loss_fn=loss_fn,
+      clipping_method='vmap', ghost_form=SMOOTHED_FORM)
 
 
 def clipped_smoothed_difference_sum(
@@ -423,8 +423,8 @@ def clipped_smoothed_difference_sum(
 
   return _SmoothedStatistic(
       contribution_fn=contribution, l2_clip=l2_clip,
-      microbatch_size=microbatch_size, loss_fn=loss_fn, method='vmap',
-      ghost_form=SMOOTHED_FORM)
+      microbatch_size=microbatch_size, loss_fn=loss_fn,
+      clipping_method='vmap', ghost_form=SMOOTHED_FORM)
 
 
 # ------------------------------------------------------------ constants

@@ -27,6 +27,7 @@ import itertools
 import math
 import os
 import time
+import warnings
 from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 from flax import nnx
@@ -37,6 +38,7 @@ import numpy as np
 import optax
 
 from dpsco_jax import batching
+from dpsco_jax import keys
 from dpsco_jax import plans
 from experiments import cli
 from experiments import models
@@ -59,12 +61,15 @@ class Corpora(NamedTuple):
     public_heldout: pretraining's held-out sequences.
     private_train: the private fine-tuning sequences (one per privacy unit).
     private_heldout: held-out sequences of the private domain.
+    source: the corpus the texts came from, 'fortunes' or 'generated' (the
+      fallback when the fortune files are absent).
   """
 
   public_train: dict
   public_heldout: dict
   private_train: dict
   private_heldout: dict
+  source: str = 'generated'
 
 
 class Pretrained(NamedTuple):
@@ -108,22 +113,37 @@ def load_corpora(config: ml_collections.ConfigDict) -> Corpora:
   Args:
     config: see `configs/lora_finetune.py`.
 
+  With `corpus='fortunes'` and the fortune files absent (Debian's
+  `fortunes` package not installed), the generated corpus is used instead,
+  with a `UserWarning` saying so and how to get the fortunes; `source`
+  records which one ran.
+
   Returns:
     The `Corpora`.
 
   Raises:
     ValueError: for an unknown `config.corpus`.
   """
-  if config.corpus == 'fortunes':
-    public = text_data.read_fortunes(config.data_path, config.public_files)
-    private = text_data.read_fortunes(config.data_path, config.private_files)
-  elif config.corpus == 'generated':
+  source = config.corpus
+  if source == 'fortunes':
+    try:
+      public = text_data.read_fortunes(config.data_path, config.public_files)
+      private = text_data.read_fortunes(config.data_path,
+                                        config.private_files)
+    except FileNotFoundError as missing:
+      warnings.warn(
+          f'{missing} Falling back to the generated corpus (as with '
+          '--config.corpus=generated, which needs no install); its '
+          'perplexities are not the fortunes\' of docs/lora_finetune.',
+          UserWarning, stacklevel=2)
+      source = 'generated'
+  if source == 'generated':
     seed = quickstart.seed_for(config.seed, 'corpus')
     public = text_data.generated_corpus(config.public_domain,
                                         config.public_chars, seed)
     private = text_data.generated_corpus(config.private_domain,
                                          config.private_chars, seed + 1)
-  else:
+  elif source != 'fortunes':
     raise ValueError(f'corpus must be one of {CORPORA}, got '
                      f'{config.corpus!r}')
   split_seed = quickstart.seed_for(config.seed, 'split')
@@ -135,7 +155,7 @@ def load_corpora(config: ml_collections.ConfigDict) -> Corpora:
       config.heldout_fraction, split_seed + 1)
   cap = lambda d: {k: v[:config.max_eval_sequences] for k, v in d.items()}
   return Corpora(public_train, cap(public_heldout), private_train,
-                 cap(private_heldout))
+                 cap(private_heldout), source)
 
 
 def make_model(config: ml_collections.ConfigDict) -> models.Decoder:
@@ -218,7 +238,8 @@ def finetune_private(config: ml_collections.ConfigDict, finetune: str,
     config: see `configs/lora_finetune.py`.
     finetune: 'lora' (train the adapters) or 'full' (train the base).
     clipping_method: the plan's `clipping_method`.
-    seed: seeds the batches and the noise.
+    seed: seeds the batches and the noise (the same for every clipping
+      method).
     pretrained: from `pretrain`.
     corpora: from `load_corpora`.
     noise_multiplier: the noise of a plan already calibrated to the same
@@ -233,17 +254,25 @@ def finetune_private(config: ml_collections.ConfigDict, finetune: str,
                      f'got {clipping_method!r}')
   trained, frozen = _trained_and_frozen(finetune, pretrained)
   name = f'{finetune}/dp/{clipping_method}'
-  plan = plans.dpsgd(
+  # The batches and the noise depend on the seed and the fine-tuning kind,
+  # NOT on the clipping method: 'auto' and 'vmap' compute the same clipped
+  # sums, so their runs see the same batches and noise and differ only by
+  # float rounding. The key is given again on purpose (KeyReuseWarning
+  # silenced): one comparison of two paths, not two releases.
+  batch_seed, noise_seed = (quickstart.seed_for(seed, f'{finetune}/dp/batches'),
+                            quickstart.seed_for(seed, f'{finetune}/dp/noise'))
+  with warnings.catch_warnings():
+    warnings.simplefilter('ignore', keys.KeyReuseWarning)
+    plan = plans.dpsgd(
       models.lm_example_loss(pretrained.graphdef, frozen),
-      optimizer=optax.adam(config.learning_rates[finetune]),
-      num_examples=len(corpora.private_train['x']),
-      batch_size=config.batch_size, epochs=config.epochs, l2_clip=config.clip,
-      delta=config.delta, method=config.accounting,
-      **({'epsilon': config.epsilon} if noise_multiplier is None else
-         {'noise_multiplier': noise_multiplier}),
-      seed=quickstart.seed_for(seed, f'{name}/batches'),
-      key=jax.random.key(quickstart.seed_for(seed, f'{name}/noise')),
-      clipping_method=clipping_method)
+        optimizer=optax.adam(config.learning_rates[finetune]),
+        num_examples=len(corpora.private_train['x']),
+        batch_size=config.batch_size, epochs=config.epochs,
+        l2_clip=config.clip, delta=config.delta, method=config.accounting,
+        **({'epsilon': config.epsilon} if noise_multiplier is None else
+           {'noise_multiplier': noise_multiplier}),
+        seed=batch_seed, key=jax.random.key(noise_seed),
+        clipping_method=clipping_method)
   perplexity = pretrained.perplexity
   result = spine.run_plan(
       name, plan, trained, corpora.private_train, eval_every=config.eval_every,
@@ -374,7 +403,9 @@ def run(config: ml_collections.ConfigDict,
                                            plan))
         summary.append({
             'run': f'{finetune}/dp/{method}', **common, 'private': True,
-            'clipping_method': method, 'epsilon': plan.epsilon,
+            'clipping_method': method,
+            'clipping_path': plan.describe()['clipping_path'],
+            'epsilon': plan.epsilon,
             'delta': plan.delta, 'noise_multiplier': plan.noise_multiplier,
             'steps': plan.num_steps,
             'perplexity_after': result.rows[-1]['private_perplexity'],
@@ -386,7 +417,8 @@ def run(config: ml_collections.ConfigDict,
         rows += [dict(r, seed=seed) for r in result.rows]
         summary.append({
             'run': f'{finetune}/nonprivate', **common, 'private': False,
-            'clipping_method': None, 'epsilon': math.inf, 'delta': None,
+            'clipping_method': None, 'clipping_path': None,
+            'epsilon': math.inf, 'delta': None,
             'noise_multiplier': 0.0, 'steps': result.last_step,
             'perplexity_after': result.rows[-1]['private_perplexity'],
             'wall_seconds': time.perf_counter() - t0})
@@ -395,15 +427,18 @@ def run(config: ml_collections.ConfigDict,
   outputs.write_csv(os.path.join(output_dir, 'metrics.csv'), rows)
   _plot(os.path.join(output_dir, 'perplexity.png'),
         [r for r in rows if r['algorithm'] != 'pretrain'], before,
-        f'{config.corpus}: private fine-tuning at epsilon={config.epsilon:g}, '
+        f'{corpora.source}: private fine-tuning at '
+        f'epsilon={config.epsilon:g}, '
         f'delta={config.delta:g} ({len(config.seeds)} seeds)')
   outputs.write_json(
       os.path.join(output_dir, 'run_record.json'),
       outputs.run_record(
           config, privacy=privacy, wall_seconds=time.perf_counter() - start,
           extra={'experiment': 'experiments.lora_finetune',
+                 'corpus': corpora.source,
                  'sequences': {k: len(v['x'])
-                               for k, v in corpora._asdict().items()},
+                               for k, v in corpora._asdict().items()
+                               if k != 'source'},
                  'perplexity_before': before}))
   return LoraFinetuneResult(summary, rows, before)
 

@@ -97,9 +97,11 @@ class Progress:
       return False
     self._last_logged = now
     elapsed = now - self._start
-    eta = elapsed / done * (self.total - done) if done > 0 else math.nan
+    # No estimate before the first unit is done (not 'eta nan s').
+    eta = (f'eta {elapsed / done * (self.total - done):.1f} s' if done > 0
+           else 'eta not yet known')
     extra = ''.join(f'  {k} {v:.4g}' for k, v in metrics.items())
-    logging.info('%s: %d/%d  elapsed %.1f s  eta %.1f s%s', self.name, done,
+    logging.info('%s: %d/%d  elapsed %.1f s  %s%s', self.name, done,
                  self.total, elapsed, eta, extra)
     return True
 

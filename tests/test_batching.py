@@ -235,7 +235,9 @@ def test_guard_needs_the_training_set_size():
     batching.fixed_order_guard(3, num_examples=0)
 
 
-def test_a_dropped_remainder_is_announced():
+def test_a_dropped_remainder_is_announced(monkeypatch):
+  # Once per process for each sampler kind and sizes: start afresh.
+  monkeypatch.setattr(batching, '_REMAINDERS_ANNOUNCED', set())
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter('always')
     exact = batching.FixedOrderBatches(1000, 100)

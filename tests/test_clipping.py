@@ -241,7 +241,7 @@ def test_clipped_grad_difference_sum_clips_the_whole_difference(a, b):
 def test_clipped_grad_difference_sum_is_zero_at_equal_params(method):
   params, _, batch = _difference_problem()
   stat = clipping.clipped_grad_difference_sum(_logistic_loss, CLIP,
-                                              method=method)
+                                              clipping_method=method)
   out = _evaluate(stat, batch, params, params, 1.0, 1.0)
   if method == 'vmap':
     # Each example's two gradients are computed alike and cancel exactly.
@@ -455,7 +455,7 @@ def test_a_loss_for_a_batch_gets_the_one_example_contract(make, call, method):
   batch = {'x': jnp.ones((5, 4))}
   for loss, says in ((_vector_loss, 'returned shape (3,), not a scalar'),
                      (_batch_loss, 'failed with')):
-    stat = make(loss, 1.0, method=method)
+    stat = make(loss, 1.0, clipping_method=method)
     for run in (lambda: call(stat, batch, params),
                 lambda: jax.jit(lambda b, p: call(stat, b, p).sum)(batch,
                                                                     params)):

@@ -4,7 +4,7 @@ The ghost path must give the vmap path's `ClippedSum` (sum to float
 tolerance, counters exactly) on every model it accepts, keep the module's
 guarantees (masks, NaN/Inf, microbatches, sensitivity), and fall back, with an
 announcement, on the models it does not accept. Equivalence tests force
-`method='ghost'`, so a silent fallback cannot make them pass.
+`clipping_method='ghost'`, so a silent fallback cannot make them pass.
 """
 
 import functools
@@ -289,8 +289,8 @@ def _model(name):
 @functools.cache
 def _statistic(loss_fn, method, clip, microbatch_size):
   """One jitted statistic per configuration: compilations are shared."""
-  return jax.jit(clipping.clipped_grad_sum(loss_fn, clip, method=method,
-                                           microbatch_size=microbatch_size))
+  return jax.jit(clipping.clipped_grad_sum(
+      loss_fn, clip, clipping_method=method, microbatch_size=microbatch_size))
 
 
 def _run(loss_fn, params, batch, method, mask=None, microbatch_size=None,
@@ -388,7 +388,7 @@ def test_every_leaf_of_the_models_is_handled_natively():
 def test_auto_takes_the_ghost_path_when_it_applies():
   loss_fn, params, batch = _model('mlp')
   stat = clipping.clipped_grad_sum(loss_fn, CLIP)
-  assert stat.method == 'auto'
+  assert stat.clipping_method == 'auto'
   with warnings.catch_warnings():
     warnings.simplefilter('error')
     assert stat.ghost_plan(batch, params) is not None
@@ -455,7 +455,7 @@ def test_huge_examples_are_clipped_like_vmap(model):
 @pytest.mark.parametrize('value', [np.nan, np.inf, 1e30, 1e15, -7.0])
 def test_changing_one_example_moves_the_sum_by_at_most_sensitivity(value):
   loss_fn, params, batch = _model('mlp')
-  stat = clipping.clipped_grad_sum(loss_fn, CLIP, method='ghost')
+  stat = clipping.clipped_grad_sum(loss_fn, CLIP, clipping_method='ghost')
   jitted = jax.jit(stat)
   original = _flat(jitted(batch, params).sum)
   # Replace-one: any new value of example 4 (one coordinate set to `value`,
@@ -475,9 +475,9 @@ def test_changing_one_example_moves_the_sum_by_at_most_sensitivity(value):
 def test_sensitivity_is_the_same_on_both_paths():
   loss_fn, _, _ = _model('mlp')
   for relation in NeighboringRelation:
-    assert (clipping.clipped_grad_sum(loss_fn, 0.7, method='ghost')
+    assert (clipping.clipped_grad_sum(loss_fn, 0.7, clipping_method='ghost')
             .sensitivity(relation) ==
-            clipping.clipped_grad_sum(loss_fn, 0.7, method='vmap')
+            clipping.clipped_grad_sum(loss_fn, 0.7, clipping_method='vmap')
             .sensitivity(relation))
 
 
@@ -508,7 +508,7 @@ def test_equivalence_check_catches_a_wrong_norm_identity(monkeypatch):
 def test_pmap_statistic_is_per_device_and_sums_to_the_whole_batch():
   num_devices = 4
   loss_fn, params, batch = _model('mlp')
-  stat = clipping.clipped_grad_sum(loss_fn, CLIP, method='ghost')
+  stat = clipping.clipped_grad_sum(loss_fn, CLIP, clipping_method='ghost')
   split = jax.tree_util.tree_map(
       lambda x: x.reshape((num_devices, -1) + x.shape[1:]), batch)
   per_device = jax.pmap(lambda rows, p: stat(rows, p), in_axes=(0, None),
@@ -589,7 +589,7 @@ def test_auto_falls_back_to_vmap_once_with_the_reason(model):
 def test_ghost_method_refuses_with_the_reason(model):
   make, reason = FALLBACKS[model]
   loss_fn, params, batch = make()
-  stat = clipping.clipped_grad_sum(loss_fn, CLIP, method='ghost')
+  stat = clipping.clipped_grad_sum(loss_fn, CLIP, clipping_method='ghost')
   with pytest.raises(ghost.GhostClippingUnsupported, match=reason):
     stat(batch, params)
 
@@ -597,9 +597,9 @@ def test_ghost_method_refuses_with_the_reason(model):
 def test_invalid_method_is_refused():
   loss_fn, _, _ = _model('mlp')
   with pytest.raises(ValueError, match='method must be one of'):
-    clipping.clipped_grad_sum(loss_fn, CLIP, method='fast')
+    clipping.clipped_grad_sum(loss_fn, CLIP, clipping_method='fast')
   with pytest.raises(ValueError, match='needs loss_fn'):
-    clipping.ClippedStatistic(lambda unit: unit, CLIP, method='auto')
+    clipping.ClippedStatistic(lambda unit: unit, CLIP, clipping_method='auto')
 
 
 def test_a_loss_the_ghost_passes_cannot_trace_falls_back(monkeypatch):
@@ -616,7 +616,8 @@ def test_a_loss_the_ghost_passes_cannot_trace_falls_back(monkeypatch):
     out = stat(batch, params)
   _assert_same(out, _run(loss_fn, params, batch, 'vmap'))
   with pytest.raises(ghost.GhostClippingUnsupported, match='failed to trace'):
-    clipping.clipped_grad_sum(loss_fn, CLIP, method='ghost')(batch, params)
+    clipping.clipped_grad_sum(loss_fn, CLIP, clipping_method='ghost')(
+        batch, params)
 
 
 def test_embedding_ids_outside_the_table_never_shrink_the_norm():
@@ -681,14 +682,14 @@ def test_clipping_choice_on_three_shapes(shape):
     auto = jax.jit(stat)(batch, params)
   # The path taken: the same arithmetic as the path chosen, bit for bit.
   chosen = jax.jit(clipping.clipped_grad_sum(
-      _tanh_layer_loss, 0.1, method=choice.path))(batch, params)
+      _tanh_layer_loss, 0.1, clipping_method=choice.path))(batch, params)
   np.testing.assert_array_equal(_flat(auto.sum), _flat(chosen.sum))
 
 
 def test_clipping_choice_is_none_for_vmap_and_refuses_bad_terms():
   loss_fn, params, batch = _model('mlp')
   assert clipping.clipped_grad_sum(
-      loss_fn, CLIP, method='vmap').clipping_choice(batch, params) is None
+      loss_fn, CLIP, clipping_method='vmap').clipping_choice(batch, params) is None
   plan = ghost.analyze(loss_fn, params, batch)
   with pytest.raises(ValueError, match='terms'):
     ghost.clipping_choice(plan, NUM_EXAMPLES, terms=(1,))

@@ -102,10 +102,10 @@ def test_issue_losses_take_the_ghost_path_through_dpsgd(name):
   assert all(bool(jnp.all(jnp.isfinite(u)))
              for u in jax.tree_util.tree_leaves(updates))
   # The ghost path, and it agrees with per-example gradients.
-  stat = clipping.clipped_grad_sum(loss_fn, CLIP, method='ghost')
+  stat = clipping.clipped_grad_sum(loss_fn, CLIP, clipping_method='ghost')
   assert stat.ghost_plan(batch, params) is not None
   ghost_sum = stat(batch, params)
-  vmap_sum = clipping.clipped_grad_sum(loss_fn, CLIP, method='vmap')(
+  vmap_sum = clipping.clipped_grad_sum(loss_fn, CLIP, clipping_method='vmap')(
       batch, params)
   assert int(ghost_sum.num_clipped) == int(vmap_sum.num_clipped) == 8
   assert _relative_l2(ghost_sum.sum, vmap_sum.sum) < 1e-4
@@ -141,7 +141,7 @@ def test_constants_of_any_type_are_data(kind):
   batch = jnp.ones((4, 3))
   plan = ghost.analyze(loss_fn, params, batch)
   assert sorted(tap.rule for tap in plan.taps) == ['add', 'dot_general']
-  out = clipping.clipped_grad_sum(loss_fn, CLIP, method='ghost')(
+  out = clipping.clipped_grad_sum(loss_fn, CLIP, clipping_method='ghost')(
       batch, params)
   assert bool(jnp.all(jnp.isfinite(out.sum['w'])))
 
@@ -185,7 +185,7 @@ def test_any_analysis_error_falls_back_once_under_auto(monkeypatch):
   assert len(fallbacks) == 1
   assert "analysis failed (TypeError: unhashable type: 'ArrayImpl')" in str(
       fallbacks[0].message)
-  vmap_sum = clipping.clipped_grad_sum(loss_fn, CLIP, method='vmap')(
+  vmap_sum = clipping.clipped_grad_sum(loss_fn, CLIP, clipping_method='vmap')(
       batch, params)
   assert _relative_l2(out.sum, vmap_sum.sum) < 1e-6
 
@@ -196,14 +196,14 @@ def test_under_ghost_only_unsupported_leaves(monkeypatch, target):
   # preparation of it, reaches the user as GhostClippingUnsupported with
   # the original error chained.
   loss_fn, params, batch = _logistic_batch_of_one()
-  stat = clipping.clipped_grad_sum(loss_fn, CLIP, method='ghost')
+  stat = clipping.clipped_grad_sum(loss_fn, CLIP, clipping_method='ghost')
   if target == 'analyze':
     monkeypatch.setattr(ghost, 'analyze', _failing)
   else:
     stat = dataclasses.replace(stat, ghost_form=clipping.GhostForm(
         signature=_failing, terms=clipping.GRADIENT_FORM.terms))
   with pytest.raises(ghost.GhostClippingUnsupported,
-                     match=r"method='ghost' cannot apply: the analysis failed "
+                     match=r"clipping_method='ghost' cannot apply: the analysis failed "
                      r"\(TypeError") as info:
     stat(batch, params)
   assert isinstance(info.value.__cause__, TypeError)

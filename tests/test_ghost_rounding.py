@@ -39,7 +39,7 @@ def test_cancelling_positions_are_still_clipped(seed):
                             jnp.float32)}
   params = {'w': jnp.zeros((FEATURES, OUT), jnp.float32)}
   clip = 1.0
-  stat = clipping.clipped_grad_sum(_loss, clip, method='ghost')
+  stat = clipping.clipped_grad_sum(_loss, clip, clipping_method='ghost')
   out = stat(batch, params)
   norm = float(jnp.linalg.norm(out.sum['w']))
   assert norm <= clip * (1 + 1e-5), norm
@@ -72,7 +72,7 @@ def test_cancelling_differences_are_still_clipped(seed):
            'r': jnp.asarray(rng.normal(size=(4, OUT)), jnp.float32)}
   clip = 1.0
   stat = clipping.clipped_grad_difference_sum(_two_layer_loss, clip,
-                                              method='ghost')
+                                              clipping_method='ghost')
   for example in range(4):
     one = jax.tree.map(lambda v, e=example: v[e:e + 1], batch)
     total = stat(one, params, prev, a, b).sum
@@ -95,7 +95,7 @@ def test_cancelling_items_of_a_user_are_still_clipped(seed):
            'r': jnp.asarray(r[None], jnp.float32)}
   params = {'w': jnp.zeros((FEATURES, OUT), jnp.float32)}
   clip = 1.0
-  stat = clipping.clipped_user_grad_sum(_loss, clip, method='ghost')
+  stat = clipping.clipped_user_grad_sum(_loss, clip, clipping_method='ghost')
   out = stat(clipping.UserBatch(items), params)
   norm = float(jnp.linalg.norm(out.sum['w']))
   assert norm <= clip * (1 + 1e-5), norm
@@ -119,7 +119,8 @@ def test_a_bias_whose_positions_cancel_is_still_clipped(seed):
   batch = {'x': jnp.zeros((3, POSITIONS, OUT), jnp.float32),
            'r': jnp.asarray(np.stack([r, 0.5 * r, 2.0 * r]), jnp.float32)}
   params = {'b': jnp.zeros(OUT, jnp.float32)}
-  stat = clipping.clipped_grad_sum(_bias_over_positions, 1.0, method='ghost')
+  stat = clipping.clipped_grad_sum(_bias_over_positions, 1.0,
+                                   clipping_method='ghost')
   for example in range(3):
     one = jax.tree.map(lambda v, e=example: v[e:e + 1], batch)
     norm = float(jnp.linalg.norm(stat(one, params).sum['b']))
@@ -157,7 +158,7 @@ def test_cancelling_long_sequences_are_still_clipped(positions, width, form,
                                                      seed):
   rng = np.random.default_rng(seed)
   batch, params = _cancelling_sequence(rng, positions, width)
-  stat = clipping.clipped_grad_sum(_sequence_loss, 1.0, method='ghost')
+  stat = clipping.clipped_grad_sum(_sequence_loss, 1.0, clipping_method='ghost')
   choice = stat.clipping_choice(batch, params)
   assert [tap.form for tap in choice.taps] == [form]
   norm = float(jnp.linalg.norm(stat(batch, params).sum['w']))
@@ -195,7 +196,8 @@ def _contribution_ratios(loss_fn, params, batch):
   norms = np.sqrt(sum(np.sum(np.asarray(g, np.float64).reshape(size, -1)**2,
                              axis=1) for g in jax.tree_util.tree_leaves(grads)))
   clip = float(0.01 * norms.min())
-  stat = jax.jit(clipping.clipped_grad_sum(loss_fn, clip, method='ghost'))
+  stat = jax.jit(clipping.clipped_grad_sum(loss_fn, clip,
+                                           clipping_method='ghost'))
   ratios = []
   for i in range(size):
     total = stat(batch, params, mask=np.arange(size) == i).sum

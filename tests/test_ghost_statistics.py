@@ -5,7 +5,8 @@
 path the vmap path's `ClippedSum` (sum to float tolerance, counters exactly)
 with masks, microbatches, NaN/Inf rows and traced coefficients, keep the
 sensitivity bound for any data, and fall back with an announcement where
-the ghost path does not apply. Equivalence tests force `method='ghost'`, so a
+the ghost path does not apply. Equivalence tests force
+`clipping_method='ghost'`, so a
 silent fallback cannot make them pass.
 """
 
@@ -46,7 +47,7 @@ def _statistic(kind, loss_fn, method, clip, microbatch_size=None):
   """One jitted statistic per configuration: compilations are shared."""
   make = {'difference': clipping.clipped_grad_difference_sum,
           'user': clipping.clipped_user_grad_sum}[kind]
-  return jax.jit(make(loss_fn, clip, method=method,
+  return jax.jit(make(loss_fn, clip, clipping_method=method,
                       microbatch_size=microbatch_size))
 
 
@@ -60,7 +61,7 @@ def _clip_between_norms(kind, loss_fn, batch, args):
   """A clip norm between the middle two unit norms (so both cases occur)."""
   make = {'difference': clipping.clipped_grad_difference_sum,
           'user': clipping.clipped_user_grad_sum}[kind]
-  contribution_fn = make(loss_fn, 1.0, method='vmap').contribution_fn
+  contribution_fn = make(loss_fn, 1.0, clipping_method='vmap').contribution_fn
   values = jax.vmap(lambda unit: contribution_fn(unit, *args))(batch)
   norms = np.sort(np.sqrt(np.asarray(
       clipping._squared_norms_in_clip_units(values, 1.0))))
@@ -110,7 +111,7 @@ def test_difference_with_mask_nan_and_microbatches(model):
 def test_difference_coefficients_may_be_traced():
   loss_fn, batch, (params, prev, _, _) = _difference_case('mlp')
   ghost_stat, vmap_stat = (clipping.clipped_grad_difference_sum(
-      loss_fn, 0.5, method=method) for method in ('ghost', 'vmap'))
+      loss_fn, 0.5, clipping_method=method) for method in ('ghost', 'vmap'))
   for a, b in ((3.0, 2.0), (1.0, 0.0), (0.5, 1.25)):
     outs = [jax.jit(lambda batch, p, q, a, b, s=stat: s(batch, p, q, a, b))(
         batch, params, prev, jnp.float32(a), jnp.float32(b))
@@ -121,7 +122,7 @@ def test_difference_coefficients_may_be_traced():
 def test_difference_default_coefficients_and_auto():
   loss_fn, batch, (params, prev, _, _) = _difference_case('mlp')
   stat = clipping.clipped_grad_difference_sum(loss_fn, 0.5)
-  assert stat.method == 'auto'
+  assert stat.clipping_method == 'auto'
   with warnings.catch_warnings():
     warnings.simplefilter('error')
     assert stat.ghost_plan(batch, params, prev) is not None
@@ -158,7 +159,8 @@ def test_changing_one_example_moves_the_difference_sum_by_at_most_sensitivity(
     value):
   loss_fn, batch, args = _difference_case('mlp', scale=1e-2)
   args = (*args[:2], 101.0, 100.0)
-  stat = clipping.clipped_grad_difference_sum(loss_fn, 0.5, method='ghost')
+  stat = clipping.clipped_grad_difference_sum(loss_fn, 0.5,
+                                              clipping_method='ghost')
   jitted = jax.jit(stat)
   original = _flat(jitted(batch, *args).sum)
   for changed in (batch['x'].at[4, 0].set(value), batch['x'].at[4].set(value)):
@@ -188,7 +190,7 @@ def test_difference_check_catches_a_missing_cross_term(monkeypatch):
     loss_fn, params, batch = _model('mlp')
     args = (params, _moved(params, 0.3), 2.0, 1.5)
     outs = [jax.jit(clipping.clipped_grad_difference_sum(
-        loss_fn, 0.5, method=method))(batch, *args)
+        loss_fn, 0.5, clipping_method=method))(batch, *args)
             for method in ('ghost', 'vmap')]
     _assert_same(*outs)
 
@@ -202,7 +204,8 @@ def test_difference_check_catches_a_missing_cross_term(monkeypatch):
 def test_difference_refuses_params_of_another_shape():
   loss_fn, params, batch = _model('mlp')
   other = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape + (1,)), params)
-  stat = clipping.clipped_grad_difference_sum(loss_fn, 1.0, method='ghost')
+  stat = clipping.clipped_grad_difference_sum(loss_fn, 1.0,
+                                              clipping_method='ghost')
   with pytest.raises(ghost.GhostClippingUnsupported, match='prev_params'):
     stat.ghost_plan(batch, params, other)
 
@@ -286,7 +289,7 @@ def test_user_statistic_is_auto_by_default():
   loss_fn, params, items, item_mask = _user_case('mlp')
   batch = clipping.UserBatch(items, item_mask)
   stat = clipping.clipped_user_grad_sum(loss_fn, 0.5)
-  assert stat.method == 'auto'
+  assert stat.clipping_method == 'auto'
   with warnings.catch_warnings():
     warnings.simplefilter('error')
     assert stat.ghost_plan(batch, params) is not None
@@ -297,7 +300,7 @@ def test_user_statistic_is_auto_by_default():
 @pytest.mark.parametrize('value', [np.nan, np.inf, 1e30, -7.0])
 def test_changing_one_user_moves_the_sum_by_at_most_sensitivity(value):
   loss_fn, params, items, item_mask = _user_case('mlp')
-  stat = clipping.clipped_user_grad_sum(loss_fn, 0.5, method='ghost')
+  stat = clipping.clipped_user_grad_sum(loss_fn, 0.5, clipping_method='ghost')
   jitted = jax.jit(stat)
   batch = clipping.UserBatch(items, item_mask)
   original = _flat(jitted(batch, params).sum)
@@ -343,13 +346,13 @@ def test_tied_weights_take_the_ghost_path(kind):
     make, args = clipping.clipped_user_grad_sum, (params,)
     batch = jax.tree_util.tree_map(
         lambda x: x.reshape((4, 3) + x.shape[1:]), batch)
-  plan = make(loss_fn, 1.0, method='ghost').ghost_plan(batch, *args)
+  plan = make(loss_fn, 1.0, clipping_method='ghost').ghost_plan(batch, *args)
   assert [(tap.rule, tap.shared) for tap in plan.taps if tap.leaf == 1] == [
       ('dot_general', True), ('dot_general', True)]
   with warnings.catch_warnings():
     warnings.simplefilter('error', clipping.GhostClippingFallbackWarning)
     out = make(loss_fn, 1.0)(batch, *args)
-  _assert_same(out, make(loss_fn, 1.0, method='vmap')(batch, *args))
+  _assert_same(out, make(loss_fn, 1.0, clipping_method='vmap')(batch, *args))
 
 
 def test_layers_fed_by_the_data_alone_are_marked_param_free():

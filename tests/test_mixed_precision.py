@@ -58,7 +58,7 @@ def test_bfloat16_compute_keeps_the_clip_and_float32_sums(method, scale):
   binding = raw_norms > 10 * clip
   assert np.sum(binding) >= B // 2
   statistic = clipping.clipped_grad_sum(bf16_loss, l2_clip=clip,
-                                        method=method)
+                                        clipping_method=method)
   total = jax.jit(statistic)(batch, params).sum
   assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(total))
   for i in range(B):
@@ -74,7 +74,7 @@ def test_bfloat16_compute_keeps_the_clip_and_float32_sums(method, scale):
 def test_bfloat16_paths_agree_and_noise_is_float32():
   params, batch = _problem()
   sums = [jax.jit(clipping.clipped_grad_sum(bf16_loss, l2_clip=0.05,
-                                            method=m))(batch, params).sum
+                                            clipping_method=m))(batch, params).sum
           for m in ('vmap', 'ghost')]
   flat = [np.concatenate([np.ravel(l) for l in jax.tree.leaves(s)])
           for s in sums]

@@ -258,6 +258,9 @@ class PlanAccountsWhatTheRunDidTest(parameterized.TestCase):
     self.assertAlmostEqual(plan.epsilon_at(plan.num_steps), plan.epsilon,
                            places=9)
     json.dumps(plan.describe())
+    # The run recorded the clipping path its steps took.
+    self.assertIn(plan.describe()['clipping_path'],
+                  ('ghost', 'vmap', 'ghost and vmap'))
 
 
 class PlanRefusalTest(parameterized.TestCase):

@@ -24,6 +24,7 @@ import optax
 
 from dpsco_jax import checks
 from dpsco_jax import estimators
+from dpsco_jax import keywords
 from dpsco_jax import neighboring
 from dpsco_jax import noise
 
@@ -64,6 +65,7 @@ def dpftrl_mechanism(num_steps: int, restart_every: Optional[int] = None,
                     honaker=honaker)
 
 
+@keywords.checked
 def dpsgd(
     loss_fn: Callable[[PyTree, PyTree], jax.Array],
     *,
@@ -130,6 +132,7 @@ def dpsgd(
       clipping_method=clipping_method, axis_name=axis_name)
 
 
+@keywords.checked
 def dpftrl(
     loss_fn: Callable[[PyTree, PyTree], jax.Array],
     *,

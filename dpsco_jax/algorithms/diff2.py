@@ -79,6 +79,7 @@ from dpsco_jax import clipping
 from dpsco_jax import estimators
 from dpsco_jax import keys
 from dpsco_jax import guards
+from dpsco_jax import keywords
 from dpsco_jax import neighboring
 from dpsco_jax import noise as noise_lib
 from dpsco_jax import parallel
@@ -152,6 +153,7 @@ class Diff2BvrState(NamedTuple):
   output: Optional['RandomIterateState'] = None
 
 
+@keywords.checked
 def paper_sigma(noise_multiplier: float, min_client_size: int,
                 num_clients: int,
                 neighboring_relation: neighboring.NeighboringRelation = (
@@ -196,6 +198,7 @@ class Diff2Stability(NamedTuple):
   holds: bool
 
 
+@keywords.checked
 def step_size_stability(
     learning_rate: float, *, restart_interval: int,
     noise_multipliers: Diff2NoiseMultipliers, diff_clip_factor: float,
@@ -254,6 +257,7 @@ def step_size_stability(
   return Diff2Stability(float(rho), float(bound), bool(eta <= bound))
 
 
+@keywords.checked
 def restart_interval_preset(num_rounds: int, *, grad_bound: float,
                             smoothness: float, num_examples: int,
                             epsilon: float, num_params: int) -> int:
@@ -497,6 +501,7 @@ def _zeros_like_f32(params: PyTree) -> PyTree:
           jnp.result_type(p), jnp.float32)), params)
 
 
+@keywords.checked
 def diff2_estimator(
     loss_fn: LossFn,
     *,
@@ -569,13 +574,13 @@ def diff2_estimator(
   """
   grad_statistic = clipping.clipped_grad_sum(
       loss_fn, grad_clip, microbatch_size=microbatch_size,
-                          method=clipping_method)
+                          clipping_method=clipping_method)
   # Differences are divided by the public movement before clipping, so the
   # statistic's clip is the constant C_2 (see the module docstring).
   diff_statistic = clipping.clipped_grad_difference_sum(
       loss_fn, clipping.validate_clip(diff_clip_factor, 'diff_clip_factor'),
       microbatch_size=microbatch_size,
-      method=clipping_method)
+      clipping_method=clipping_method)
   restart_interval = checks.positive_int(restart_interval, 'restart_interval')
   mechanism = diff2_mechanism(num_rounds)
   relation = _validate_relation(neighboring_relation)
@@ -643,6 +648,7 @@ def diff2_estimator(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+@keywords.checked
 def diff2_gd(
     loss_fn: LossFn,
     *,
@@ -721,6 +727,7 @@ def diff2_gd(
       optax.sgd(learning_rate))
 
 
+@keywords.checked
 def dp_gd(
     loss_fn: LossFn,
     *,
@@ -827,6 +834,7 @@ def bvr_output_draws(output_key: estimators.KeyLike, num_rounds: int,
               local_steps, 'local_steps') + 1, jnp.int32))
 
 
+@keywords.checked
 def diff2_bvr_local_sgd(
     loss_fn: LossFn,
     *,
@@ -936,7 +944,7 @@ def diff2_bvr_local_sgd(
       'local_clip_factor')
   local_statistic = clipping.clipped_grad_difference_sum(
       loss_fn, local_clip, microbatch_size=microbatch_size,
-                           method=clipping_method)
+                           clipping_method=clipping_method)
   relation = _validate_relation(neighboring_relation)
   local_stddev = (_validate_multipliers(noise_multipliers).local *
                   local_statistic.sensitivity(relation))

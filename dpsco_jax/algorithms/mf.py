@@ -38,6 +38,7 @@ import optax
 from dpsco_jax import batching
 from dpsco_jax import checks
 from dpsco_jax import estimators
+from dpsco_jax import keywords
 from dpsco_jax import neighboring
 from dpsco_jax import noise
 
@@ -63,6 +64,7 @@ def dpmemf_mechanism(strategy: np.ndarray,
                                     storage=storage)
 
 
+@keywords.checked
 def dpmemf(
     loss_fn: Callable[[PyTree, PyTree], jax.Array],
     *,

@@ -84,6 +84,7 @@ from dpsco_jax import clipping
 from dpsco_jax import estimators
 from dpsco_jax import guards
 from dpsco_jax import keys
+from dpsco_jax import keywords
 from dpsco_jax import neighboring
 from dpsco_jax import noise
 from dpsco_jax import parallel
@@ -136,6 +137,7 @@ def _segment_point(key: jax.Array, step: jax.Array) -> jax.Array:
   return jax.random.uniform(jax.random.fold_in(key, step), (), jnp.float32)
 
 
+@keywords.checked
 def o2nc(
     *,
     learning_rate: float,
@@ -444,6 +446,7 @@ def nonsmooth_mechanism(num_steps: int, period: int) -> noise.NoiseMechanism:
                     prefix_storage='running')
 
 
+@keywords.checked
 def nonsmooth_vr_gradient(
     loss_fn: LossFn,
     *,
@@ -530,6 +533,7 @@ def nonsmooth_vr_gradient(
                  axis_name=axis_name, dimension=dimension)
 
 
+@keywords.checked
 def nonsmooth_multipass_gradient(
     loss_fn: LossFn,
     *,
@@ -616,6 +620,7 @@ def nonsmooth_multipass_gradient(
 PROPOSITION_2_6 = 'proposition_2_6'
 
 
+@keywords.checked
 def released_noise_norm(*, noise_multiplier: float, sensitivity: float,
                         dimension: int, period: int = 1) -> float:
   """G_0's privacy part: the norm of the noise on one released estimate.
@@ -708,6 +713,7 @@ class NonsmoothParameters(NamedTuple):
 THEOREMS = ('3.1', '6.1', '4.1')
 
 
+@keywords.checked
 def nonsmooth_preset(
     theorem: str,
     *,

@@ -64,6 +64,7 @@ from dpsco_jax import checks
 from dpsco_jax import clipping
 from dpsco_jax import estimators
 from dpsco_jax import keys
+from dpsco_jax import keywords
 from dpsco_jax import neighboring
 from dpsco_jax import noise
 from dpsco_jax import parallel
@@ -235,6 +236,7 @@ def _weights_constants(weights: Any, num_steps: int,
   return _Weights(as32(eta), as32(np.append(0.0, eta[:-1])), as32(tau_next))
 
 
+@keywords.checked
 def srg_gradient(
     loss_fn: LossFn,
     *,
@@ -436,7 +438,7 @@ def _recursive_gradient(
   """
   statistic = clipping.clipped_grad_difference_sum(
       loss_fn, l2_clip, microbatch_size=microbatch_size,
-                        method=clipping_method)
+                        clipping_method=clipping_method)
   noise_multiplier = estimators.validate_noise_multiplier(
       noise_multiplier, f'recursive gradient ({mechanism.name})')
   stddev = noise_multiplier * statistic.sensitivity(neighboring_relation)
@@ -653,6 +655,7 @@ def nesterov_coupling(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+@keywords.checked
 def accelerated_dp_srgd(
     loss_fn: LossFn,
     *,
@@ -831,6 +834,7 @@ def projection(radius: Optional[float]) -> optax.GradientTransformation:
                                       update_fn)
 
 
+@keywords.checked
 def unaccelerated_dp_srg(
     loss_fn: LossFn,
     *,
@@ -935,6 +939,7 @@ def validate_decay(decay: float) -> float:
   return value
 
 
+@keywords.checked
 def dp_srg_memf(
     loss_fn: LossFn,
     *,
@@ -1125,6 +1130,7 @@ class SrgdParameters(NamedTuple):
   noise_multiplier: float
 
 
+@keywords.checked
 def srgd_preset(
     regime: str,
     *,

@@ -45,6 +45,7 @@ from dpsco_jax import checks
 from dpsco_jax import clipping
 from dpsco_jax import estimators
 from dpsco_jax import guards
+from dpsco_jax import keywords
 from dpsco_jax import neighboring
 from dpsco_jax import keys as keys_lib
 from dpsco_jax import noise
@@ -75,6 +76,7 @@ def user_level_dpsgd_mechanism(num_steps: int) -> noise.NoiseMechanism:
   return noise.gaussian(checks.positive_int(num_steps, 'num_steps'))
 
 
+@keywords.checked
 def user_level_dpsgd(
     loss_fn: Callable[[PyTree, PyTree], jax.Array],
     *,
@@ -132,7 +134,7 @@ def user_level_dpsgd(
                      'its noise was calibrated for')
   statistic = clipping.clipped_user_grad_sum(
       loss_fn, l2_clip, microbatch_size=microbatch_size,
-      method=clipping_method)
+      clipping_method=clipping_method)
   return estimators.noisy_statistic(
       statistic, noise_multiplier=noise_multiplier,
       mechanism=user_level_dpsgd_mechanism(num_steps), key=key,
@@ -410,6 +412,7 @@ def _user_arrays(users: Any) -> tuple[int, int, np.ndarray]:
   return n, m, mask
 
 
+@keywords.checked
 def phased_sgd(
     loss_fn: Callable[[PyTree, PyTree], jax.Array],
     init_params: PyTree,
@@ -555,6 +558,7 @@ class PresetCondition(NamedTuple):
   detail: str
 
 
+@keywords.checked
 def phased_sgd_preset(num_users: int, items_per_user: int, dim: int,
                       epsilon: float, delta: float, *, lipschitz: float,
                       diameter: float, smoothness: Optional[float] = None,
@@ -715,6 +719,7 @@ def smoothed_item_loss(loss_fn: Callable[[PyTree, PyTree], jax.Array],
   return loss
 
 
+@keywords.checked
 def outlier_removal_gradient(
     loss_fn: Callable[[PyTree, PyTree], jax.Array],
     calibration: outlier_removal.OutlierRemovalCalibration,
@@ -1060,6 +1065,7 @@ def ac_sa_stage_lengths(smoothness: float, strong_convexity: float,
   return tuple(lengths)
 
 
+@keywords.checked
 def accelerated_phased_erm(
     loss_fn: Callable[[PyTree, PyTree], jax.Array],
     init_params: PyTree,
@@ -1218,6 +1224,7 @@ def _erm_step(tx: optax.GradientTransformationExtraArgs):
   return step
 
 
+@keywords.checked
 def accelerated_phased_erm_preset(
     num_users: int, items_per_user: int, dim: int, epsilon: float,
     delta: float, *, lipschitz: float, diameter: float, smoothness: float,

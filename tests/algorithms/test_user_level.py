@@ -69,7 +69,8 @@ def test_replacing_one_users_whole_data_moves_the_sum_by_at_most_the_clip(
   data = _examples(20)
   users = batching.group_by_user(data, np.arange(20) % 5, max_items=4)
   params = jnp.ones(3)
-  stat = clipping.clipped_user_grad_sum(_loss, 0.7, method=method)
+  stat = clipping.clipped_user_grad_sum(_loss, 0.7,
+                                       clipping_method=method)
   before = stat(users, params).sum
   items = jax.tree.map(np.array, users.items)
   mask = np.array(users.item_mask)

@@ -53,7 +53,8 @@ def test_example_loss_is_one_example_and_dense_layers_go_ghost():
   assert statistic.ghost_plan(batch, params) is not None
   # The ghost sum equals the per-example one (jitted: one compile each
   # instead of one per operation).
-  vmapped = clipping.clipped_grad_sum(loss_fn, l2_clip=1.0, method='vmap')
+  vmapped = clipping.clipped_grad_sum(
+      loss_fn, l2_clip=1.0, clipping_method='vmap')
   for a, b in zip(jax.tree.leaves(_jitted_sum(statistic)(batch, params)),
                   jax.tree.leaves(_jitted_sum(vmapped)(batch, params))):
     assert jnp.allclose(a, b, atol=1e-5)
@@ -72,7 +73,8 @@ def test_the_cnn_takes_the_ghost_path_with_no_fallback():
     # Traced here, inside the filter: a fallback while tracing raises.
     ghost_sum = _jitted_sum(statistic)(batch, params)
   assert choice is not None and choice.path == 'ghost', choice
-  vmapped = clipping.clipped_grad_sum(loss_fn, l2_clip=0.1, method='vmap')
+  vmapped = clipping.clipped_grad_sum(
+      loss_fn, l2_clip=0.1, clipping_method='vmap')
   for a, b in zip(jax.tree.leaves(ghost_sum),
                   jax.tree.leaves(_jitted_sum(vmapped)(batch, params))):
     assert jnp.allclose(a, b, atol=1e-5)

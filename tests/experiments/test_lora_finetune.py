@@ -30,7 +30,8 @@ def tiny_config():
   config.learning_rates.lora = 0.03
   config.accounting = 'rdp'      # calibrates faster than 'pld'
   config.seeds = (0,)
-  config.clipping_methods = ('auto',)   # the default path, end to end
+  # The default path end to end, and per-example gradients beside it.
+  config.clipping_methods = ('auto', 'vmap')
   return config
 
 
@@ -40,8 +41,18 @@ def test_pretrain_then_finetune_privately_end_to_end(tmp_path):
     warnings.simplefilter('ignore')
     result = lora_finetune.run(config, str(tmp_path))
   runs = {row['run']: row for row in result.summary}
-  assert set(runs) == {'lora/dp/auto', 'lora/nonprivate'}
+  assert set(runs) == {'lora/dp/auto', 'lora/dp/vmap', 'lora/nonprivate'}
   private, reference = runs['lora/dp/auto'], runs['lora/nonprivate']
+  # 'auto' and 'vmap' compute the same clipped sums on the same batches
+  # with the same noise: the runs coincide up to float rounding, whichever
+  # path 'auto' took (recorded per row).
+  vmapped = runs['lora/dp/vmap']
+  assert vmapped['clipping_path'] == 'vmap'
+  assert private['clipping_path'] in ('ghost', 'vmap')
+  assert vmapped['perplexity_after'] == pytest.approx(
+      private['perplexity_after'], rel=1e-3)
+  assert vmapped['perplexity_after'] != pytest.approx(
+      private['perplexity_before'], rel=1e-3)
   assert 7.9 < private['epsilon'] <= config.epsilon + 1e-9
   assert private['noise_multiplier'] > 0
   # Only the adapters are trained: 2 r (d + d_out) per dense layer.
@@ -57,12 +68,13 @@ def test_pretrain_then_finetune_privately_end_to_end(tmp_path):
   assert reference['perplexity_after'] < 0.9 * before, reference
   rows = outputs.read_csv(str(tmp_path / 'metrics.csv'))
   assert {r['algorithm'] for r in rows} == {'pretrain', 'lora/dp/auto',
-                                            'lora/nonprivate'}
+                                            'lora/dp/vmap', 'lora/nonprivate'}
   assert os.path.getsize(tmp_path / 'perplexity.png') > 0
   with open(tmp_path / 'run_record.json') as f:
     record = json.load(f)
   assert record['privacy'][0]['epsilon_spent'] == pytest.approx(
       private['epsilon'])
+  assert record['corpus'] == 'generated'
   assert record['perplexity_before'] == pytest.approx(before)
 
 
@@ -143,3 +155,17 @@ def test_config_errors_are_clear(tmp_path):
   with pytest.raises(ValueError, match='clipping_methods'):
     lora_finetune.run(config, str(tmp_path))
 
+
+
+def test_missing_fortunes_fall_back_to_the_generated_corpus(tmp_path):
+  # The default corpus on a machine without Debian's fortunes package.
+  config = tiny_config()
+  config.corpus, config.data_path = 'fortunes', str(tmp_path / 'nowhere')
+  with pytest.warns(UserWarning, match='--config.corpus=generated') as caught:
+    corpora = lora_finetune.load_corpora(config)
+  assert 'apt-get install fortunes' in str(caught[0].message)
+  assert corpora.source == 'generated'
+  config.corpus = 'generated'
+  generated = lora_finetune.load_corpora(config)
+  np.testing.assert_array_equal(corpora.private_train['x'],
+                                generated.private_train['x'])

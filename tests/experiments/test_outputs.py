@@ -175,6 +175,18 @@ def test_progress_logs_first_and_last(monkeypatch):
   assert lines[-1].startswith('job: 5/5')
 
 
+def test_progress_at_step_0_says_no_eta_yet(monkeypatch):
+  lines = []
+  monkeypatch.setattr(outputs.logging, 'info',
+                      lambda fmt, *args: lines.append(fmt % args))
+  progress = outputs.Progress('train', total=100)
+  progress.update(0)     # the spine logs step 0 before the first step
+  progress.update(1)
+  assert 'nan' not in lines[0] and 'eta not yet known' in lines[0]
+  assert lines[1].startswith('train: 1/100') and ' s' in lines[1].split(
+      'eta ')[1]
+
+
 def test_columns_of_keeps_first_seen_order():
   assert outputs.columns_of([{'b': 1, 'a': 2}, {'c': 3, 'a': 4}]) == [
       'b', 'a', 'c']
