@@ -6,16 +6,19 @@
   process that starts first makes it, the workers it starts inherit it,
   and it is removed at exit):
   - the library's cache (`$DPSCO_JAX_CACHE`: optimized strategies and
-    calibrated noise multipliers), so a calibration is computed once per
-    run, not once per worker, and the user's own cache stays untouched;
+    calibrated noise multipliers) and the tests' own slow results
+    (tests/shared_results.py), so a calibration is computed once per run,
+    not once per worker, and the user's own cache stays untouched;
   - JAX's persistent compilation cache, so a program compiled by one test
     is loaded, not compiled again, by every later test (in either worker)
     that lowers to the same program. Tracing and lowering still run for
     every new function, so trace-time warnings and `_cache_size()` counts
     are what they would be without it.
-- `DPSCO_JAX_TEST_CACHE=<dir>` keeps both caches in `<dir>` across runs
-  instead (e.g. `.test_cache/`, ignored by git): a rerun compiles only what
-  changed.
+- `DPSCO_JAX_TEST_CACHE=<dir>` keeps the compilation cache in `<dir>`
+  across runs instead (e.g. `.test_cache/`, ignored by git): a rerun
+  compiles only what changed. Its entries are keyed by the compiled program
+  itself, so a changed library never reads a stale one; calibrations stay
+  per run.
 """
 
 import atexit
@@ -41,9 +44,6 @@ _RUN_CACHE_VAR = '_DPSCO_JAX_TEST_RUN_CACHE'
 
 def _run_cache_dir() -> str:
   """The directory this test run's caches live in (made once per run)."""
-  kept = os.environ.get('DPSCO_JAX_TEST_CACHE')
-  if kept:
-    return os.path.abspath(kept)
   if not os.environ.get(_RUN_CACHE_VAR):
     os.environ[_RUN_CACHE_VAR] = tempfile.mkdtemp(prefix='dpsco_jax_tests_')
     # Only the process that made it removes it, after its workers are done.
@@ -80,7 +80,8 @@ def _write_compilations_atomically() -> None:
 _CACHE = _run_cache_dir()
 # Optimized strategies and calibrations: out of the user's cache.
 os.environ['DPSCO_JAX_CACHE'] = os.path.join(_CACHE, 'library')
-jax.config.update('jax_compilation_cache_dir', os.path.join(_CACHE, 'xla'))
+jax.config.update('jax_compilation_cache_dir', os.path.abspath(
+    os.environ.get('DPSCO_JAX_TEST_CACHE') or os.path.join(_CACHE, 'xla')))
 # Every program, however quick to compile: the tests' programs are small and
 # many of them are the same program built again by a later test.
 jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
