@@ -1527,7 +1527,7 @@ _MEMORY_WEIGHT = 8.0
 # (`_gram_squared_norms`, step 4): beyond this many columns per unit the
 # per-unit gradient is formed instead, whatever the flops.
 _GRAM_MAX_COLUMNS = 256
-# The memory `method='auto'` lets per-example gradients take (bytes): above
+# The memory `clipping_method='auto'` lets per-example gradients take (bytes): above
 # it the ghost path is taken whatever the estimates say (1 GiB).
 DEFAULT_MEMORY_BUDGET = 2**30
 

@@ -1,7 +1,24 @@
-"""Test configuration: eight virtual CPU devices for the multi-device tests.
+"""Test configuration: virtual devices and the caches one test run shares.
 
-XLA reads the flag when the backend starts, so it is set before any test
-module imports jax.
+- Eight virtual CPU devices for the multi-device tests. XLA reads the flag
+  when the backend starts, so it is set before any test compiles.
+- One cache directory per test run, shared by the pytest-xdist workers (the
+  process that starts first makes it, the workers it starts inherit it,
+  and it is removed at exit):
+  - the library's cache (`$DPSCO_JAX_CACHE`: optimized strategies and
+    calibrated noise multipliers) and the tests' own slow results
+    (tests/shared_results.py), so a calibration is computed once per run,
+    not once per worker, and the user's own cache stays untouched;
+  - JAX's persistent compilation cache, so a program compiled by one test
+    is loaded, not compiled again, by every later test (in either worker)
+    that lowers to the same program. Tracing and lowering still run for
+    every new function, so trace-time warnings and `_cache_size()` counts
+    are what they would be without it.
+- `DPSCO_JAX_TEST_CACHE=<dir>` keeps the compilation cache in `<dir>`
+  across runs instead (e.g. `.test_cache/`, ignored by git): a rerun
+  compiles only what changed. Its entries are keyed by the compiled program
+  itself, so a changed library never reads a stale one; calibrations stay
+  per run.
 """
 
 import atexit
@@ -9,6 +26,7 @@ import os
 import shutil
 import sys
 import tempfile
+import uuid
 
 _FLAG = '--xla_force_host_platform_device_count=8'
 if _FLAG not in os.environ.get('XLA_FLAGS', ''):
@@ -18,8 +36,54 @@ if _FLAG not in os.environ.get('XLA_FLAGS', ''):
 # part of the installed package.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# Optimized strategies are cached on disk; keep the tests' entries out of the
-# user's cache.
-os.environ['DPSCO_JAX_CACHE'] = tempfile.mkdtemp(prefix='dpsco_jax_cache_')
-atexit.register(shutil.rmtree, os.environ['DPSCO_JAX_CACHE'],
-                ignore_errors=True)
+import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+# Set by the first process of a run; the xdist workers inherit it.
+_RUN_CACHE_VAR = '_DPSCO_JAX_TEST_RUN_CACHE'
+
+
+def _run_cache_dir() -> str:
+  """The directory this test run's caches live in (made once per run)."""
+  if not os.environ.get(_RUN_CACHE_VAR):
+    os.environ[_RUN_CACHE_VAR] = tempfile.mkdtemp(prefix='dpsco_jax_tests_')
+    # Only the process that made it removes it, after its workers are done.
+    atexit.register(shutil.rmtree, os.environ[_RUN_CACHE_VAR],
+                    ignore_errors=True)
+  return os.environ[_RUN_CACHE_VAR]
+
+
+def _write_compilations_atomically() -> None:
+  """Makes the compilation cache write each entry under its name at once.
+
+  Without a size limit JAX writes an entry in place, so a worker could read
+  another worker's half-written entry (JAX then warns and compiles again).
+  Writing it under a unique name and renaming it (atomic on one file
+  system) means a reader finds no entry or a whole one.
+  """
+  from jax._src import lru_cache  # pylint: disable=g-import-not-at-top
+  put = lru_cache.LRUCache.put
+  suffix = getattr(lru_cache, '_CACHE_SUFFIX', None)
+  if suffix is None or getattr(put, 'atomic', False):
+    return
+
+  def atomic_put(self, key, value):
+    if getattr(self, 'eviction_enabled', True):
+      return put(self, key, value)  # Already under a file lock.
+    partial = f'{key}.partial-{uuid.uuid4().hex}'
+    put(self, partial, value)
+    os.replace(self.path / f'{partial}{suffix}', self.path / f'{key}{suffix}')
+
+  atomic_put.atomic = True
+  lru_cache.LRUCache.put = atomic_put
+
+
+_CACHE = _run_cache_dir()
+# Optimized strategies and calibrations: out of the user's cache.
+os.environ['DPSCO_JAX_CACHE'] = os.path.join(_CACHE, 'library')
+jax.config.update('jax_compilation_cache_dir', os.path.abspath(
+    os.environ.get('DPSCO_JAX_TEST_CACHE') or os.path.join(_CACHE, 'xla')))
+# Every program, however quick to compile: the tests' programs are small and
+# many of them are the same program built again by a later test.
+jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
+jax.config.update('jax_persistent_cache_min_entry_size_bytes', -1)
+_write_compilations_atomically()

@@ -108,7 +108,7 @@ def test_the_budget_overrides_the_estimates_only_above_it():
 def test_the_step_takes_the_path_the_budget_chose():
   loss_fn, params, batch = _long_narrow()
   over = clipping.clipped_grad_sum(loss_fn, 1.0, memory_budget=1)
-  ghost_sum = clipping.clipped_grad_sum(loss_fn, 1.0, method='ghost')
+  ghost_sum = clipping.clipped_grad_sum(loss_fn, 1.0, clipping_method='ghost')
   # The same arithmetic as the ghost path, bit for bit.
   np.testing.assert_array_equal(jax.jit(over)(batch, params).sum['w'],
                                 jax.jit(ghost_sum)(batch, params).sum['w'])

@@ -21,6 +21,7 @@ import pytest
 from dpsco_jax import accounting
 from dpsco_jax import guards
 from dpsco_jax import outlier_removal as orm
+from tests import shared_results
 
 TAU = 1.0
 
@@ -298,13 +299,16 @@ def test_distance_blocks_keep_the_bound():
 
 
 K_FAR, TAU_FAR = 60, 1e-3
-CAL_FAR = orm.calibrate(K_FAR, TAU_FAR, 30.0, 1e-5)
+
+
+def _cal_far():
+  return shared_results.once(orm.calibrate, K_FAR, TAU_FAR, 30.0, 1e-5)
 
 
 @jax.jit
 def _release_pair(before, after, key):
-  return (orm.private_robust_mean(before, CAL_FAR, key).value,
-          orm.private_robust_mean(after, CAL_FAR, key).value)
+  return (orm.private_robust_mean(before, _cal_far(), key).value,
+          orm.private_robust_mean(after, _cal_far(), key).value)
 
 
 @pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
@@ -328,7 +332,7 @@ def test_one_point_moved_far_from_the_origin_moves_the_release_within_sensitivit
           jax.random.key(seed))
       gap = np.linalg.norm(np.asarray(value, np.float64) -
                            np.asarray(value_after, np.float64))
-      assert gap <= CAL_FAR.sensitivity, (move, seed, gap)
+      assert gap <= _cal_far().sensitivity, (move, seed, gap)
 
 
 def test_bfloat16_points_get_their_noise_before_any_rounding():
@@ -364,8 +368,8 @@ def test_the_release_keeps_its_noise_far_from_the_origin():
   near = np.zeros((K_FAR, 3), np.float32)
   far = near + np.float32(1e3)
   key = jax.random.key(1)
-  out_near = orm.private_robust_mean(near, CAL_FAR, key)
-  out_far = orm.private_robust_mean(far, CAL_FAR, key)
+  out_near = orm.private_robust_mean(near, _cal_far(), key)
+  out_far = orm.private_robust_mean(far, _cal_far(), key)
   assert bool(out_near.passed) and bool(out_far.passed)
   np.testing.assert_allclose(np.asarray(out_far.value) - 1e3,
                              np.asarray(out_near.value), atol=2e-4)
@@ -465,7 +469,9 @@ def test_too_few_points_for_the_proof_are_refused():
     orm.mean_sensitivity(100, 1.0, inclusion='sampled')
 
 
-CAL = orm.calibrate(400, tau=0.05, epsilon=4.0, delta=1e-5)
+def _cal():
+  return shared_results.once(orm.calibrate, 400, tau=0.05, epsilon=4.0,
+                             delta=1e-5)
 
 
 def test_halted_release_is_the_halt_value_and_passing_adds_the_noise():
@@ -476,7 +482,7 @@ def test_halted_release_is_the_halt_value_and_passing_adds_the_noise():
 
   @jax.jit
   def release(points, key):
-    return orm.private_robust_mean(points, CAL, key, halt_value=halt)
+    return orm.private_robust_mean(points, _cal(), key, halt_value=halt)
 
   out = release(spread_out, jax.random.key(1))
   assert not bool(out.passed)
@@ -486,15 +492,15 @@ def test_halted_release_is_the_halt_value_and_passing_adds_the_noise():
   assert bool(np.all(outs.passed))
   noise = np.asarray(outs.value) - tight.mean(0)
   # 900 draws: the sample std is within 10% of sigma with overwhelming odds.
-  assert abs(noise.std() / CAL.noise_std - 1) < 0.1
+  assert abs(noise.std() / _cal().noise_std - 1) < 0.1
   # The score noise is Laplace(b): mean absolute deviation b.
   deviations = np.abs(np.asarray(outs.noisy_score) - 400.0)
-  assert abs(deviations.mean() / CAL.laplace_scale - 1) < 0.15
+  assert abs(deviations.mean() / _cal().laplace_scale - 1) < 0.15
 
 
 def test_points_must_match_the_calibration():
   with pytest.raises(ValueError, match='K = 400'):
-    orm.private_robust_mean(np.zeros((10, 2), np.float32), CAL,
+    orm.private_robust_mean(np.zeros((10, 2), np.float32), _cal(),
                             jax.random.key(0))
 
 
@@ -505,12 +511,12 @@ def test_eight_devices_equal_one_and_need_one_key():
   rng = np.random.default_rng(7)
   points = rng.normal(size=(400, 5)).astype(np.float32) * 0.001
   key = jax.random.key(3)
-  single = orm.private_robust_mean(points, CAL, key)
+  single = orm.private_robust_mean(points, _cal(), key)
   mesh = jax.sharding.Mesh(np.array(devices), ('devices',))
   spec = jax.sharding.PartitionSpec
 
   def on_devices(local, key):
-    out = orm.private_robust_mean(local, CAL, key, axis_name='devices')
+    out = orm.private_robust_mean(local, _cal(), key, axis_name='devices')
     return out.value, out.passed
 
   sharded = jax.jit(jax.shard_map(
@@ -524,7 +530,7 @@ def test_eight_devices_equal_one_and_need_one_key():
   # the device and the flag handed back for the caller's state to record.
   def per_device_key(local, key_data):
     key = jax.random.wrap_key_data(key_data)
-    return orm.private_robust_mean(local, CAL, key, axis_name='devices')
+    return orm.private_robust_mean(local, _cal(), key, axis_name='devices')
 
   keys = jax.random.key_data(jax.random.split(jax.random.key(4), 8))
   bad = jax.jit(jax.vmap(per_device_key, axis_name='devices'))(

@@ -176,7 +176,7 @@ def test_a_batch_larger_than_memory_by_hand_equals_one_call():
                          clipping_method='vmap')
   tx = optax.chain(grad, optax.adam(0.05))
   step = physical.LogicalStep(tx, physical.statistic_form(
-      clipping.clipped_grad_sum(_loss, 0.5, method='vmap'), 16))
+      clipping.clipped_grad_sum(_loss, 0.5, clipping_method='vmap'), 16))
   batch = jax.tree_util.tree_map(lambda x: x[:40], DATA)
   state = tx.init(PARAMS)
   updates, expected_state = jax.jit(

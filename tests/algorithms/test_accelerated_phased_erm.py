@@ -20,11 +20,16 @@ from dpsco_jax import clipping
 from dpsco_jax import guards
 from dpsco_jax import outlier_removal
 from dpsco_jax.algorithms import user_level as ul
+from tests import shared_results
 
 K, T, POPULATION = 512, 3, 2048
 EPSILON, DELTA = 8.0, 1e-5
-CAL = outlier_removal.calibrate(K, 0.5, EPSILON, DELTA, num_steps=T,
-                                population=POPULATION, score_radius=1.0)
+
+
+def _cal():
+  return shared_results.once(outlier_removal.calibrate, K, 0.5, EPSILON,
+                             DELTA, num_steps=T, population=POPULATION,
+                             score_radius=1.0)
 
 
 def _loss(w, item):
@@ -77,17 +82,17 @@ def test_ac_sa_first_query_is_the_start_and_stays_in_the_ball():
 
 
 def test_threshold_noise_is_drawn_once_per_phase():
-  tx = ul.outlier_removal_gradient(_loss, CAL, key=11)
+  tx = ul.outlier_removal_gradient(_loss, _cal(), key=11)
   w = jnp.zeros(3)
   state = tx.init(w)
-  expected = CAL.threshold_scale * jax.random.laplace(
+  expected = _cal().threshold_scale * jax.random.laplace(
       jax.random.fold_in(jax.random.key(11), 0), ())
   np.testing.assert_allclose(state.threshold_noise, expected, rtol=1e-6)
   users = _users(K, spread=0.01)
   for _ in range(T):
     _, state = tx.update(None, state, w, batch=users)
     np.testing.assert_allclose(state.threshold_noise, expected, rtol=1e-6)
-  other = ul.outlier_removal_gradient(_loss, CAL, key=12).init(w)
+  other = ul.outlier_removal_gradient(_loss, _cal(), key=12).init(w)
   assert float(other.threshold_noise) != float(expected)
   # Every test of the phase compares with THAT draw: a threshold raised
   # past K fails even concentrated users.
@@ -113,7 +118,7 @@ def test_a_halted_phase_releases_zero_for_good():
 
 
 def test_steps_past_the_calibration_are_refused():
-  tx = ul.outlier_removal_gradient(_loss, CAL, key=1)
+  tx = ul.outlier_removal_gradient(_loss, _cal(), key=1)
   w = jnp.zeros(3)
   state = tx.init(w)
   users = _users(K, spread=0.01)
@@ -126,8 +131,8 @@ def test_steps_past_the_calibration_are_refused():
 
 
 def test_without_noise_it_is_the_plain_mean_of_user_gradients():
-  quiet = CAL._replace(noise_std=0.0, laplace_scale=1e-9, threshold_scale=0.0,
-                       tau=1e3, score_radius=2e3)
+  quiet = _cal()._replace(noise_std=0.0, laplace_scale=1e-9,
+                          threshold_scale=0.0, tau=1e3, score_radius=2e3)
   tx = ul.outlier_removal_gradient(_loss, quiet, key=2)
   w = jnp.array([0.3, -0.2, 0.1])
   users = _users(K)
@@ -145,21 +150,21 @@ def test_one_replaced_user_moves_the_release_by_at_most_the_sensitivity(
   items['x'][5] = {'huge': 1e6, 'nan': np.nan, 'inf': np.inf}[replacement]
   releases = []
   for batch in (users, clipping.UserBatch(items)):
-    tx = ul.outlier_removal_gradient(_loss, CAL, key=jax.random.key(3))
+    tx = ul.outlier_removal_gradient(_loss, _cal(), key=jax.random.key(3))
     out, state = tx.update(None, tx.init(w), w, batch=batch)
     assert not bool(state.halted)
     releases.append(np.asarray(out))
   assert np.all(np.isfinite(releases[1]))
-  assert np.linalg.norm(releases[0] - releases[1]) <= CAL.sensitivity
+  assert np.linalg.norm(releases[0] - releases[1]) <= _cal().sensitivity
 
 
 def test_eight_devices_equal_one():
   """Users sharded over 8 devices (a vmap with the axis name): same release."""
   w = jnp.array([0.3, -0.2, 0.1])
   users = _users(K, spread=0.2)
-  single = ul.outlier_removal_gradient(_loss, CAL, key=jax.random.key(6))
+  single = ul.outlier_removal_gradient(_loss, _cal(), key=jax.random.key(6))
   expected, _ = single.update(None, single.init(w), w, batch=users)
-  sharded = ul.outlier_removal_gradient(_loss, CAL, key=jax.random.key(6),
+  sharded = ul.outlier_removal_gradient(_loss, _cal(), key=jax.random.key(6),
                                         axis_name='devices')
 
   def on_device(items):
@@ -176,8 +181,8 @@ def test_eight_devices_equal_one():
 
 
 def test_smoothing_evaluates_each_item_at_a_perturbed_point():
-  quiet = CAL._replace(noise_std=0.0, laplace_scale=1e-9, threshold_scale=0.0,
-                       tau=1e3, score_radius=2e3)
+  quiet = _cal()._replace(noise_std=0.0, laplace_scale=1e-9,
+                          threshold_scale=0.0, tau=1e3, score_radius=2e3)
   absolute = lambda w, item: jnp.abs(w[0] - item['z'])
   users = clipping.UserBatch({'z': np.zeros((K, 4), np.float32)})
   w = jnp.array([0.005])
