@@ -11,7 +11,7 @@ probability above 1e-12):
   optimizer) on a fixed batch of exactly B examples, the reference;
 * ``one call (padded)``: `Plan.step`, which evaluates the sampler's padded
   batch (B plus four standard deviations, rounded up to 32);
-* ``physical P=...``: `Plan.run_logical_step`, the realized batch cut into
+* ``physical P=...``: `Plan.step`, the realized batch cut into
   physical batches (`physical.physical_sizes`), plus the zero accumulation
   and the finishing program (noise, batch checks, optimizer).
 

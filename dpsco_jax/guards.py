@@ -490,3 +490,41 @@ class RefusalMonitor:
       if error is not None:
         self._pending.clear()
         raise error
+
+
+def record_in(conditions: Sequence[tuple[Any, str]], state: PyTree,
+              step: Any, *, kind: str = '') -> PyTree:
+  """`record` into every refusal record of a state, poisoning nothing else.
+
+  For a check made outside the transformation that owns the records (the
+  physical-batch bookkeeping around a plan's step, `dpsco_jax.physical`):
+  each record of `state` takes the refusal, so every later step of the
+  state is poisoned (the caller poisons this step's output itself).
+
+  Example:
+    >>> opt_state = record_in([(count != expected, 'other examples')],
+    ...                       opt_state, step)
+
+  Args:
+    conditions: `(flag, message)` pairs, as for `record`.
+    state: a pytree holding `Refusal` records (an optimizer state).
+    step: the step the check belongs to.
+    kind: as for `record`.
+
+  Returns:
+    `state` with every record updated.
+
+  Raises:
+    ValueError: if `state` holds no record to keep the refusal in.
+  """
+  if not refusals_in(state):
+    raise ValueError('the state holds no refusal record (it was not made by '
+                     'a dpsco_jax private transformation\'s init)')
+
+  def update(leaf):
+    if isinstance(leaf, Refusal):
+      return record(conditions, (), leaf, step, kind=kind)[1]
+    return leaf
+
+  return jax.tree_util.tree_map(update, state,
+                                is_leaf=lambda x: isinstance(x, Refusal))

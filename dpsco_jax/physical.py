@@ -11,7 +11,7 @@ relies on and the optimizer, exactly as the one-call step does.
     plan = plans.dpsgd(loss_fn, optimizer=optax.sgd(0.1), ...,
                        physical_batch_size=256)
     for inputs in plan.batches_of(data):
-      params, opt_state = plan.run_logical_step(params, opt_state, inputs)
+      params, opt_state = plan.step(params, opt_state, inputs)
 
 Why it is the same release. The clipped sum is a sum over examples, so the
 sum of the physical batches' clipped sums is the logical batch's clipped
@@ -42,13 +42,15 @@ and `batch_mask`, as the sampler yielded them, exactly as in the one-call
 step. The physical batches are bound to those ids: each physical call adds
 the order-invariant fingerprint (`batching.batch_fingerprint`) of its
 real ids and counts its real examples, and the finishing program refuses
-(`guards.refuse`, the released sum poisoned) when the fingerprint or the
+(`guards.record_in`: the released sum poisoned, the refusal recorded in
+the state) when the fingerprint or the
 count differs from the logical batch's. So an example repeated across two
 physical batches, or physical batches that are not the logical batch, are
 refused like a repeated example in one call.
 """
 
 import dataclasses
+import functools
 from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import jax
@@ -60,6 +62,7 @@ from dpsco_jax import batching
 from dpsco_jax import checks
 from dpsco_jax import clipping
 from dpsco_jax import guards
+from dpsco_jax import noise as noise_lib
 
 PyTree = Any
 
@@ -350,6 +353,15 @@ def statistic_form(statistic: clipping.ClippedStatistic,
       physical_batch_size=physical_batch_size, granularity=granularity)
 
 
+def _step_of(opt_state: PyTree) -> jax.Array:
+  """The step counter of the state's noise mechanism (steps taken so far)."""
+  for leaf in jax.tree_util.tree_leaves(
+      opt_state, is_leaf=lambda x: isinstance(x, noise_lib.NoiseState)):
+    if isinstance(leaf, noise_lib.NoiseState):
+      return leaf.step
+  return jnp.zeros((), jnp.int32)
+
+
 def _plus(total: PyTree, part: PyTree) -> PyTree:
   return jax.tree_util.tree_map(jnp.add, total, part)
 
@@ -428,7 +440,7 @@ class LogicalStep:
           clipped.count != count,
           'the physical batches hold another number of examples than the '
           'logical batch: they were not cut from it (use '
-          'physical.split_logical_batch or Plan.run_logical_step).'))
+          'physical.split_logical_batch or Plan.step).'))
     if ids is not None:
       refusals.append((
           jnp.any(accumulation.fingerprint !=
@@ -436,9 +448,17 @@ class LogicalStep:
           'the physical batches hold other examples than the logical '
           'batch\'s example_ids (or one of them twice): the batch checks '
           'and the accounting describe the logical batch.'))
-    clipped = clipped._replace(sum=guards.refuse_any(refusals, clipped.sum))
+    if refusals:
+      # Poisoned on the device and recorded in the state (no host round
+      # trip): the release of this step is NaN, and so is every later one.
+      refused = functools.reduce(jnp.logical_or, [f for f, _ in refusals])
+      clipped = clipped._replace(sum=jax.tree_util.tree_map(
+          lambda s: jnp.where(refused, jnp.nan, s), clipped.sum))
+    step = _step_of(opt_state)
     updates, opt_state = self.transformation.update(
         None, opt_state, params, clipped_sum=clipped, **inputs)
+    if refusals:
+      opt_state = guards.record_in(refusals, opt_state, step, kind='batch')
     return optax.apply_updates(params, updates), opt_state
 
   def __call__(self, params: PyTree, opt_state: PyTree,

@@ -387,6 +387,14 @@ class Plan:
     of the run raises any refusal left. `block=True` waits for this step
     and raises its refusal at once (at the cost of the overlap).
 
+    A plan built with `physical_batch_size=` runs each logical batch as
+    fixed-size physical batches (`dpsco_jax.physical`: each size compiled
+    once, the clipped statistic summed on the device, at most one
+    microbatch of padding), then the noise, the batch checks (on the whole
+    logical batch) and the optimizer once: the same update up to float
+    summation order, with the same accounting, at the cost of the realized
+    batch, and for logical batches larger than memory.
+
     The step runs on one device, or on arrays already sharded over several
     under `jit`; a plan built with `axis_name=` runs under `jax.pmap` or
     `jax.shard_map`, in your own step (check its records with
@@ -419,16 +427,18 @@ class Plan:
       raise TypeError('batch_inputs must be a mapping of update\'s inputs '
                       '(an item of plan.batches_of(data)), got '
                       f'{type(batch_inputs).__name__}')
+    run = (self._compiled_update if self.physical_form is None else
+           self._logical_step)
     try:
-      if getattr(self._compiled_update, '_cache_size', lambda: 0)():
-        outputs = self._compiled_update(params, opt_state, dict(batch_inputs))
+      if self.physical_form is not None or getattr(
+          self._compiled_update, '_cache_size', lambda: 0)():
+        outputs = run(params, opt_state, dict(batch_inputs))
       else:
         # The first call compiles (seconds to minutes for a big model): say
         # so on stderr if it takes long.
         with progress.task(
             f'dpsco_jax: compiling the {self.algorithm} step'):
-          outputs = self._compiled_update(params, opt_state,
-                                          dict(batch_inputs))
+          outputs = run(params, opt_state, dict(batch_inputs))
       if block:
         self._refusal_monitor.flush()
         guards.raise_if_refused(outputs[1])
@@ -445,47 +455,6 @@ class Plan:
           f'this {self.algorithm} plan was built without physical_batch_size='
           ': build it with one to run logical batches as physical batches')
     return physical.LogicalStep(self.transformation, self.physical_form)
-
-  def run_logical_step(self, params: PyTree, opt_state: PyTree,
-                       batch_inputs: Mapping[str, Any], *, block: bool = True
-                       ) -> tuple[PyTree, PyTree]:
-    """`step` over physical batches: the same update, at the realized cost.
-
-    The logical batch's real examples are cut into physical batches of at
-    most `physical_batch_size` (`physical.physical_sizes`: each size
-    compiled once, at most one microbatch of padding), their clipped
-    statistic summed on the device, then the noise, the batch checks (on
-    the whole logical batch) and the optimizer run once, as in `step`:
-    equal to `step` on the same inputs up to float summation order, with
-    the same accounting. See `dpsco_jax.physical`.
-
-    Example:
-      >>> plan = plans.dpsgd(loss_fn, optimizer=optax.sgd(0.1), ...,
-      ...                    physical_batch_size=64)
-      >>> for inputs in plan.batches_of(data):
-      ...   params, opt_state = plan.run_logical_step(params, opt_state,
-      ...                                             inputs)
-
-    Args:
-      params: the current params.
-      opt_state: the current optimizer state.
-      batch_inputs: one item of `batches_of(data)` (host arrays).
-      block: wait for the outputs before returning (as in `step`).
-
-    Returns:
-      `(params, opt_state)` after the logical step.
-
-    Raises:
-      PrivacyGuardError: the step was refused.
-      ValueError: the plan was built without `physical_batch_size`.
-      TypeError: `batch_inputs` is not a mapping.
-    """
-    if not isinstance(batch_inputs, Mapping):
-      raise TypeError('batch_inputs must be a mapping of update\'s inputs '
-                      '(an item of plan.batches_of(data)), got '
-                      f'{type(batch_inputs).__name__}')
-    step = guards.library_errors(self._logical_step, block=block)
-    return step(params, opt_state, batch_inputs)
 
 
 # ---------------------------------------------------------------- shared
@@ -727,7 +696,7 @@ def _batched_plan(
   The noise is calibrated to what the `releases` (private preprocessing of
   the same data) leave of the target, and the ledger spends them too.
   `physical_form` (the private transformation's statistic, for
-  `Plan.run_logical_step`) changes nothing else.
+  `Plan.step`) changes nothing else.
   """
   _target(epsilon, noise_multiplier, delta, sampler.num_examples,
           hyperparameters.get('privacy_unit', 'example'))
@@ -842,7 +811,7 @@ def dpsgd(
       (`dpsco_jax.clipping`).
     axis_name: the device axis on several devices.
     physical_batch_size: run each logical batch as physical batches of at
-      most this many examples, noised once (`Plan.run_logical_step`,
+      most this many examples, noised once (`Plan.step`,
       `dpsco_jax.physical`): Poisson batches at the cost of their realized
       size, and logical batches larger than memory. None (default): one
       call per batch only.
@@ -951,7 +920,7 @@ def dpftrl(
       (`dpsco_jax.clipping`).
     axis_name: the device axis on several devices.
     physical_batch_size: run each logical batch as physical batches of at
-      most this many examples, noised once (`Plan.run_logical_step`,
+      most this many examples, noised once (`Plan.step`,
       `dpsco_jax.physical`): Poisson batches at the cost of their realized
       size, and logical batches larger than memory. None (default): one
       call per batch only.
@@ -1246,7 +1215,7 @@ def dpmemf(
       (`dpsco_jax.clipping`).
     axis_name: the device axis on several devices.
     physical_batch_size: run each logical batch as physical batches of at
-      most this many examples, noised once (`Plan.run_logical_step`,
+      most this many examples, noised once (`Plan.step`,
       `dpsco_jax.physical`): Poisson batches at the cost of their realized
       size, and logical batches larger than memory. None (default): one
       call per batch only.
@@ -1469,7 +1438,7 @@ def unaccelerated_dp_srg(
       (`dpsco_jax.clipping`).
     axis_name: the device axis on several devices.
     physical_batch_size: run each batch as physical batches of at most
-      this many examples, noised once (`Plan.run_logical_step`,
+      this many examples, noised once (`Plan.step`,
       `dpsco_jax.physical`). None (default): one call per batch only.
 
   Returns:
@@ -1581,7 +1550,7 @@ def dp_srg_memf(
       (`dpsco_jax.clipping`).
     axis_name: the device axis on several devices.
     physical_batch_size: run each logical batch as physical batches of at
-      most this many examples, noised once (`Plan.run_logical_step`,
+      most this many examples, noised once (`Plan.step`,
       `dpsco_jax.physical`). None (default): one call per batch only.
 
   Returns:
@@ -1845,7 +1814,7 @@ def user_level_dpsgd(
     clipping_method: 'auto', 'ghost' or 'vmap'.
     axis_name: the device axis on several devices.
     physical_batch_size: run each logical batch as physical batches of at
-      most this many users, noised once (`Plan.run_logical_step`,
+      most this many users, noised once (`Plan.step`,
       `dpsco_jax.physical`). None (default): one call per batch only.
 
   Returns:

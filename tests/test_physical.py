@@ -1,11 +1,13 @@
 """Physical batches: a logical batch run in fixed-size pieces, noised once.
 
-`Plan.run_logical_step` must be the plan's one-call `step` (same key, same
+`Plan.step` of a plan built with `physical_batch_size=` must be the plan's
+one-call step (its transformation's update compiled whole, same key, same
 batch) up to float summation order, evaluate at most one microbatch of
 padding, compile a bounded set of shapes, and keep every batch check of the
 accounting on the whole logical batch.
 """
 
+import functools
 import os
 import re
 import sys
@@ -135,6 +137,16 @@ def test_split_pads_only_the_last_pieces_and_keeps_every_real_example():
   assert 'batch' not in logical.inputs
 
 
+def _one_call(plan):
+  """The plan's one-call step: its whole update as one compiled program."""
+  return guards.library_errors(plan._compiled_update)  # pylint: disable=protected-access
+
+
+def _logical(plan):
+  """The plan's step over physical batches, raising its refusal at once."""
+  return functools.partial(plan.step, block=True)
+
+
 # ------------------------------------------------ the same step, cheaper
 
 
@@ -144,8 +156,8 @@ def test_logical_step_equals_the_one_call_step(path):
   one, by_pieces = PARAMS, PARAMS
   one_state = pieces_state = plan.init(PARAMS)
   for step, inputs in zip(range(STEPS), plan.batches_of(DATA)):
-    one, one_state = plan.step(one, one_state, inputs)
-    by_pieces, pieces_state = plan.run_logical_step(by_pieces, pieces_state,
+    one, one_state = _one_call(plan)(one, one_state, inputs)
+    by_pieces, pieces_state = _logical(plan)(by_pieces, pieces_state,
                                                     inputs)
     _close(by_pieces, one)
     _close(pieces_state, one_state)
@@ -162,8 +174,8 @@ def test_an_empty_logical_batch_releases_the_noise_alone():
   inputs['batch_mask'] = np.zeros_like(inputs['batch_mask'])
   assert physical.split_logical_batch(inputs, 8).physical == ()
   state = plan.init(PARAMS)
-  expected, expected_state = plan.step(PARAMS, state, inputs)
-  got, got_state = plan.run_logical_step(PARAMS, state, inputs)
+  expected, expected_state = _one_call(plan)(PARAMS, state, inputs)
+  got, got_state = _logical(plan)(PARAMS, state, inputs)
   _close(got, expected)
   _close(got_state, expected_state)
 
@@ -202,8 +214,8 @@ def test_dpftrl_fixed_order_batches_equal_the_one_call_step():
   one = by_pieces = PARAMS
   one_state = pieces_state = plan.init(PARAMS)
   for inputs in plan.batches_of(DATA):
-    one, one_state = plan.step(one, one_state, inputs)
-    by_pieces, pieces_state = plan.run_logical_step(by_pieces, pieces_state,
+    one, one_state = _one_call(plan)(one, one_state, inputs)
+    by_pieces, pieces_state = _logical(plan)(by_pieces, pieces_state,
                                                     inputs)
   _close(by_pieces, one)
   _close(pieces_state, one_state)
@@ -221,8 +233,8 @@ def test_user_level_batches_equal_the_one_call_step():
   one = by_pieces = PARAMS
   one_state = pieces_state = plan.init(PARAMS)
   for _, inputs in zip(range(STEPS), plan.batches_of(users)):
-    one, one_state = plan.step(one, one_state, inputs)
-    by_pieces, pieces_state = plan.run_logical_step(by_pieces, pieces_state,
+    one, one_state = _one_call(plan)(one, one_state, inputs)
+    by_pieces, pieces_state = _logical(plan)(by_pieces, pieces_state,
                                                     inputs)
   _close(by_pieces, one)
   _close(pieces_state, one_state)
@@ -240,8 +252,8 @@ def test_srg_memf_differences_at_two_points_equal_the_one_call_step():
   one = by_pieces = PARAMS
   one_state = pieces_state = plan.init(PARAMS)
   for inputs in plan.batches_of(DATA):   # 4 steps: c_0 = 0, then c = 0.5
-    one, one_state = plan.step(one, one_state, inputs)
-    by_pieces, pieces_state = plan.run_logical_step(by_pieces, pieces_state,
+    one, one_state = _one_call(plan)(one, one_state, inputs)
+    by_pieces, pieces_state = _logical(plan)(by_pieces, pieces_state,
                                                     inputs)
   _close(by_pieces, one)
   _close(pieces_state, one_state)
@@ -257,8 +269,8 @@ def test_unaccelerated_srg_differences_equal_the_one_call_step():
   one = by_pieces = PARAMS
   one_state = pieces_state = plan.init(PARAMS)
   for inputs in plan.batches_of(DATA):
-    one, one_state = plan.step(one, one_state, inputs)
-    by_pieces, pieces_state = plan.run_logical_step(by_pieces, pieces_state,
+    one, one_state = _one_call(plan)(one, one_state, inputs)
+    by_pieces, pieces_state = _logical(plan)(by_pieces, pieces_state,
                                                     inputs)
   _close(by_pieces, one)
   _close(pieces_state, one_state)
@@ -275,7 +287,7 @@ def test_a_plan_without_physical_batches_says_how_to_get_them():
                      batch_size=EXPECTED, epochs=1, l2_clip=0.5,
                      noise_multiplier=1.0, delta=1e-5, key=0, seed=1)
   with pytest.raises(ValueError, match='without physical_batch_size'):
-    plan.run_logical_step(PARAMS, plan.init(PARAMS), _first_inputs(plan))
+    _logical(plan)(PARAMS, plan.init(PARAMS), _first_inputs(plan))
 
 
 # ------------------------------------------------------ the checks hold
@@ -300,9 +312,9 @@ def test_an_id_repeated_across_two_physical_batches_is_refused():
   assert ids[real[0]] in pieces[0].example_ids
   assert ids[real[0]] in pieces[1].example_ids[pieces[1].batch_mask]
   state = plan.init(PARAMS)
-  message = _refused(plan.run_logical_step, PARAMS, state, inputs)
+  message = _refused(_logical(plan), PARAMS, state, inputs)
   assert 'the same example id twice' in message
-  assert message == _refused(plan.step, PARAMS, state, inputs)
+  assert message == _refused(_one_call(plan), PARAMS, state, inputs)
 
 
 def test_a_batch_too_large_for_poisson_sampling_is_refused():
@@ -312,7 +324,7 @@ def test_a_batch_too_large_for_poisson_sampling_is_refused():
   assert pad > batching.poisson_size_bound(N, EXPECTED / N)
   inputs = {'batch': jax.tree_util.tree_map(lambda x: x[ids], DATA),
             'batch_mask': np.ones(pad, bool), 'example_ids': ids}
-  message = _refused(plan.run_logical_step, PARAMS, plan.init(PARAMS),
+  message = _refused(_logical(plan), PARAMS, plan.init(PARAMS),
                      inputs)
   assert 'which a Poisson batch' in message
 
@@ -348,7 +360,7 @@ def test_physical_batches_that_are_not_the_logical_batch_are_refused():
       run, step, PARAMS, state, inputs, other_example)
   # Untampered, the same pieces pass.
   _close(run(step, PARAMS, state, inputs, lambda pieces: pieces),
-         plan.run_logical_step(PARAMS, state, inputs))
+         _logical(plan)(PARAMS, state, inputs))
 
 
 # ------------------------------------------------------------- the docs
