@@ -374,12 +374,20 @@ def refusals_in(tree: PyTree) -> list[Refusal]:
           if isinstance(leaf, Refusal)]
 
 
+def _on_host(array: Any) -> np.ndarray:
+  # A record replicated over the devices of several processes is not fully
+  # addressable here; every process holds a full copy of it.
+  if isinstance(array, jax.Array) and not array.is_fully_addressable:
+    array = array.addressable_data(0)
+  return np.asarray(array)
+
+
 def _error_from(refusal: Refusal) -> Optional[PrivacyGuardError]:
-  codes = np.asarray(refusal.check).reshape(-1)
+  codes = _on_host(refusal.check).reshape(-1)
   if not codes.any():
     return None
   where = int(np.flatnonzero(codes)[0])
-  steps = np.broadcast_to(np.asarray(refusal.step),
+  steps = np.broadcast_to(_on_host(refusal.step),
                           np.shape(refusal.check)).reshape(-1)
   code, step = int(codes[where]), int(steps[where])
   message, kind = _CHECKS.get(code, (

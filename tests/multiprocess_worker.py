@@ -24,6 +24,7 @@ def main(process_id: int, port: str, out: str, fresh_keys: bool) -> None:
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  from dpsco_jax import guards  # pylint: disable=g-import-not-at-top
   from tests import test_multiprocess as common  # pylint: disable=g-import-not-at-top
 
   mesh = Mesh(np.array(jax.devices()), ('devices',))
@@ -41,6 +42,7 @@ def main(process_id: int, port: str, out: str, fresh_keys: bool) -> None:
       global_batch = {k: jax.make_array_from_process_local_data(
           sharding, v, batch[k].shape) for k, v in local.items()}
       params, state, updates = step(params, state, global_batch)
+      guards.raise_if_refused(state)
       result.append(np.asarray(multihost_utils.process_allgather(
           updates, tiled=True)).tolist())
     outcome = {'updates': result}

@@ -315,8 +315,9 @@ class PlanRefusalTest(parameterized.TestCase):
         None, s, jnp.zeros(DIM), **inputs))
     inputs = {'batch': jax.tree.map(lambda x: x[take], _data()),
               'example_ids': take, 'batch_mask': np.arange(size) < N}
-    with self.assertRaisesRegex(Exception, 'practically never'):
-      jax.block_until_ready(step(state, inputs))
+    with self.assertRaisesRegex(dpsco_jax.PrivacyGuardError,
+                                'practically never'):
+      dpsco_jax.raise_if_refused(step(state, inputs))
 
   def test_fixed_order_plan_refuses_a_reshuffled_epoch(self):
     plan = self._plan(sampling='fixed')

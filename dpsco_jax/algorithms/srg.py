@@ -358,6 +358,7 @@ def _srg_coefficients(schedule: Optional[_Weights]
   return coefficients
 
 
+@keywords.checked
 def srg_physical_form(loss_fn: LossFn, *, l2_clip: float, num_steps: int,
                       physical_batch_size: int,
                       microbatch_size: Optional[int] = None,
@@ -1076,6 +1077,7 @@ def memf_coefficients(decay: float
   return coefficients
 
 
+@keywords.checked
 def memf_physical_form(loss_fn: LossFn, *, l2_clip: float, decay: float,
                        physical_batch_size: int,
                        microbatch_size: Optional[int] = None,
