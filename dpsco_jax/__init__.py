@@ -151,7 +151,10 @@ from dpsco_jax.clipping import ClippedSum
 from dpsco_jax.clipping import GhostClippingFallbackWarning
 from dpsco_jax.clipping import UserBatch
 from dpsco_jax.estimators import noisy_gradient
+from dpsco_jax.checks import LargeDeltaWarning
+from dpsco_jax.checks import NonFiniteDataWarning
 from dpsco_jax.checks import NoPrivacyWarning
+from dpsco_jax.data import ClippedValuesWarning
 from dpsco_jax.guards import PrivacyGuardError
 from dpsco_jax.guards import raise_if_refused
 from dpsco_jax.guards import Refusal
@@ -248,7 +251,10 @@ __all__ = (
     'GhostClippingFallbackWarning',
     'UserBatch',
     'noisy_gradient',
+    'LargeDeltaWarning',
+    'NonFiniteDataWarning',
     'NoPrivacyWarning',
+    'ClippedValuesWarning',
     'PrivacyGuardError',
     'raise_if_refused',
     'Refusal',

@@ -1556,9 +1556,7 @@ def _sampler_seeds(key: Any, count: int) -> list[int]:
 
 def _reseeded(sampler: Any, seed: int) -> Any:
   """The plan's sampler with another seed (same class, sizes, padding)."""
-  names = {field.name for field in dataclasses.fields(sampler)}
-  name = 'seed' if 'seed' in names else 'order_seed'
-  return dataclasses.replace(sampler, **{name: seed})
+  return batching.reseeded(sampler, seed)
 
 
 # The chunk size `audit_plan` starts from: enough runs to vectorize the

@@ -185,7 +185,7 @@ def _check_start_step(start_step: int, largest: int) -> int:
 class FixedOrderBatches(_EpochBatches):
   """The same batches, in the same order, every epoch.
 
-  The order is a permutation drawn once from `order_seed` (a public choice,
+  The order is a permutation drawn once from `seed` (a public choice,
   made before seeing the data).
 
   Example:
@@ -194,10 +194,26 @@ class FixedOrderBatches(_EpochBatches):
     >>> for indices in batches: ...     # 20 arrays of 100 indices
 
   Attributes:
-    order_seed: seed of the public order (None: natural order 0..n-1).
+    seed: seed of the public order (None: natural order 0..n-1); the same
+      field name as every other sampler's seed. Its old spelling
+      `order_seed=` is accepted with a `DeprecationWarning` until dpsco_jax
+      0.3.0.
   """
 
-  order_seed: Optional[int] = dataclasses.field(default=None, kw_only=True)
+  seed: Optional[int] = dataclasses.field(default=None, kw_only=True)
+  order_seed: dataclasses.InitVar[Optional[int]] = dataclasses.field(
+      default=None, kw_only=True)
+
+  def __post_init__(self, order_seed=None):
+    if order_seed is not None:
+      if self.seed is not None:
+        raise TypeError('FixedOrderBatches got seed= and its old spelling '
+                        'order_seed=: give seed= alone')
+      warnings.warn('FixedOrderBatches(order_seed=) is now seed= (the name '
+                    'every sampler uses); order_seed= stops working in '
+                    'dpsco_jax 0.3.0', DeprecationWarning, stacklevel=3)
+      object.__setattr__(self, 'seed', order_seed)
+    super().__post_init__()
 
   @property
   def participation(self) -> accounting.FixedOrder:
@@ -205,10 +221,10 @@ class FixedOrderBatches(_EpochBatches):
 
   def _epoch_batches(self, epoch: int) -> np.ndarray:
     del epoch  # The same order every epoch.
-    if self.order_seed is None:
+    if self.seed is None:
       order = np.arange(self.num_examples)
     else:
-      order = np.random.default_rng(self.order_seed).permutation(
+      order = np.random.default_rng(self.seed).permutation(
           self.num_examples)
     return self._batches_of(order)
 
@@ -364,6 +380,37 @@ class PoissonBatches:
       indices[:len(chosen)] = chosen
       mask = np.arange(size) < len(chosen)
       yield indices, mask
+
+
+def reseeded(sampler: Any, seed: int) -> Any:
+  """The same sampler with another seed: one more run of the same plan.
+
+  Every sampler names its seed `seed`; the sizes, padding and so the
+  participation the run is accounted for are unchanged (checked).
+
+  Example:
+    >>> runs = [reseeded(plan.batches, seed) for seed in (1, 2, 3)]
+
+  Args:
+    sampler: a `batching` sampler.
+    seed: the new seed.
+
+  Returns:
+    A sampler of the same class with `seed` replaced.
+
+  Raises:
+    ValueError: for a sampler without a seed field.
+  """
+  if not dataclasses.is_dataclass(sampler) or 'seed' not in {
+      field.name for field in dataclasses.fields(sampler)}:
+    raise ValueError(f'{type(sampler).__name__} has no seed to replace')
+  with warnings.catch_warnings():
+    # Said once already, when the sampler was first made.
+    warnings.simplefilter('ignore', RemainderWarning)
+    other = dataclasses.replace(sampler, seed=int(seed))
+  if other.participation != sampler.participation:
+    raise AssertionError('re-seeding changed the participation')
+  return other
 
 
 def _padded(chosen: np.ndarray, pad_to_multiple: int

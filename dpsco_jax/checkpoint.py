@@ -617,7 +617,7 @@ def describe_sampler(sampler: Union[Sampler, Mapping[str, Any]]) -> dict:
   it is kept in the (non-private) checkpoint, never exported.
 
   Example:
-    >>> describe_sampler(batching.FixedOrderBatches(100, 10, order_seed=3))
+    >>> describe_sampler(batching.FixedOrderBatches(100, 10, seed=3))
     {'class': 'FixedOrderBatches', 'num_examples': 100, ...}
 
   Args:

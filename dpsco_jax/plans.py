@@ -553,7 +553,7 @@ def _sampler(sampling: str, num_examples: int, batch_size: int, epochs: int,
   seed = _fresh_seed(seed)
   if sampling == 'fixed':
     return batching.FixedOrderBatches(num_examples, batch_size, epochs,
-                                      order_seed=seed)
+                                      seed=seed)
   if sampling == 'shuffled':
     return batching.ShuffledBatches(num_examples, batch_size, epochs,
                                     seed=seed)

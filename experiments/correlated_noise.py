@@ -48,7 +48,6 @@ Writes `results.csv`, `tuning.csv`, `runs.csv`, `results.md`,
 description, dp_accounting event and epsilon spent) to `--output_dir`.
 """
 
-import dataclasses
 import functools
 import math
 import os
@@ -187,7 +186,7 @@ def nonprivate_sampler(config: ml_collections.ConfigDict,
   with warnings.catch_warnings():
     warnings.simplefilter('ignore', batching.RemainderWarning)
     return batching.FixedOrderBatches(num_examples, config.batch_size,
-                                      config.num_epochs, order_seed=0)
+                                      config.num_epochs, seed=0)
 
 
 def sampler_for_seed(sampler: Any, seed: int) -> Any:
@@ -211,17 +210,7 @@ def sampler_for_seed(sampler: Any, seed: int) -> Any:
   Raises:
     ValueError: for a sampler without a seed field.
   """
-  field = ('order_seed' if isinstance(sampler, batching.FixedOrderBatches)
-           else 'seed')
-  if not hasattr(sampler, field):
-    raise ValueError(f'{type(sampler).__name__} has no {field} to re-seed')
-  with warnings.catch_warnings():
-    # Said once already, when the plan made the sampler.
-    warnings.simplefilter('ignore', batching.RemainderWarning)
-    reseeded = dataclasses.replace(sampler, **{field: int(seed)})
-  if reseeded.participation != sampler.participation:
-    raise AssertionError('re-seeding changed the participation')
-  return reseeded
+  return batching.reseeded(sampler, seed)
 
 
 def padded_batches(sampler: Any, seeds: Sequence[int]

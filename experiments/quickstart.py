@@ -92,7 +92,7 @@ def run_algorithm(name: str, config: ml_collections.ConfigDict,
   if name == 'nonprivate':
     sampler = batching.FixedOrderBatches(
         n, config.batch_size, config.num_epochs,
-        order_seed=seed_for(config.seed, 'dpftrl/batches'))
+        seed=seed_for(config.seed, 'dpftrl/batches'))
     result = spine.run_optimizer(
         name, optax.sgd(config.learning_rate, momentum=config.momentum),
         train_loss, params, train, sampler, num_steps=sampler.num_steps,

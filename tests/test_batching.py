@@ -15,7 +15,7 @@ from dpsco_jax import batching
 
 def test_fixed_order_repeats_the_same_batches_every_epoch():
   sampler = batching.FixedOrderBatches(103, batch_size=10, num_epochs=3,
-                                       order_seed=4)
+                                       seed=4)
   batches = list(sampler)
   assert len(batches) == sampler.num_steps == 30
   assert sampler.participation == accounting.FixedOrder(3, 10)
@@ -71,7 +71,7 @@ def test_bad_sampler_arguments(make):
 
 def test_samplers_resume_where_they_stopped():
   samplers = [
-      batching.FixedOrderBatches(50, 8, num_epochs=3, order_seed=2),
+      batching.FixedOrderBatches(50, 8, num_epochs=3, seed=2),
       batching.ShuffledBatches(50, 8, num_epochs=3, seed=2),
   ]
   for sampler in samplers:
@@ -106,7 +106,7 @@ def test_iteration_draws_the_same_stream_as_one_generator_per_run():
   got = list(batching.ShuffledBatches(50, 8, num_epochs=3, seed=3))
   np.testing.assert_array_equal(np.stack(got), np.concatenate(expected))
   order = np.random.default_rng(4).permutation(50)[:48].reshape(6, 8)
-  got = list(batching.FixedOrderBatches(50, 8, num_epochs=2, order_seed=4))
+  got = list(batching.FixedOrderBatches(50, 8, num_epochs=2, seed=4))
   np.testing.assert_array_equal(np.stack(got), np.concatenate([order, order]))
   rng = np.random.default_rng(5)
   for indices, mask in batching.PoissonBatches(40, 0.2, 9, seed=5):
@@ -131,7 +131,7 @@ def guard_steps(guard, batches, masks=None):
 
 
 def test_guard_accepts_fixed_order_batches():
-  sampler = batching.FixedOrderBatches(50, 8, num_epochs=3, order_seed=2)
+  sampler = batching.FixedOrderBatches(50, 8, num_epochs=3, seed=2)
   guard = batching.fixed_order_guard(sampler.steps_per_epoch,
                                      num_examples=50)
   state = guard_steps(guard, list(sampler))
@@ -247,3 +247,24 @@ def test_a_dropped_remainder_is_announced(monkeypatch):
       assert sampler.unused_per_epoch == 100
   assert [w.category for w in caught] == [batching.RemainderWarning] * 2
   assert '100 example(s) per epoch are not used' in str(caught[0].message)
+
+
+def test_every_sampler_names_its_seed_seed_and_reseeds_alike():
+  samplers = [batching.FixedOrderBatches(50, 8, num_epochs=2, seed=1),
+              batching.ShuffledBatches(50, 8, num_epochs=2, seed=1),
+              batching.PoissonBatches(50, 0.2, num_steps=4, seed=1)]
+  for sampler in samplers:
+    other = batching.reseeded(sampler, 2)
+    assert type(other) is type(sampler) and other.seed == 2
+    assert other.participation == sampler.participation
+    first = [np.asarray(b[0] if isinstance(b, tuple) else b) for b in sampler]
+    second = [np.asarray(b[0] if isinstance(b, tuple) else b) for b in other]
+    assert any(not np.array_equal(a, b) for a, b in zip(first, second))
+  # The old spelling still works, with a warning, and means the same.
+  with pytest.warns(DeprecationWarning, match='order_seed'):
+    old = batching.FixedOrderBatches(50, 8, num_epochs=2, order_seed=1)
+  assert old == samplers[0]
+  with pytest.raises(TypeError, match='seed= alone'):
+    batching.FixedOrderBatches(50, 8, seed=1, order_seed=1)
+  with pytest.raises(ValueError, match='no seed'):
+    batching.reseeded(object(), 1)

@@ -52,7 +52,7 @@ def _setup(name, *, key=KEY, noise_multiplier=1.5, num_steps=NUM_STEPS):
   """(tx, mechanism, ledger, sampler) of a small run of `name` (cached, so
   that each algorithm's step compiles once)."""
   sampler = batching.FixedOrderBatches(NUM_EXAMPLES, BATCH, EPOCHS,
-                                       order_seed=1)
+                                       seed=1)
   common = dict(l2_clip=1.0, noise_multiplier=noise_multiplier, key=key)
   if name == 'dpsgd':
     private = dpsco_jax.dpsgd(_loss, num_steps=num_steps, **common)
@@ -282,7 +282,7 @@ def test_resume_with_another_sampler_or_an_older_checkpoint_is_refused(
     tmp_path):
   path, tx, ledger, *_ = _saved(tmp_path)
   reordered = batching.FixedOrderBatches(NUM_EXAMPLES, BATCH, EPOCHS,
-                                         order_seed=2)
+                                         seed=2)
   with pytest.raises(checkpoint.CheckpointMismatchError, match='sampler'):
     checkpoint.restore(path, params_like=_params(),
                        opt_state_like=tx.init(_params()), sampler=reordered)

@@ -41,7 +41,7 @@ def dataset(seed=0):
 
 def fixed_order():
   return list(batching.FixedOrderBatches(NUM_EXAMPLES, BATCH, NUM_EPOCHS,
-                                         order_seed=3))
+                                         seed=3))
 
 
 def make_step(tx):

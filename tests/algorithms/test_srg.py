@@ -452,7 +452,7 @@ def test_srg_memf_with_zero_decay_is_dpmemf():
       strategies.workload(num_steps, 'true', momentum=0.9), num_epochs,
       cache_dir=None)
   order = list(dpsco_jax.batching.FixedOrderBatches(
-      steps_per_epoch * BATCH, BATCH, num_epochs, order_seed=1))
+      steps_per_epoch * BATCH, BATCH, num_epochs, seed=1))
   common = dict(l2_clip=0.3, noise_multiplier=1.2, strategy=strategy,
                 steps_per_epoch=steps_per_epoch,
                 num_examples=steps_per_epoch * BATCH, key=6)
