@@ -178,9 +178,11 @@ def _squared_norms_in_clip_units(contributions: PyTree,
     rows = leaf.reshape(leaf.shape[0], -1)
     sizes.append(rows.shape[1])
     total = total + rounding.blocked_sum_of_squares(rows)
-  # Two roundings before the square: 1 / l2_clip and the product.
+  # Two roundings before the square: 1 / l2_clip and the product; a traced
+  # clip (selected on the device) met a third, its own rounding to float32.
+  extra = 2 if isinstance(l2_clip, (int, float)) else 3
   return rounding.upper_bound(
-      total, rounding.squared_norm_roundings(sizes, extra=2), sum(sizes),
+      total, rounding.squared_norm_roundings(sizes, extra=extra), sum(sizes),
       dtype)
 
 
