@@ -414,3 +414,27 @@ def sum_clip_shrink(num_terms: int, roundings: int, dtype: Any) -> float:
         f'in {np.dtype(dtype).name} could move the sum by more than the clip '
         f'(bound {margin:.3g}): use smaller microbatches or a wider dtype')
   return 1.0 / (1.0 + margin)
+
+
+def float32_values(values: Any) -> np.ndarray:
+  """The float64 array of `values` as the device holds them, in float32.
+
+  Coefficients that a mechanism casts to float32 for the device (a BLT's
+  decays and scales) define the linear map the device really applies; the
+  accountant must read those, not the float64 values they were rounded
+  from. Near a decay of 1 the difference matters: at T = 10^6 steps,
+  decays `1 - 1.4 * 2^-24` rounded to float32 raise the sensitivity by
+  1.2% (`tests/test_precision.py`).
+
+  Example:
+    >>> float32_values([0.1])[0] == float(np.float32(0.1))
+    True
+
+  Args:
+    values: an array-like of floats.
+
+  Returns:
+    float64 values, each exactly representable in float32.
+  """
+  return np.asarray(np.asarray(values, np.float64).astype(np.float32),
+                    np.float64)

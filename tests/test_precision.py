@@ -21,8 +21,11 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
+from dpsco_jax import blt
 from dpsco_jax import clipping
+from dpsco_jax import noise
 from dpsco_jax import rounding
+from dpsco_jax import strategies
 
 F32 = np.float32
 
@@ -198,3 +201,43 @@ def test_clipped_contributions_hold_under_tf32_matmuls():
                                      np.float64)) for i in range(16)]
   assert max(norms) <= 1.0, max(norms)
   assert min(norms) > 1.0 - 1e-4
+
+
+# ------------------------------------------------ correlated-noise coefficients
+
+
+def test_the_blt_is_accounted_with_the_coefficients_the_device_applies():
+  # A decay just below 1 that float32 rounds UP, over a long run: the BLT
+  # the device runs has a 1.2% larger sensitivity than the float64 one.
+  params = blt.parameters(np.array([1 - 1.4 * 2.0 ** -24, 0.9]),
+                          np.array([0.3, 0.2]))
+  steps = 10 ** 6
+  device = blt.parameters(*(np.asarray(np.asarray(v, F32), np.float64)
+                            for v in params))
+  assert blt.sensitivity(device, steps) > 1.01 * blt.sensitivity(params, steps)
+  stated = blt.mechanism(params, steps).single_participation_sensitivity()
+  assert stated == blt.sensitivity(device, steps)
+
+
+def _noise_after(mechanism, steps=5):
+  template = {'w': jnp.zeros((7,), jnp.float32)}
+  state = mechanism.init(template, jax.random.key(0))
+  for _ in range(steps):
+    _, state = mechanism.next(state, template)
+  return state, template
+
+
+def test_correlated_noise_applies_its_coefficients_in_full_float32():
+  # Under TF32 matmuls a coefficient rounded to 10 bits is another strategy
+  # than the accounted one; the noise must not change under the emulation.
+  mechanisms = [
+      blt.mechanism(blt.parameters(np.array([0.9, 0.5]),
+                                   np.array([0.3, 0.2])), 20),
+      noise.matrix_factorization(
+          strategies.banded_inverse_square_root(20, 4))]
+  for mechanism in mechanisms:
+    state, template = _noise_after(mechanism)
+    next_noise = lambda s, m=mechanism: m.next(s, template)[0]['w']
+    np.testing.assert_array_equal(
+        np.asarray(_emulate_tf32(next_noise)(state)),
+        np.asarray(next_noise(state)), err_msg=mechanism.name)
