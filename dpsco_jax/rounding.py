@@ -387,8 +387,8 @@ def sum_clip_shrink(num_terms: int, roundings: int, dtype: Any) -> float:
   (f >= 1 the neighbouring relation's factor), which is at most f C when
   `C' = C / (1 + 2 gamma_N n)`: this returns `1 / (1 + 2 gamma_N n)`. The
   sensitivity stays `f C`, as accounted; contributions are clipped that
-  much harder (3.7e-4 at n = 1024 with `weighted_row_sum`, N = 3; 5.9e-3
-  at n = 16384). Without it, adversarial contributions summed in a running
+  much harder (3.7e-4 at n = 1024 with `weighted_row_sum` alone, N = 3;
+  5.9e-3 at n = 16384). Without it, adversarial contributions summed in a running
   order move the sum of one neighbour by more than the clip (Casacuberta
   et al. 2022; `tests/test_precision.py`).
 

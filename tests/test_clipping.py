@@ -93,12 +93,18 @@ def _rows(batch, indices):
 
 
 def _reference(contribution_fn, batch, indices, clip=CLIP):
-  """Loop reference: sum of contributions scaled by min(1, C/||g||)."""
+  """Loop reference: sum of contributions scaled by min(1, C'/||g||).
+
+  C' is `clipping.effective_clip` for the batch's size: the clip lowered by
+  the bound on the batch sum's rounding.
+  """
   total, num_clipped = 0.0, 0
+  size = clipping.batch_size_of(batch)
   for index in indices:
     contribution = _flat(contribution_fn(_row(batch, index)))
     norm = np.linalg.norm(contribution)
-    total = total + contribution * min(1.0, clip / norm)
+    total = total + contribution * min(
+        1.0, clipping.effective_clip(clip, size) / norm)
     num_clipped += int(norm > clip)
   return total, num_clipped
 
@@ -151,9 +157,12 @@ def test_adversarial_example_moves_sum_by_at_most_sensitivity(value, dropped):
     assert int(with_adversary.num_nonfinite) == 1
     np.testing.assert_allclose(difference, 0.0, atol=1e-6)
   else:
-    # Clipped to norm C along its own direction (~e_0), not dropped.
+    # Clipped to norm C' (`effective_clip`) along its own direction (~e_0),
+    # not dropped.
     assert int(with_adversary.num_nonfinite) == 0
-    np.testing.assert_allclose(difference, [CLIP, 0.0, 0.0, 0.0], atol=1e-6)
+    np.testing.assert_allclose(
+        difference, [clipping.effective_clip(CLIP, 6), 0.0, 0.0, 0.0],
+        atol=1e-6)
     assert int(with_adversary.num_clipped) == int(without.num_clipped) + 1
 
 
