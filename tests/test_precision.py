@@ -114,8 +114,10 @@ def test_the_sum_shrink_pays_for_the_bound_on_the_rounding():
   stat = clipping.clipped_grad_sum(linear_loss, 1.0, method='vmap')
   out = stat({'x': contributions}, {'w': jnp.zeros((3,), jnp.float32)})
   norm = np.linalg.norm(np.asarray(out.sum['w'], np.float64)) / 4
-  assert norm <= rounding.sum_clip_shrink(4, 7, jnp.float32)
-  assert norm > 1.0 - 1e-5
+  assert clipping.effective_clip(1.0, 4) <= rounding.sum_clip_shrink(
+      4, 7, jnp.float32)
+  assert norm <= clipping.effective_clip(1.0, 4)
+  assert norm > clipping.effective_clip(1.0, 4) - 1e-6
 
 
 def test_compensated_sums_are_accurate_whatever_the_order():
