@@ -201,8 +201,10 @@ def test_clipped_contributions_hold_under_tf32_matmuls():
   one_row = _emulate_tf32(lambda x: stat({'x': x}, params).sum['w'])
   norms = [np.linalg.norm(np.asarray(one_row(jnp.asarray(rows[i:i + 1])),
                                      np.float64)) for i in range(16)]
-  assert max(norms) <= 1.0, max(norms)
-  assert min(norms) > 1.0 - 1e-4
+  # Held to the clip the certificate gives (`effective_clip`), not past it.
+  clip = clipping.effective_clip(1.0, 1)
+  assert max(norms) <= clip, max(norms)
+  assert min(norms) > clip - 1e-5   # the norms' own rounding margins
 
 
 # ------------------------------------------------ correlated-noise coefficients
