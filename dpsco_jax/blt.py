@@ -64,6 +64,7 @@ from scipy import special
 
 from dpsco_jax import checks
 from dpsco_jax import noise as noise_lib
+from dpsco_jax import rounding
 from dpsco_jax import strategies as strategies_lib
 
 PyTree = Any
@@ -686,6 +687,8 @@ def mechanism(params: BltParameters, num_steps: int, *,
       output_scales=[float(v).hex() for v in params.output_scales])
   decays32 = np.asarray(params.buffer_decays, np.float32)
   scales32 = np.asarray(params.output_scales, np.float32)
+  # The accountant reads the BLT the device runs: its float32 coefficients.
+  params = parameters(*map(rounding.float32_values, params))
 
   def init(template, key):
     buffers = {'decaying': jax.tree_util.tree_map(
@@ -708,7 +711,8 @@ def mechanism(params: BltParameters, num_steps: int, *,
     def output(z_leaf, buffer):
       # x_t = z_t - sum_i w_i b_(t,i)
       return z_leaf - jnp.tensordot(scales.astype(z_leaf.dtype),
-                                    buffer.astype(z_leaf.dtype), axes=1)
+                                    buffer.astype(z_leaf.dtype), axes=1,
+                                    precision=jax.lax.Precision.HIGHEST)
 
     def decay(buffer, x):
       # b_(t+1,i) = theta_i b_(t,i) + x_t

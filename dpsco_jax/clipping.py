@@ -45,6 +45,14 @@ Guarantees, whatever the data:
 * Microbatching (`microbatch_size`) evaluates at most that many per-unit
   contributions (on the ghost path: examples) at once, bounding memory;
   results equal the unbatched ones up to float summation order.
+* The float rounding of the batch SUM stays inside the sensitivity (vmap
+  path): rows are summed in a fixed compensated order without a matrix
+  product (`rounding.weighted_row_sum`; microbatches by
+  `rounding.compensated_add`), so neither the backend's accumulation order
+  nor its matmul precision (TF32 on GPUs) enters, and every contribution is
+  clipped to `effective_clip(l2_clip, n)`, slightly below `l2_clip`, so that
+  two neighbouring batches' computed sums differ by at most
+  `sensitivity(relation)` (Casacuberta et al. 2022; `docs/sharp_edges.md`).
 """
 
 import contextlib
@@ -180,14 +188,23 @@ def _squared_norms_in_clip_units(contributions: PyTree,
     rows = leaf.reshape(leaf.shape[0], -1)
     sizes.append(rows.shape[1])
     total = total + rounding.blocked_sum_of_squares(rows)
-  # Two roundings before the square: 1 / l2_clip and the product.
+  # Two roundings before the square: 1 / l2_clip and the product; a traced
+  # clip (selected on the device) met a third, its own rounding to float32.
+  extra = 2 if isinstance(l2_clip, (int, float)) else 3
   return rounding.upper_bound(
-      total, rounding.squared_norm_roundings(sizes, extra=2), sum(sizes),
+      total, rounding.squared_norm_roundings(sizes, extra=extra), sum(sizes),
       dtype)
 
 
-def _clip_factors(squared: jax.Array, mask: jax.Array):
+def _clip_factors(squared: jax.Array, mask: jax.Array,
+                  sum_shrink: float = 1.0):
   """Clip factors and counters from per-row squared norms in clip units.
+
+  Args:
+    squared: per-row upper bounds on the squared norms, in clip units.
+    mask: the rows that count.
+    sum_shrink: the factor the clip is shrunk by so that the rounding of
+      the batch sum stays within the sensitivity (`_sum_layout`).
 
   Returns:
     `(used, factors, counters)`: the rows that contribute (unmasked, finite
@@ -202,7 +219,7 @@ def _clip_factors(squared: jax.Array, mask: jax.Array):
   # `squared` is an upper bound (`_squared_norms_in_clip_units`, ghost
   # margins); 1 - 8u more covers the rounding of rsqrt (a few ulp on any
   # backend) and of the scaled row itself.
-  shrink = 1.0 - 8.0 * rounding.unit_roundoff(squared.dtype)
+  shrink = (1.0 - 8.0 * rounding.unit_roundoff(squared.dtype)) * sum_shrink
   factors = jnp.where(
       used, jnp.minimum(1.0, shrink * jax.lax.rsqrt(squared)), 0.0)
   counters = ClippedSum(
@@ -213,20 +230,110 @@ def _clip_factors(squared: jax.Array, mask: jax.Array):
   return used, factors, counters
 
 
+# Roundings of the clipped sum after this module, before the noise: the
+# estimators' one scaling of it (DIFF2's n_min / n_p weights, the nonsmooth
+# oracles' 1 / B).
+_SCALING_ROUNDINGS = 1
+
+
+# Batches of up to this many units share one clip (the bound for this many,
+# 2.1e-4 below `l2_clip`): a batch of up to 256 split across devices, or
+# padded, then clips exactly as the whole one does.
+_SMALLEST_BOUNDED_BATCH = 256
+
+
+class _SumLayout(NamedTuple):
+  """How a batch's clipped sum is formed: blocks of rows, and its margin.
+
+  Attributes:
+    block_rows: rows per block (the microbatch, or the whole batch).
+    num_blocks: blocks accumulated by `rounding.compensated_add`.
+    sum_shrink: `rounding.sum_clip_shrink` for this layout: every
+      contribution is clipped to `sum_shrink * C`, so that the computed sums
+      of two neighbouring batches differ by at most the sensitivity `f C`
+      whatever the rounding (vmap path; see `_clip_and_sum_rows`).
+  """
+
+  block_rows: int
+  num_blocks: int
+  sum_shrink: float
+
+
+def _sum_layout(size: int, microbatch_size: Optional[int]) -> _SumLayout:
+  """The `_SumLayout` of `size` rows in microbatches of `microbatch_size`.
+
+  Each term of the sum meets one rounding as a product, at most
+  `compensated_sum_roundings(block_rows)` inside its block, the compensated
+  accumulation of the blocks (`accumulation_roundings`) and the estimators'
+  scaling: N in all (gamma_a + gamma_b + gamma_a gamma_b <= gamma_(a+b)),
+  7 for every layout up to 4,000 microbatches.
+
+  Raises:
+    ValueError: for a bad microbatch size.
+  """
+  if microbatch_size is None or microbatch_size >= size:
+    block_rows, num_blocks = size, 1
+  else:
+    if int(microbatch_size) != microbatch_size or microbatch_size < 1:
+      raise ValueError('microbatch_size must be a positive integer, got '
+                       f'{microbatch_size!r}')
+    block_rows, num_blocks = int(microbatch_size), -(-size // microbatch_size)
+  # The microbatched layout's N for every layout (a product, the blocks'
+  # compensated sums, their compensated accumulation, the scaling), so that
+  # microbatching never changes the clip; padding rows are zeros and do
+  # not count in n.
+  roundings = (1 + max(2, rounding.compensated_sum_roundings(block_rows)) +
+               max(3, rounding.accumulation_roundings(num_blocks)) +
+               _SCALING_ROUNDINGS)
+  return _SumLayout(block_rows, num_blocks, rounding.sum_clip_shrink(
+      max(size, _SMALLEST_BOUNDED_BATCH), roundings, jnp.float32))
+
+
+def effective_clip(l2_clip: float, batch_size: int,
+                   microbatch_size: Optional[int] = None) -> float:
+  """The norm each contribution is clipped to in a batch of `batch_size` units.
+
+  Slightly below `l2_clip`: `l2_clip / (1 + 2 gamma_N n)` (`_sum_layout`,
+  `rounding.sum_clip_shrink`), so that the float rounding of the batch sum
+  cannot move two neighbouring batches' sums apart by more than the
+  sensitivity `f * l2_clip` the accountant uses. 0.021% below up to 256
+  units, 0.085% at 1,024, 1.3% at 16,384.
+
+  Example:
+    >>> effective_clip(1.0, 1024)
+    0.99914...
+
+  Args:
+    l2_clip: the clip norm.
+    batch_size: n, the units of the batch (padding included).
+    microbatch_size: the statistic's microbatch size (it changes the clip
+      only past 4,000 microbatches).
+
+  Returns:
+    The clip norm contributions are held to, before the 8u rounding margin
+    of the clip factors.
+  """
+  return l2_clip * _sum_layout(batch_size, microbatch_size).sum_shrink
+
+
 def _clip_and_sum_rows(contributions: PyTree, mask: jax.Array,
-                       l2_clip: float) -> ClippedSum:
-  """Clips each row of `contributions` (leading axis) and sums the rows."""
+                       l2_clip: float, sum_shrink: float = 1.0) -> ClippedSum:
+  """Clips each row of `contributions` (leading axis) and sums the rows.
+
+  The rows are summed by `rounding.weighted_row_sum`: elementwise products
+  and a compensated pairwise sum, no matrix product, so the released sum
+  does not depend on the backend's matmul precision (TF32 on GPUs) or
+  accumulation order, and its rounding is the bound `sum_shrink` pays for.
+  """
   squared = _squared_norms_in_clip_units(contributions, l2_clip)
-  used, factors, counters = _clip_factors(squared, mask)
+  used, factors, counters = _clip_factors(squared, mask, sum_shrink)
 
   def weighted_sum(leaf):
     leaf = leaf.astype(_accumulation_dtype(leaf.dtype))
     # Zero the dropped rows with `where` (a zero factor is not enough:
-    # 0 * NaN is NaN), then one matrix-vector product over the rows; on CPU
-    # this measured several times faster than a fused multiply-and-reduce
-    # for large leaves.
+    # 0 * NaN is NaN).
     kept = jnp.where(_row_shape(used, leaf.ndim), leaf, 0.0)
-    return jnp.tensordot(factors.astype(leaf.dtype), kept, axes=1)
+    return rounding.weighted_row_sum(factors, kept)[0]
 
   return counters._replace(
       sum=jax.tree_util.tree_map(weighted_sum, contributions))
@@ -316,7 +423,8 @@ USER_FORM = GhostForm(
 
 def _ghost_clip_and_sum_rows(plan: ghost.GhostPlan, form: GhostForm,
                              rows: PyTree, args: tuple[Any, ...],
-                             mask: jax.Array, l2_clip: float) -> ClippedSum:
+                             mask: jax.Array, l2_clip: float,
+                             sum_shrink: float = 1.0) -> ClippedSum:
   """`_clip_and_sum_rows` of the units' gradients, from ghost norms.
 
   No per-unit gradient is formed: norms come from layer inputs and output
@@ -327,7 +435,7 @@ def _ghost_clip_and_sum_rows(plan: ghost.GhostPlan, form: GhostForm,
   values = form.terms(plan, rows, *args)
   squared, formed = ghost.squared_norms_and_formed(
       plan, params, values, 1.0 / l2_clip, mask.shape[0])
-  used, factors, counters = _clip_factors(squared, mask)
+  used, factors, counters = _clip_factors(squared, mask, sum_shrink)
   # Where a rule formed the per-unit gradients, the sum releases those very
   # arrays (measured in clip units: `formed_scale` restores the units).
   return counters._replace(
@@ -346,39 +454,55 @@ def _validated_mask(mask: Optional[jax.Array], size: int) -> jax.Array:
 
 
 def _sum_in_blocks(
-    block: Callable[[PyTree, jax.Array], ClippedSum],
+    block: Callable[[PyTree, jax.Array, float], ClippedSum],
     batch: PyTree,
     mask: jax.Array,
     microbatch_size: Optional[int],
 ) -> ClippedSum:
-  """`block(batch, mask)`, or its sum over blocks of `microbatch_size` rows."""
+  """`block(batch, mask, sum_shrink)`, or its sum over blocks of rows.
+
+  Blocks of `microbatch_size` rows are accumulated with
+  `rounding.compensated_add` (a running sum would cost a term up to one
+  rounding per block: adversarial rows then move one neighbour's sum by
+  more than the clip, `tests/test_precision.py`). `sum_shrink` is the
+  layout's (`_sum_layout`).
+  """
   size = mask.shape[0]
-  if microbatch_size is None or microbatch_size >= size:
-    return block(batch, mask)
-  if int(microbatch_size) != microbatch_size or microbatch_size < 1:
-    raise ValueError(
-        f'microbatch_size must be a positive integer, got {microbatch_size!r}')
-  num_blocks = -(-size // microbatch_size)
-  padding = num_blocks * microbatch_size - size
+  layout = _sum_layout(size, microbatch_size)
+  if layout.num_blocks == 1:
+    return block(batch, mask, layout.sum_shrink)
+  num_blocks, block_rows = layout.num_blocks, layout.block_rows
+  padding = num_blocks * block_rows - size
 
   def to_blocks(x):
     x = jnp.pad(x, [(0, padding)] + [(0, 0)] * (x.ndim - 1))
-    return x.reshape((num_blocks, microbatch_size) + x.shape[1:])
+    return x.reshape((num_blocks, block_rows) + x.shape[1:])
 
   blocked_batch = jax.tree_util.tree_map(to_blocks, batch)
   blocked_mask = to_blocks(mask)
   first = jax.eval_shape(
-      block, jax.tree_util.tree_map(lambda x: x[0], blocked_batch),
-      blocked_mask[0])
+      lambda rows, rows_mask: block(rows, rows_mask, layout.sum_shrink),
+      jax.tree_util.tree_map(lambda x: x[0], blocked_batch), blocked_mask[0])
   zero = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), first)
 
   def accumulate(carry, xs):
+    total, compensation = carry
     rows, rows_mask = xs
-    partial = block(rows, rows_mask)
-    return jax.tree_util.tree_map(jnp.add, carry, partial), None
+    partial = block(rows, rows_mask, layout.sum_shrink)
+    sums = jax.tree_util.tree_map(rounding.compensated_add, total.sum,
+                                  compensation, partial.sum)
+    outer = jax.tree_util.tree_structure(total.sum)
+    inner = jax.tree_util.tree_structure((0, 0))
+    new_sum, new_compensation = jax.tree_util.tree_transpose(outer, inner,
+                                                             sums)
+    counters = jax.tree_util.tree_map(
+        jnp.add, total._replace(sum=None), partial._replace(sum=None))
+    return (counters._replace(sum=new_sum), new_compensation), None
 
-  total, _ = jax.lax.scan(accumulate, zero, (blocked_batch, blocked_mask))
-  return total
+  (total, compensation), _ = jax.lax.scan(
+      accumulate, (zero, zero.sum), (blocked_batch, blocked_mask))
+  return total._replace(sum=jax.tree_util.tree_map(jnp.add, total.sum,
+                                                   compensation))
 
 
 @keywords.checked
@@ -417,9 +541,9 @@ def clipped_sum(
   size = batch_size_of(batch, min_ndim)
   mask = _validated_mask(mask, size)
 
-  def block(rows, rows_mask):
+  def block(rows, rows_mask, sum_shrink):
     contributions = jax.vmap(lambda unit: contribution_fn(unit, *args))(rows)
-    return _clip_and_sum_rows(contributions, rows_mask, l2_clip)
+    return _clip_and_sum_rows(contributions, rows_mask, l2_clip, sum_shrink)
 
   return _sum_in_blocks(block, batch, mask, microbatch_size)
 
@@ -706,9 +830,13 @@ class ClippedStatistic:
           self.contribution_fn, batch, *args, l2_clip=self.l2_clip, mask=mask,
           microbatch_size=self.microbatch_size, min_ndim=self.min_ndim)
     self._paths.add('ghost')
+    # The same clip as the vmap path (the paths agree); but the ghost sum is
+    # a matrix product whose accumulation order and precision are the
+    # backend's, which `sum_shrink` does not bound (docs/sharp_edges.md).
     return _sum_in_blocks(
-        lambda rows, rows_mask: _ghost_clip_and_sum_rows(
-            plan, self.ghost_form, rows, args, rows_mask, self.l2_clip),
+        lambda rows, rows_mask, sum_shrink: _ghost_clip_and_sum_rows(
+            plan, self.ghost_form, rows, args, rows_mask, self.l2_clip,
+            sum_shrink),
         batch, mask, self.microbatch_size)
 
   def _choice(self, plan: ghost.GhostPlan, batch: PyTree,

@@ -960,7 +960,8 @@ def _ring_buffer_noise(matrix: np.ndarray, bands: int, release: str,
 
     def one_leaf(z_leaf, past_leaf):
       correction = None if coefficients is None else jnp.tensordot(
-          coefficients.astype(z_leaf.dtype), past_leaf, axes=1)
+          coefficients.astype(z_leaf.dtype), past_leaf, axes=1,
+          precision=jax.lax.Precision.HIGHEST)  # not TF32: C as accounted
       return combine(row[0], z_leaf, correction)
 
     noise = jax.tree_util.tree_map(one_leaf, z, state.buffers[buffer_name])

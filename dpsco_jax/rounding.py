@@ -223,3 +223,218 @@ def pairwise_sum(x: jax.Array) -> jax.Array:
       x = jnp.concatenate([x, jnp.zeros((1,) + x.shape[1:], x.dtype)])
     x = x[0::2] + x[1::2]
   return x[0]
+
+
+def pairwise_roundings(size: int) -> int:
+  """Roundings a term meets in `pairwise_sum` of `size` terms: ceil(log2 n).
+
+  Example:
+    >>> pairwise_roundings(5)
+    3
+  """
+  return max(size - 1, 0).bit_length()
+
+
+def _two_sum(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """`(fl(a + b), e)` with `fl(a + b) + e = a + b` EXACTLY (Knuth's TwoSum).
+
+  Exact in round to nearest barring overflow: six additions, no
+  multiplication (so no fused multiply-add can change it), and XLA does
+  not reassociate float additions.
+  """
+  total = a + b
+  virtual = total - a
+  return total, (a - (total - virtual)) + (b - virtual)
+
+
+def compensated_pairwise_sum(x: jax.Array) -> jax.Array:
+  """Sum over axis 0 as a balanced tree, with every addition's error kept.
+
+  Each level adds pairs with `_two_sum`; its exact errors are carried down
+  the tree beside the sums (two roundings per level for them), and the
+  total is `sums + errors`, rounded once. With L = ceil(log2 n) levels the
+  error is at most `u (1 + 2.2 L^2 u) sum_i |x_i|` (the errors' own sum is
+  off by `gamma_2L` of `sum |e| <= u L (1 + u)^L sum |x_i|`; the last
+  rounding adds `u sum |x_i|`): at most `gamma_2` for L <= 2^11
+  (`compensated_sum_roundings`), whatever n, where a plain pairwise sum
+  costs `gamma_L` and a running sum `gamma_(n - 1)`.
+
+  Example:
+    >>> compensated_pairwise_sum(jnp.array([2.0 ** 24, 1.0, 1.0, 0.0]))
+    Array(16777218., dtype=float32)
+
+  Args:
+    x: `[n, ...]`.
+
+  Returns:
+    `[...]`.
+  """
+  errors = jnp.zeros_like(x)
+  while x.shape[0] > 1:
+    if x.shape[0] % 2:
+      pad = jnp.zeros((1,) + x.shape[1:], x.dtype)
+      x, errors = jnp.concatenate([x, pad]), jnp.concatenate([errors, pad])
+    x, error = _two_sum(x[0::2], x[1::2])
+    errors = errors[0::2] + errors[1::2] + error
+  return x[0] + errors[0]
+
+
+def compensated_sum_roundings(size: int) -> int:
+  """The roundings-equivalent N of `compensated_pairwise_sum` of `size` terms.
+
+  `u (1 + 2.2 L^2 u) <= gamma_N` with `N = 1 + ceil(2.2 L^2 u)`, L the
+  levels: 2 for any realistic size (0 for one term).
+
+  Example:
+    >>> compensated_sum_roundings(10 ** 6)
+    2
+  """
+  if size <= 1:
+    return 0
+  levels = pairwise_roundings(size)
+  return 1 + math.ceil(2.2 * levels ** 2 * FLOAT32_ROUNDOFF)
+
+
+def weighted_row_sum(weights: jax.Array, rows: jax.Array
+                     ) -> tuple[jax.Array, int]:
+  """`sum_i weights[i] rows[i]` over axis 0, in a fixed, compensated order.
+
+  Each product is one rounded elementwise multiply and the products are
+  added by `compensated_pairwise_sum`, so every term meets at most
+  `1 + compensated_sum_roundings(n)` roundings whatever the backend: no
+  matrix product is involved, so neither the order of a matmul's
+  accumulation nor a reduced matmul precision (TF32 on NVIDIA GPUs,
+  bfloat16 passes on TPUs) changes what is released.
+
+  Example:
+    >>> total, roundings = weighted_row_sum(jnp.array([1.0, 0.5]),
+    ...                                     jnp.ones((2, 3)))
+    >>> total, roundings
+    (Array([1.5, 1.5, 1.5], dtype=float32), 3)
+
+  Args:
+    weights: `[n]`.
+    rows: `[n, ...]`, in the accumulation dtype.
+
+  Returns:
+    The sum `[...]` and the roundings N a term meets.
+  """
+  products = rows * weights.reshape((-1,) + (1,) * (rows.ndim - 1)).astype(
+      rows.dtype)
+  return (compensated_pairwise_sum(products),
+          1 + compensated_sum_roundings(rows.shape[0]))
+
+
+def compensated_add(total: jax.Array, compensation: jax.Array,
+                    x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """One step of compensated accumulation: `(total + x, compensation + error)`.
+
+  `_two_sum` gives the rounding error of `total + x` exactly, and the
+  errors are summed apart. After K steps, `total + compensation` (one more rounding)
+  is within `(u + 1.01 K^2 u^2) sum_k |x_k|` of the exact sum for K u <=
+  2^-8: about 2u, independent of K, where a running sum costs up to
+  (K - 1) u (`accumulation_roundings`).
+
+  Example:
+    >>> total, comp = compensated_add(jnp.float32(2.0 ** 24), jnp.float32(0),
+    ...                               jnp.float32(1.0))
+    >>> float(total) + float(comp)
+    16777217.0
+
+  Args:
+    total: the running sum.
+    compensation: the running sum of its rounding errors.
+    x: the next term.
+
+  Returns:
+    The new `(total, compensation)`.
+  """
+  new_total, error = _two_sum(total, x)
+  return new_total, compensation + error
+
+
+def accumulation_roundings(num_steps: int) -> int:
+  """The roundings-equivalent N of `compensated_add` over `num_steps` terms.
+
+  The error of the compensated sum plus the final `total + compensation`
+  is at most `u (2 + 1.02 K^2 u) sum_k |x_k|` (K = `num_steps`, K u <=
+  2^-8; see `compensated_add`), and `gamma_N >= N u`, so
+  `N = 2 + ceil(1.02 K^2 u)`: 3 up to 4,000 steps.
+
+  Example:
+    >>> accumulation_roundings(100)
+    3
+
+  Raises:
+    ValueError: past 2^16 steps, where the bound's conditions fail.
+  """
+  if num_steps <= 1:
+    return 0
+  if num_steps > 2 ** 16:
+    raise ValueError(f'{num_steps} accumulation steps leave no usable error '
+                     'bound: use larger blocks')
+  return 2 + math.ceil(1.02 * num_steps ** 2 * FLOAT32_ROUNDOFF)
+
+
+def sum_clip_shrink(num_terms: int, roundings: int, dtype: Any) -> float:
+  """The factor a clip is shrunk by so that a ROUNDED sum keeps its sensitivity.
+
+  A float sum of n contributions, each through at most N roundings, is
+  within `gamma_N sum_i |x_i|` of the exact sum in every coordinate, so
+  within `gamma_N sum_i ||x_i||_2 <= gamma_N n C'` in l2 when each
+  contribution's norm is at most C' (Higham Lemma 3.1). Two neighbouring
+  batches' computed sums then differ by at most `f C' + 2 gamma_N n C'`
+  (f >= 1 the neighbouring relation's factor), which is at most f C when
+  `C' = C / (1 + 2 gamma_N n)`: this returns `1 / (1 + 2 gamma_N n)`. The
+  sensitivity stays `f C`, as accounted; contributions are clipped that
+  much harder (3.7e-4 at n = 1024 with `weighted_row_sum` alone, N = 3;
+  5.9e-3 at n = 16384). Without it, adversarial contributions summed in a running
+  order move the sum of one neighbour by more than the clip (Casacuberta
+  et al. 2022; `tests/test_precision.py`).
+
+  Example:
+    >>> 1 - sum_clip_shrink(1024, 3, jnp.float32)   # about 3.7e-4
+    0.00036...
+
+  Args:
+    num_terms: n, the rows summed (padding included).
+    roundings: N.
+    dtype: the accumulation dtype.
+
+  Returns:
+    The shrink factor, in (0, 1].
+
+  Raises:
+    ValueError: when the bound leaves less than half the clip.
+  """
+  margin = 2.0 * gamma(roundings, dtype) * num_terms
+  if not margin <= 1.0:
+    raise ValueError(
+        f'summing {num_terms} contributions with {roundings} roundings each '
+        f'in {np.dtype(dtype).name} could move the sum by more than the clip '
+        f'(bound {margin:.3g}): use smaller microbatches or a wider dtype')
+  return 1.0 / (1.0 + margin)
+
+
+def float32_values(values: Any) -> np.ndarray:
+  """The float64 array of `values` as the device holds them, in float32.
+
+  Coefficients that a mechanism casts to float32 for the device (a BLT's
+  decays and scales) define the linear map the device really applies; the
+  accountant must read those, not the float64 values they were rounded
+  from. Near a decay of 1 the difference matters: at T = 10^6 steps,
+  decays `1 - 1.4 * 2^-24` rounded to float32 raise the sensitivity by
+  1.2% (`tests/test_precision.py`).
+
+  Example:
+    >>> float32_values([0.1])[0] == float(np.float32(0.1))
+    True
+
+  Args:
+    values: an array-like of floats.
+
+  Returns:
+    float64 values, each exactly representable in float32.
+  """
+  return np.asarray(np.asarray(values, np.float64).astype(np.float32),
+                    np.float64)

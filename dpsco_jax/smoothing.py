@@ -427,6 +427,86 @@ def clipped_smoothed_difference_sum(
       clipping_method='vmap', ghost_form=SMOOTHED_FORM)
 
 
+def clipped_smoothed_step_sum(
+    loss_fn: LossFn,
+    l2_clip: float,
+    *,
+    order: str,
+    radius: float,
+    num_directions: int,
+    anchor_directions: int,
+    microbatch_size: Optional[int] = None,
+) -> clipping.ClippedStatistic:
+  """An anchor OR a difference statistic, chosen per call by a traced flag.
+
+  Example i contributes exactly what `clipped_smoothed_grad_sum` (with
+  `anchor_directions`) gives when `is_anchor` is true and what
+  `clipped_smoothed_difference_sum` gives otherwise, the same keys and the
+  same arithmetic, picked by `jnp.where` (a select: a NaN in the value not
+  picked cannot leak); then it is clipped like any statistic. Give each call
+  its clip with `dataclasses.replace(stat, l2_clip=jnp.where(is_anchor, C_1,
+  C_2))` (a traced clip: `dpsco_jax.clipping` counts its rounding to
+  float32).
+
+  For an oracle whose anchor and difference steps have batches of the same
+  shape, this replaces a `lax.cond` between the two statistics, which would
+  make the device read the flag back to the host and synchronize its stream
+  every step. The price: both estimates of a difference are evaluated on
+  anchor steps too (the previous point's is dropped), and, when
+  `anchor_directions != num_directions`, every step also evaluates the
+  anchor estimate (`anchor_directions` more directions per example).
+
+  Example:
+    >>> stat = clipped_smoothed_step_sum(loss_fn, 1.0, order='zero',
+    ...                                  radius=0.1, num_directions=4,
+    ...                                  anchor_directions=4)
+    >>> stat = dataclasses.replace(stat, l2_clip=jnp.where(anchor, 1.0, 0.5))
+    >>> out = stat(SmoothingBatch(examples, keys), params, prev_params,
+    ...            anchor)
+
+  Args:
+    loss_fn: `loss_fn(params, example) -> scalar` for ONE example.
+    l2_clip: a placeholder clip (replace it per call, as above).
+    order: 'zero' or 'first'.
+    radius: alpha.
+    num_directions: m, per point of a difference.
+    anchor_directions: directions of an anchor estimate.
+    microbatch_size: optional cap on examples estimated at once.
+
+  Returns:
+    A `ClippedStatistic` called as
+    `stat(SmoothingBatch, params, prev_params, is_anchor, mask=None)`.
+  """
+  estimate = ESTIMATORS[_validate_order(order)]
+  _validate_estimator(radius, num_directions)
+  _validate_estimator(radius, anchor_directions)
+
+  def contribution(unit, params, prev_params, is_anchor):
+    example, key = unit.examples, jax.random.wrap_key_data(unit.keys)
+    # The anchor's key is the example's own, a difference's first estimate
+    # uses fold_in(key, 0): with as many directions, one estimate serves both.
+    first_key = jax.random.wrap_key_data(jnp.where(
+        is_anchor, unit.keys, jax.random.key_data(jax.random.fold_in(key, 0))))
+    current = estimate(loss_fn, params, example, first_key, radius=radius,
+                       num_directions=num_directions)
+    if anchor_directions == num_directions:
+      anchor = current
+    else:
+      anchor = estimate(loss_fn, params, example, key, radius=radius,
+                        num_directions=anchor_directions)
+    previous = estimate(loss_fn, prev_params, example,
+                        jax.random.fold_in(key, 1), radius=radius,
+                        num_directions=num_directions)
+    return jax.tree_util.tree_map(
+        lambda x, y, z: jnp.where(is_anchor, x, y - z), anchor, current,
+        previous)
+
+  return _SmoothedStatistic(
+      contribution_fn=contribution, l2_clip=l2_clip,
+      microbatch_size=microbatch_size, loss_fn=loss_fn, method='vmap',
+      ghost_form=SMOOTHED_FORM)
+
+
 # ------------------------------------------------------------ constants
 
 

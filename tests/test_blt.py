@@ -15,12 +15,16 @@ from dpsco_jax import accounting
 from dpsco_jax import blt
 from dpsco_jax import ledger
 from dpsco_jax import noise
+from dpsco_jax import rounding
 from tests.noise_streams import gaussian_draws, stream
 from dpsco_jax import plans
 from dpsco_jax import strategies
 
 TEMPLATE = {'w': np.zeros((4, 3), np.float32), 'b': np.zeros((5,), np.float32)}
-PARAMS = blt.parameters([0.95, 0.6, 0.2], [0.25, 0.3, 0.15])
+# Float32 values: the mechanism accounts the coefficients the device holds
+# (`rounding.float32_values`), so these tests compare like with like.
+PARAMS = blt.parameters(*map(rounding.float32_values,
+                             ([0.95, 0.6, 0.2], [0.25, 0.3, 0.15])))
 
 
 def test_materialized_c_has_the_blt_coefficients():

@@ -488,6 +488,78 @@ def _movement(params: PyTree, prev_params: PyTree) -> tuple[jax.Array,
   return movement, inverse
 
 
+class _RoundCoefficients(NamedTuple):
+  """How one round's statistic is formed and scaled back (`_round_coefficients`).
+
+  Attributes:
+    a: float32 scalar, the weight of the gradient at the current params.
+    b: float32 scalar, the weight of the gradient at the second point.
+    scale: float32 scalar, what the noisy mean is multiplied by after the
+      noise (post-processing).
+  """
+
+  a: jax.Array
+  b: jax.Array
+  scale: jax.Array
+
+
+def _round_coefficients(is_restart: jax.Array, grad_clip: float,
+                        diff_clip: float, movement: jax.Array,
+                        inverse: jax.Array) -> _RoundCoefficients:
+  """The coefficients that make every round ONE difference statistic.
+
+  A round privatizes `sum_i clip_{C_2}(a g_i - b h_i)`, `g_i` the gradient
+  of example i at the params and `h_i` at a second point, both on the SAME
+  example, and multiplies the noisy result by `scale`:
+
+  * difference round: `a = b = 1 / ||x_t - x_{t-1}||` (0 if the iterate did
+    not move), `h_i` at `x_{t-1}`, `scale = ||x_t - x_{t-1}||`: the paper's
+    clip `C_2 ||x_t - x_{t-1}||`, as before;
+  * restart round: `a = C_2 / C_1`, `b = 0`, `h_i` at the params themselves,
+    `scale = C_1 / C_2`. Since `clip_{C_2}((C_2 / C_1) g) = (C_2 / C_1)
+    clip_{C_1}(g)`, the released value is the clipped-gradient sum at clip
+    `C_1` (to float rounding, a few ulp), and its noise, drawn at
+    `z_1 * sensitivity(C_2)` and scaled by `C_1 / C_2`, is the restart's
+    `z_1 * sensitivity(C_1)`. Taking `h_i` at the params keeps
+    `0 * h_i = 0` wherever `g_i` is finite, so a non-finite gradient at the
+    previous point cannot drop an example on a restart.
+
+  Privacy: on both kinds of round each example's contribution is clipped to
+  the statistic's constant `C_2` by `dpsco_jax.clipping` (the same per-example
+  clipping and rounding margins), the noise std is the round's multiplier
+  times `sensitivity(C_2)`, and `scale` is applied after the noise: the
+  ratio of noise to sensitivity is `z_1` on restarts and `z_2` otherwise,
+  as accounted.
+
+  Cost: a restart round also evaluates the second gradient (at the params,
+  weighted by 0), one extra gradient per example once every T rounds. That
+  is preferred to a `lax.cond` between two statistics: a conditional in the
+  compiled step makes the device read its predicate back to the host and
+  synchronize the stream EVERY round (DESIGN.md, "Hot path").
+
+  Args:
+    is_restart: bool scalar, whether this round restarts the estimator.
+    grad_clip: C_1.
+    diff_clip: C_2, the statistic's clip.
+    movement: `||x_t - x_{t-1}||` (public).
+    inverse: its safe inverse (0 when it is 0).
+
+  Returns:
+    The `_RoundCoefficients`.
+  """
+  return _RoundCoefficients(
+      a=jnp.where(is_restart, jnp.float32(diff_clip / grad_clip), inverse),
+      b=jnp.where(is_restart, jnp.float32(0.0), inverse),
+      scale=jnp.where(is_restart, jnp.float32(grad_clip / diff_clip),
+                      movement))
+
+
+def _select(predicate: jax.Array, on_true: PyTree, on_false: PyTree) -> PyTree:
+  """`jnp.where(predicate, x, y)` leaf by leaf (a select, not a branch)."""
+  return jax.tree_util.tree_map(lambda x, y: jnp.where(predicate, x, y),
+                                on_true, on_false)
+
+
 def _local_size(batch: PyTree, batch_mask: Optional[jax.Array]) -> jax.Array:
   """This client's number of real rows (public under replace-one)."""
   if batch_mask is None:
@@ -576,7 +648,8 @@ def diff2_estimator(
       loss_fn, grad_clip, microbatch_size=microbatch_size,
                           clipping_method=clipping_method)
   # Differences are divided by the public movement before clipping, so the
-  # statistic's clip is the constant C_2 (see the module docstring).
+  # statistic's clip is the constant C_2 (see the module docstring). With
+  # T > 1 restarts run it too (`_round_coefficients`): no branch per round.
   diff_statistic = clipping.clipped_grad_difference_sum(
       loss_fn, clipping.validate_clip(diff_clip_factor, 'diff_clip_factor'),
       microbatch_size=microbatch_size,
@@ -585,8 +658,7 @@ def diff2_estimator(
   mechanism = diff2_mechanism(num_rounds)
   relation = _validate_relation(neighboring_relation)
   multipliers = _validate_multipliers(noise_multipliers)
-  restart_stddev = multipliers.restart * grad_statistic.sensitivity(relation)
-  diff_stddev = multipliers.difference * diff_statistic.sensitivity(relation)
+  diff_sensitivity = diff_statistic.sensitivity(relation)
   key = keys.noise_key(key, 'diff2_estimator')
 
   def init_fn(params):
@@ -607,17 +679,25 @@ def diff2_estimator(
     is_restart = state.count % restart_interval == 0
     movement, inverse = _movement(params, state.prev_params)
     local_params = parallel.per_device(params, axis_name)
-    local_prev = parallel.per_device(state.prev_params, axis_name)
-
-    def restart_sum():
-      return grad_statistic(batch, local_params, mask=batch_mask)
-
-    def difference_sum():
-      return diff_statistic(batch, local_params, local_prev, inverse, inverse,
-                            mask=batch_mask)
-
-    # A cond, not a select: restart rounds skip the second gradient.
-    clipped = jax.lax.cond(is_restart, restart_sum, difference_sum)
+    if restart_interval == 1:
+      # Every round is a restart, known on the host (DP-GD): one gradient
+      # per example, clipped to C_1.
+      clipped = grad_statistic(batch, local_params, mask=batch_mask)
+      stddev = multipliers.restart * grad_statistic.sensitivity(relation)
+      scale = jnp.float32(1.0)
+    else:
+      coefficients = _round_coefficients(
+          is_restart, grad_statistic.l2_clip, diff_statistic.l2_clip,
+          movement, inverse)
+      local_prev = parallel.per_device(
+          _select(is_restart, params, state.prev_params), axis_name)
+      clipped = diff_statistic(batch, local_params, local_prev,
+                               coefficients.a, coefficients.b,
+                               mask=batch_mask)
+      # Both kinds of round privatize a sum clipped to C_2.
+      stddev = jnp.where(is_restart, multipliers.restart * diff_sensitivity,
+                         multipliers.difference * diff_sensitivity)
+      scale = coefficients.scale
     local_size = clipped.count
     smallest = jax.lax.pmin(local_size, axis_name) if axis_name else local_size
     # Weights n_min / n_p <= 1 keep each example's weight in the sum <= 1,
@@ -628,11 +708,9 @@ def diff2_estimator(
         lambda s: s * weight.astype(s.dtype), clipped.sum))
     divisor = (jnp.maximum(smallest, 1).astype(jnp.float32) *
                parallel.axis_size(axis_name))
-    stddev = jnp.where(is_restart, restart_stddev, diff_stddev)
     private, noise_state = estimators.privatize_sum(
         clipped, state.noise, mechanism, stddev, normalize_by=divisor,
         axis_name=axis_name)
-    scale = jnp.where(is_restart, 1.0, movement)
     estimate = jax.tree_util.tree_map(
         lambda v, previous: scale.astype(v.dtype) * v + jnp.where(
             is_restart, jnp.zeros_like(previous), previous).astype(v.dtype),

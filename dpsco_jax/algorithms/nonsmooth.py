@@ -294,13 +294,19 @@ class NonsmoothOracleState(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class _OracleShape:
-  """What the two oracles share: the statistics, batch sizes and period."""
+  """What the two oracles share: the statistics, batch sizes and period.
+
+  `step` is the statistic of both kinds of step
+  (`smoothing.clipped_smoothed_step_sum`), for batch sizes B_1 = B_2 only:
+  when they differ, the batch's static shape says which kind of step runs.
+  """
 
   anchor: clipping.ClippedStatistic
   difference: clipping.ClippedStatistic
   period: int
   anchor_batch_size: int
   batch_size: int
+  step: Optional[clipping.ClippedStatistic] = None
 
 
 def _oracle_shape(loss_fn, *, order, smoothing_radius, num_directions,
@@ -309,6 +315,15 @@ def _oracle_shape(loss_fn, *, order, smoothing_radius, num_directions,
   clips = smoothing.SmoothingClips(*clips)
   if anchor_directions is None:
     anchor_directions = 1 if order == 'first' else num_directions
+  anchor_batch_size = checks.positive_int(anchor_batch_size,
+                                          'anchor_batch_size')
+  batch_size = checks.positive_int(batch_size, 'batch_size')
+  step = None
+  if anchor_batch_size == batch_size:
+    step = smoothing.clipped_smoothed_step_sum(
+        loss_fn, clips.anchor, order=order, radius=smoothing_radius,
+        num_directions=num_directions, anchor_directions=anchor_directions,
+        microbatch_size=microbatch_size)
   return _OracleShape(
       anchor=smoothing.clipped_smoothed_grad_sum(
           loss_fn, clips.anchor, order=order, radius=smoothing_radius,
@@ -317,9 +332,7 @@ def _oracle_shape(loss_fn, *, order, smoothing_radius, num_directions,
           loss_fn, clips.difference, order=order, radius=smoothing_radius,
           num_directions=num_directions, microbatch_size=microbatch_size),
       period=checks.positive_int(period, 'period'),
-      anchor_batch_size=checks.positive_int(anchor_batch_size,
-                                            'anchor_batch_size'),
-      batch_size=checks.positive_int(batch_size, 'batch_size'))
+      anchor_batch_size=anchor_batch_size, batch_size=batch_size, step=step)
 
 
 def increment_sensitivities(shape: _OracleShape, relation: Relation
@@ -337,12 +350,50 @@ def increment_sensitivities(shape: _OracleShape, relation: Relation
           shape.difference.sensitivity(relation) / shape.batch_size)
 
 
+def _increment(shape: _OracleShape, rows: smoothing.SmoothingBatch,
+               here: PyTree, before: PyTree, anchor_step: jax.Array,
+               size: int, batch_mask: Optional[jax.Array]) -> PyTree:
+  """This device's increment: an anchor's or a difference's clipped mean.
+
+  No conditional runs on the device (a `lax.cond` would make it read
+  `anchor_step` back to the host and synchronize its stream every step):
+
+  * B_1 != B_2: the batch's static size (`size`, over all devices) says
+    which kind of step this is, so the host traces only that statistic. A
+    batch whose size does not match its step's kind (an anchor-sized batch
+    on a difference step, or the reverse) is refused by the oracle's size
+    check, so a statistic is never released under the other kind's noise.
+  * B_1 = B_2: one statistic (`shape.step`) forms each example's anchor or
+    difference value with a select, and clips it to `C_1` or `C_2`
+    (`jnp.where`, a traced clip). Each example is clipped to its step's
+    clip exactly as by the two statistics, so the increments' sensitivities
+    (`increment_sensitivities`) are unchanged. Cost: anchor steps also
+    evaluate the difference's estimate at the previous point, and with
+    `anchor_directions != num_directions` every step also evaluates the
+    anchor estimate.
+
+  Returns:
+    The local clipped sum divided by the step's batch size (B_1 or B_2).
+  """
+  if shape.step is None:
+    if size == shape.anchor_batch_size:
+      total = shape.anchor(rows, here, mask=batch_mask).sum
+    else:
+      total = shape.difference(rows, here, before, mask=batch_mask).sum
+    return jax.tree_util.tree_map(lambda s: s / size, total)
+  clip = jnp.where(anchor_step, jnp.float32(shape.anchor.l2_clip),
+                   jnp.float32(shape.difference.l2_clip))
+  step = dataclasses.replace(shape.step, l2_clip=clip)
+  total = step(rows, here, before, anchor_step, mask=batch_mask).sum
+  return jax.tree_util.tree_map(lambda s: s / shape.batch_size, total)
+
+
 def _oracle(shape: _OracleShape, stddev_at, *, keep_noisy: bool, mechanism,
             key, name, axis_name,
             dimension) -> optax.GradientTransformationExtraArgs:
   """The oracle body: per-example keys, the anchor/difference increment
-  (one `lax.cond`), the recursion restarted at anchors, the noise, the
-  size check.
+  (`_increment`, no branch on the device), the recursion restarted at
+  anchors, the noise, the size check.
 
   `stddev_at(anchor_step)` is the noise std of the step. `keep_noisy`
   says which estimate the recursion continues from: the released one
@@ -386,18 +437,10 @@ def _oracle(shape: _OracleShape, stddev_at, *, keep_noisy: bool, mechanism,
     here = parallel.per_device(params, axis_name)
     before = parallel.per_device(state.prev_params, axis_name)
 
-    def anchor(_):
-      return jax.tree_util.tree_map(
-          lambda s: s / shape.anchor_batch_size,
-          shape.anchor(rows, here, mask=batch_mask).sum)
-
-    def difference(_):
-      return jax.tree_util.tree_map(
-          lambda s: s / shape.batch_size,
-          shape.difference(rows, here, before, mask=batch_mask).sum)
-
+    size = local * parallel.axis_size(axis_name)
     increment = parallel.psum(
-        jax.lax.cond(anchor_step, anchor, difference, None), axis_name)
+        _increment(shape, rows, here, before, anchor_step, size, batch_mask),
+        axis_name)
     estimate = jax.tree_util.tree_map(
         lambda g, i: jnp.where(anchor_step, i, g + i), state.estimate,
         increment)
@@ -406,7 +449,6 @@ def _oracle(shape: _OracleShape, stddev_at, *, keep_noisy: bool, mechanism,
         axis_name=axis_name)
     if keep_noisy:
       estimate = output
-    size = local * parallel.axis_size(axis_name)
     expected = jnp.where(anchor_step, shape.anchor_batch_size,
                          shape.batch_size)
     output, refusal = guards.record(
