@@ -744,8 +744,9 @@ def fixed_order_guard(
   `FixedOrder(k, b)` accounting (DP-MF, DP-MEMF: paper 001 Algorithms 2-3,
   notes pitfall 15) assumes that the example in batch j takes part exactly
   at steps `j, b + j, ..., (k-1) b + j`, and at no other step. The guard
-  refuses (`dpsco_jax.guards.refuse`: ValueError when eager, NaN-poisoned
-  updates and a host-callback error under jit) a step whose batch
+  refuses (`dpsco_jax.guards.record`: ValueError when eager; under jit
+  NaN-poisoned updates and the refusal recorded in the guard's state,
+  raised by `guards.raise_if_refused`) a step whose batch
 
   * holds an id outside `[0, num_examples)`;
   * holds the same id twice (the example would count twice in one sum);

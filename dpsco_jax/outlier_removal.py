@@ -983,8 +983,9 @@ def private_robust_mean(points: PyTree,
   The score test, the inclusion and the Gaussian noise use three keys split
   from `key`; under `axis_name` the points are sharded across devices,
   gathered, and every device computes the same release from the same
-  replicated key (a key that differs across devices is refused,
-  `guards.refuse`).
+  replicated key (a key that differs across devices is refused: at once
+  when eager, else the value poisoned and `not_replicated` set for the
+  caller's state to record, `guards.record`).
 
   Example:
     >>> cal = calibrate(600, tau=0.05, epsilon=2.0, delta=1e-6)

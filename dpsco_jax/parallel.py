@@ -119,7 +119,7 @@ def check_replicated(key: jax.Array, axis_name: Optional[str]
   """Whether `key` differs across the devices of `axis_name`.
 
   Costs one all-reduce of two integers. Pass the flag to
-  `guards.refuse` together with the step's output.
+  `guards.record` together with the step's output and the state's record.
 
   Args:
     key: a PRNG key (typed or raw).
