@@ -1287,14 +1287,21 @@ def _single_pass(algorithm: str, loss_fn: LossFn, *, num_examples: int,
     return srg.unaccelerated_dp_srg(loss_fn, **common)
 
   physical_form = None
-  if physical_batch_size is not None:   # unaccelerated_dp_srg only
+  if physical_batch_size is not None:
     physical.check_no_device_axis(axis_name)
-    physical_form = srg.srg_physical_form(
-        loss_fn, l2_clip=l2_clip, num_steps=steps,
-        physical_batch_size=physical_batch_size,
-        microbatch_size=microbatch_size, clipping_method=clipping_method,
-        # chain(chain(srg_gradient, sgd, projection), guard).
-        state_of=lambda opt_state: opt_state[0][0])
+    if algorithm == 'accelerated_dp_srgd':
+      physical_form = _accelerated_form(
+          loss_fn, l2_clip=l2_clip, num_steps=steps, gradient=gradient,
+          physical_batch_size=physical_batch_size,
+          microbatch_size=microbatch_size, clipping_method=clipping_method,
+          axis_name=axis_name)
+    else:
+      physical_form = srg.srg_physical_form(
+          loss_fn, l2_clip=l2_clip, num_steps=steps,
+          physical_batch_size=physical_batch_size,
+          microbatch_size=microbatch_size, clipping_method=clipping_method,
+          # chain(chain(srg_gradient, sgd, projection), guard).
+          state_of=lambda opt_state: opt_state[0][0])
 
   return _batched_plan(
       algorithm, build, mechanism=mechanism, sampler=sampler, optimizer=None,
@@ -1305,6 +1312,30 @@ def _single_pass(algorithm: str, loss_fn: LossFn, *, num_examples: int,
                        'gradient': gradient,
                        'physical_batch_size': physical_batch_size},
       physical_form=physical_form)
+
+
+def _accelerated_form(loss_fn: LossFn, *, l2_clip: float, num_steps: int,
+                      gradient: str, physical_batch_size: int,
+                      microbatch_size: Optional[int], clipping_method: str,
+                      axis_name: Optional[str]) -> physical.PhysicalForm:
+  """The physical form of the `accelerated_dp_srgd` plan's transformation.
+
+  Its gradients are taken at the query point x_t, which the coupling's
+  update made the params (`optax.apply_updates` moves them to x_{t+1}),
+  and, for `gradient='srg'`, at the previous query point x_{t-1} that the
+  estimator's state keeps, weighted by the state's step count: the
+  arguments come from `chain(nesterov_coupling(estimator), guard)`'s state,
+  `opt_state[0].estimator`. The independent variant's statistic is the
+  clipped gradient sum at x_t.
+  """
+  if gradient == 'independent':
+    return _noisy_gradient_form(loss_fn, l2_clip, physical_batch_size,
+                                microbatch_size, clipping_method, axis_name)
+  return srg.srg_physical_form(
+      loss_fn, l2_clip=l2_clip, num_steps=num_steps,
+      physical_batch_size=physical_batch_size,
+      microbatch_size=microbatch_size, clipping_method=clipping_method,
+      state_of=lambda opt_state: opt_state[0].estimator)
 
 
 @keywords.checked
@@ -1328,6 +1359,7 @@ def accelerated_dp_srgd(
     microbatch_size: Optional[int] = None,
     clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
+    physical_batch_size: Optional[int] = None,
 ) -> Plan:
   """An Accelerated-DP-SRGD run (papers 000/001 Algorithm 1), calibrated.
 
@@ -1368,6 +1400,11 @@ def accelerated_dp_srgd(
       else per-example gradients, announced once), 'ghost' or 'vmap'
       (`dpsco_jax.clipping`).
     axis_name: the device axis on several devices.
+    physical_batch_size: run each batch as physical batches of at most
+      this many examples, noised once (`Plan.step`, `dpsco_jax.physical`):
+      the clipped differences at the query point x_t (the params) and at
+      x_{t-1} (the state's), the same update as one call. None (default):
+      one call per batch only.
 
   Returns:
     A `Plan`.
@@ -1380,7 +1417,7 @@ def accelerated_dp_srgd(
       relation=neighboring_relation, releases=releases,
       microbatch_size=microbatch_size,
                                      clipping_method=clipping_method,
-      axis_name=axis_name)
+      axis_name=axis_name, physical_batch_size=physical_batch_size)
 
 
 @keywords.checked
