@@ -398,7 +398,13 @@ class Plan:
     The step runs on one device, or on arrays already sharded over several
     under `jit`; a plan built with `axis_name=` runs under `jax.pmap` or
     `jax.shard_map`, in your own step (check its records with
-    `guards.raise_if_refused`).
+    `guards.raise_if_refused`). A plan built with both `axis_name=` and
+    `physical_batch_size=` runs here, under `jax.shard_map` over a mesh of
+    all devices on that axis: each device evaluates its shard of every
+    physical batch, and the clipped statistic is summed over the devices
+    and noised once per logical batch (for another mesh,
+    `physical.LogicalStep(plan.transformation, plan.physical_form,
+    mesh=mesh)`).
 
     Example:
       >>> opt_state = plan.init(params)
@@ -1288,7 +1294,6 @@ def _single_pass(algorithm: str, loss_fn: LossFn, *, num_examples: int,
 
   physical_form = None
   if physical_batch_size is not None:
-    physical.check_no_device_axis(axis_name)
     if algorithm == 'accelerated_dp_srgd':
       physical_form = _accelerated_form(
           loss_fn, l2_clip=l2_clip, num_steps=steps, gradient=gradient,
@@ -1302,6 +1307,8 @@ def _single_pass(algorithm: str, loss_fn: LossFn, *, num_examples: int,
           microbatch_size=microbatch_size, clipping_method=clipping_method,
           # chain(chain(srg_gradient, sgd, projection), guard).
           state_of=lambda opt_state: opt_state[0][0])
+    # The estimator's device axis: the physical batches run sharded.
+    physical_form = dataclasses.replace(physical_form, axis_name=axis_name)
 
   return _batched_plan(
       algorithm, build, mechanism=mechanism, sampler=sampler, optimizer=None,
@@ -1600,13 +1607,12 @@ def dp_srg_memf(
   b = getattr(sampler, 'steps_per_epoch', sampler.num_steps)
   physical_form = None
   if physical_batch_size is not None:
-    physical.check_no_device_axis(axis_name)
-    physical_form = srg.memf_physical_form(
+    physical_form = dataclasses.replace(srg.memf_physical_form(
         loss_fn, l2_clip=l2_clip, decay=decay,
         physical_batch_size=physical_batch_size,
         microbatch_size=microbatch_size, clipping_method=clipping_method,
         # The estimator is first in the plan's chain.
-        state_of=lambda opt_state: opt_state[0])
+        state_of=lambda opt_state: opt_state[0]), axis_name=axis_name)
   return _batched_plan(
       'dp_srg_memf',
       lambda z, divisor: srg.dp_srg_memf(

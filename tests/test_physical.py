@@ -301,10 +301,12 @@ def test_accelerated_srgd_at_its_query_points_equals_the_one_call_step(
              ) > 1e-3
 
 
-def test_a_device_axis_is_refused_with_a_reason():
-  with pytest.raises(ValueError, match='do not run under a device axis'):
-    physical.statistic_form(clipping.clipped_grad_sum(_loss, 0.5), 8,
-                            axis_name='devices')
+def test_a_device_axis_is_kept_for_the_sharded_programs():
+  # The sharded step itself: tests/test_physical_sharded.py.
+  form = physical.statistic_form(clipping.clipped_grad_sum(_loss, 0.5), 8,
+                                 axis_name='devices')
+  assert form.axis_name == 'devices'
+  assert PLANS['vmap'].physical_form.axis_name is None
 
 
 # ------------------------------------------------------ the checks hold
