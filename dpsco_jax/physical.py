@@ -47,6 +47,17 @@ the state) when the fingerprint or the
 count differs from the logical batch's. So an example repeated across two
 physical batches, or physical batches that are not the logical batch, are
 refused like a repeated example in one call.
+
+On several devices. A form with `axis_name` (a plan built with
+`axis_name=` and `physical_batch_size=`) runs its programs under
+`jax.shard_map` over a mesh with that axis: each device evaluates its
+shard of every physical batch and keeps its own running sum (no
+cross-device sum per physical batch); the finishing program sums the
+devices' statistics once and draws the noise once from the replicated
+key, as the one-call sharded step does. The logical batch's ids and mask
+are split over the axis like its examples, so the batch checks gather
+them, and the fingerprint and count are summed over the devices before
+the comparison.
 """
 
 import dataclasses

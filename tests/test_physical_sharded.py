@@ -71,6 +71,13 @@ def _plan(algorithm):
     # (2 and 1 examples per device).
     return plans.dpsgd(_loss, optimizer=optax.adam(0.05), l2_clip=0.5,
                        clipping_method='ghost', **common)
+  if algorithm == 'accelerated_dp_srgd':
+    # Differences at the query point x_t and the state's x_{t-1}, fixed
+    # batches of 24: 16 + 8. A clip no difference reaches.
+    return plans.accelerated_dp_srgd(
+        _loss, beta=20.0, radius=None, l2_clip=50.0,
+        clipping_method='vmap', **{k: v for k, v in common.items()
+                                   if k != 'epochs'})
   # Differences at two points of the state (x_t and x_{t-1}), fixed batches
   # of 24: 16 + 8. A clip no difference reaches, so a wrong point shows.
   return plans.dp_srg_memf(
@@ -120,7 +127,8 @@ def _first_inputs(algorithm):
   return next(iter(_plan(algorithm).batches_of(DATA)))
 
 
-@pytest.mark.parametrize('algorithm', ['dpsgd', 'dp_srg_memf'])
+@pytest.mark.parametrize('algorithm', ['dpsgd', 'dp_srg_memf',
+                                       'accelerated_dp_srgd'])
 def test_sharded_physical_batches_equal_the_one_call_sharded_step(algorithm):
   _mesh()
   plan = _plan(algorithm)
