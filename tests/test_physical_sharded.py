@@ -23,6 +23,7 @@ from dpsco_jax import clipping
 from dpsco_jax import guards
 from dpsco_jax import physical
 from dpsco_jax import plans
+from dpsco_jax import profiling
 
 nn = pytest.importorskip('flax.linen')
 
@@ -164,6 +165,12 @@ def test_the_accumulate_program_sums_nothing_across_devices():
   finish = step.finish.lower(PARAMS, state, accumulation,
                              logical.inputs).compile().as_text()
   assert 'all-reduce' in finish
+  # No host round trip in either program (the refusals are recorded in
+  # the state on the device).
+  for program in (text, finish):
+    counts = profiling.hlo_counts(program)
+    assert counts.host_callbacks == 0, counts
+    assert counts.conditionals_every_step == 0, counts
 
 
 def _refused(run, *args):
