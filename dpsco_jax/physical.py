@@ -352,9 +352,9 @@ def sharded_granularity(form: PhysicalForm, num_devices: int) -> int:
 
   Every physical batch is cut into `num_devices` equal shards, each a whole
   number of microbatches: g' = lcm(g, n * m), with g the form's
-  granularity, n the devices and m the microbatch size (1 without one). At most g' - 1 padded
-  examples, i.e. under one microbatch per device, are evaluated per
-  logical step.
+  granularity, n the devices and m the microbatch size (1 without one).
+  At most g' - 1 padded examples, i.e. under one microbatch per device,
+  are evaluated per logical step.
 
   Example:
     >>> form = statistic_form(clipping.clipped_grad_sum(
@@ -414,9 +414,6 @@ class _Placed:
 
   def lower(self, *args):
     return self.program.lower(*self.place(*args))
-
-  def _cache_size(self) -> int:
-    return self.program._cache_size()  # pylint: disable=protected-access
 
 
 class LogicalStep:
