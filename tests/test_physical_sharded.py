@@ -19,6 +19,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dpsco_jax import batching
 from dpsco_jax import clipping
 from dpsco_jax import guards
 from dpsco_jax import physical
@@ -72,6 +73,14 @@ def _plan(algorithm):
     # (2 and 1 examples per device).
     return plans.dpsgd(_loss, optimizer=optax.adam(0.05), l2_clip=0.5,
                        clipping_method='ghost', **common)
+  if algorithm == 'user_level_dpsgd':
+    # Users as the privacy unit: Poisson batches of about 10 of 40 users,
+    # up to 3 items each, padded to a multiple of 32.
+    return plans.user_level_dpsgd(
+        _loss, optimizer=optax.sgd(0.1), num_users=40, users_per_batch=10,
+        epochs=1, l2_clip=0.5, noise_multiplier=1.0, delta=1e-5, key=0,
+        seed=1, method='rdp', clipping_method='vmap', axis_name=AXIS,
+        physical_batch_size=16)
   if algorithm == 'accelerated_dp_srgd':
     # Differences at the query point x_t and the state's x_{t-1}, fixed
     # batches of 24: 16 + 8. A clip no difference reaches.
@@ -124,18 +133,25 @@ def _close(a, b):
                                atol=1e-6)
 
 
+def _data_of(algorithm):
+  if algorithm == 'user_level_dpsgd':
+    return batching.group_by_user(DATA, np.arange(N) % 40, max_items=3)
+  return DATA
+
+
 def _first_inputs(algorithm):
   return next(iter(_plan(algorithm).batches_of(DATA)))
 
 
 @pytest.mark.parametrize('algorithm', ['dpsgd', 'dp_srg_memf',
-                                       'accelerated_dp_srgd'])
+                                       'accelerated_dp_srgd',
+                                       'user_level_dpsgd'])
 def test_sharded_physical_batches_equal_the_one_call_sharded_step(algorithm):
   _mesh()
   plan = _plan(algorithm)
   one = by_pieces = PARAMS
   one_state = pieces_state = plan.init(PARAMS)
-  for _, inputs in zip(range(3), plan.batches_of(DATA)):
+  for _, inputs in zip(range(3), plan.batches_of(_data_of(algorithm))):
     one, one_state = _one_call(algorithm)(one, one_state, inputs)
     by_pieces, pieces_state = _logical(algorithm)(by_pieces, pieces_state,
                                                   inputs)
