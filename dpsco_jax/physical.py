@@ -47,6 +47,17 @@ the state) when the fingerprint or the
 count differs from the logical batch's. So an example repeated across two
 physical batches, or physical batches that are not the logical batch, are
 refused like a repeated example in one call.
+
+On several devices. A form with `axis_name` (a plan built with
+`axis_name=` and `physical_batch_size=`) runs its programs under
+`jax.shard_map` over a mesh with that axis: each device evaluates its
+shard of every physical batch and keeps its own running sum (no
+cross-device sum per physical batch); the finishing program sums the
+devices' statistics once and draws the noise once from the replicated
+key, as the one-call sharded step does. The logical batch's ids and mask
+are split over the axis like its examples, so the batch checks gather
+them, and the fingerprint and count are summed over the devices before
+the comparison.
 """
 
 import dataclasses
@@ -63,6 +74,7 @@ from dpsco_jax import checks
 from dpsco_jax import clipping
 from dpsco_jax import guards
 from dpsco_jax import noise as noise_lib
+from dpsco_jax import parallel
 
 PyTree = Any
 
@@ -274,14 +286,23 @@ class PhysicalForm:
     arguments: `(opt_state, params) -> args`, the statistic's arguments
       after the batch, as the transformation's `update` would pass them
       (`opt_state` is the whole chain's state).
-    physical_batch_size: P.
-    granularity: g (default: `default_granularity(P, microbatch_size)`).
+    physical_batch_size: P, the examples of one physical batch over all
+      devices (with `axis_name`, each device holds P / n of them).
+    granularity: g (default: `default_granularity(P, microbatch_size)`;
+      with `axis_name`, `LogicalStep` rounds it up to whole microbatches on
+      every device: `sharded_granularity`).
+    axis_name: the transformation's device axis, or None. With it,
+      `LogicalStep` runs its programs under `jax.shard_map` over a mesh
+      with this axis: each device evaluates its shard of every physical
+      batch and the transformation's update sums the devices' statistics
+      once, in the finishing program.
   """
 
   statistic: clipping.ClippedStatistic
   arguments: Callable[[PyTree, PyTree], tuple[Any, ...]]
   physical_batch_size: int
   granularity: Optional[int] = None
+  axis_name: Optional[str] = None
 
   def __post_init__(self):
     granularity = self.granularity
@@ -290,29 +311,6 @@ class PhysicalForm:
                                         self.statistic.microbatch_size)
     object.__setattr__(self, 'granularity', granularity)
     _checked_sizes(self.physical_batch_size, granularity)
-
-
-def check_no_device_axis(axis_name: Optional[str]) -> None:
-  """Refuses a device axis: physical batches run under `jax.jit` only.
-
-  `LogicalStep` compiles its programs with `jax.jit` (on one device, or on
-  arrays sharded under it), not inside `pmap` / `shard_map` where a
-  transformation's device axis is bound.
-
-  Example:
-    >>> check_no_device_axis(None)      # passes
-
-  Args:
-    axis_name: the transformation's device axis, or None.
-
-  Raises:
-    ValueError: if `axis_name` is not None.
-  """
-  if axis_name is not None:
-    raise ValueError(
-        f'physical batches do not run under a device axis yet (axis_name='
-        f'{axis_name!r}): build the plan without physical_batch_size, or '
-        'without axis_name and shard the arrays under jit')
 
 
 def statistic_form(statistic: clipping.ClippedStatistic,
@@ -336,21 +334,55 @@ def statistic_form(statistic: clipping.ClippedStatistic,
       method=...)` for `noisy_gradient`).
     physical_batch_size: P.
     granularity: g (default: see `default_granularity`).
-    axis_name: the transformation's device axis: must be None (see
-      Raises).
+    axis_name: the transformation's device axis, or None (see
+      `PhysicalForm`).
 
   Returns:
     A `PhysicalForm`.
-
-  Raises:
-    ValueError: with `axis_name` (`check_no_device_axis`: not supported
-      yet).
   """
-  check_no_device_axis(axis_name)
   return PhysicalForm(
       statistic=statistic,
       arguments=lambda opt_state, params: (params,),
-      physical_batch_size=physical_batch_size, granularity=granularity)
+      physical_batch_size=physical_batch_size, granularity=granularity,
+      axis_name=axis_name)
+
+
+def sharded_granularity(form: PhysicalForm, num_devices: int) -> int:
+  """The granularity of a form's physical batches split over devices.
+
+  Every physical batch is cut into `num_devices` equal shards, each a whole
+  number of microbatches: g' = lcm(g, n * m), with g the form's
+  granularity, n the devices and m the microbatch size (1 without one).
+  At most g' - 1 padded examples, i.e. under one microbatch per device,
+  are evaluated per logical step.
+
+  Example:
+    >>> form = statistic_form(clipping.clipped_grad_sum(
+    ...     loss_fn, 1.0, microbatch_size=2), 32, axis_name='devices')
+    >>> sharded_granularity(form, 8)
+    16
+
+  Args:
+    form: the physical form.
+    num_devices: n, the devices along `form.axis_name`.
+
+  Returns:
+    g', dividing `form.physical_batch_size`.
+
+  Raises:
+    ValueError: if P is not a multiple of g' (name the fix: a multiple of
+      n times the microbatch size).
+  """
+  num_devices = checks.positive_int(num_devices, 'num_devices')
+  per_device = num_devices * (form.statistic.microbatch_size or 1)
+  granularity = int(np.lcm(form.granularity, per_device))
+  if form.physical_batch_size % granularity:
+    raise ValueError(
+        f'physical_batch_size {form.physical_batch_size} cannot be split '
+        f'into {num_devices} devices\' shards of whole microbatches (size '
+        f'{form.statistic.microbatch_size or 1}) at granularity '
+        f'{form.granularity}: pick a multiple of {granularity}')
+  return granularity
 
 
 def _step_of(opt_state: PyTree) -> jax.Array:
@@ -366,6 +398,24 @@ def _plus(total: PyTree, part: PyTree) -> PyTree:
   return jax.tree_util.tree_map(jnp.add, total, part)
 
 
+# The logical step's inputs split over a device axis like the batch (the
+# batch checks gather them); any other input is replicated.
+_SPLIT_INPUTS = ('example_ids', 'batch_mask')
+
+
+class _Placed:
+  """A compiled program whose arguments are first put on a mesh."""
+
+  def __init__(self, program, place):
+    self.program, self.place = program, place
+
+  def __call__(self, *args):
+    return self.program(*self.place(*args))
+
+  def lower(self, *args):
+    return self.program.lower(*self.place(*args))
+
+
 class LogicalStep:
   """A transformation's step run over physical batches, noised once.
 
@@ -376,6 +426,17 @@ class LogicalStep:
   transformation's update with the accumulated sum and applies it). The
   host dispatches them without waiting for the device.
 
+  Sharded (a form with `axis_name`): the three programs run under
+  `jax.shard_map` over `mesh`. Each physical batch and the logical batch's
+  `example_ids` / `batch_mask` are split over the axis; each device adds
+  its shard's clipped statistic to its own accumulation (no cross-device
+  sum per physical batch); `finish` sums the devices' fingerprints and
+  counts for the check, and the transformation's update sums the clipped
+  statistic over the devices ONCE and draws the noise once from the
+  replicated key, as the one-call sharded step does. The batch checks
+  gather the ids over the axis, so they see the whole logical batch.
+  `params` and `opt_state` are replicated.
+
   Example:
     >>> tx = optax.chain(dpsco_jax.dpsgd(loss_fn, l2_clip=1.0,
     ...                                  noise_multiplier=1.1, num_steps=T,
@@ -385,27 +446,129 @@ class LogicalStep:
     ...     clipping.clipped_grad_sum(loss_fn, 1.0), physical_batch_size=64))
     >>> params, opt_state = step(params, opt_state, {'batch': big_batch})
 
+    Sharded over eight devices (`plan` built with `axis_name='devices'`
+    and `physical_batch_size=`; `Plan.step` does this with a mesh of all
+    devices):
+
+    >>> mesh = jax.make_mesh((8,), ('devices',))
+    >>> step = LogicalStep(plan.transformation, plan.physical_form,
+    ...                    mesh=mesh)
+
   Args:
     transformation: the whole update (private estimator first, then any
       checks and the optimizer), e.g. `Plan.transformation`.
     form: the `PhysicalForm` of its private estimator.
+    mesh: with a form's `axis_name`, the mesh to map over (it must have
+      that axis; default: all devices on one axis of that name). Ignored
+      without one.
+
+  Raises:
+    ValueError: if the mesh lacks the form's axis, or the physical batch
+      size does not split into whole microbatches per device.
   """
 
   def __init__(self, transformation: optax.GradientTransformationExtraArgs,
-               form: PhysicalForm):
+               form: PhysicalForm, *,
+               mesh: Optional[jax.sharding.Mesh] = None):
     self.transformation = transformation
     self.form = form
-    self.start = jax.jit(self._start)
-    self.accumulate = jax.jit(self._accumulate, donate_argnums=0)
-    self.finish = jax.jit(self._finish)
+    self.mesh = None
+    self.granularity = form.granularity
+    self._traced_sizes = set()   # per device, when sharded
+    start, accumulate, finish = self._start, self._accumulate, self._finish
+    axis = form.axis_name
+    if axis is not None:
+      if mesh is None:
+        mesh = jax.make_mesh((jax.device_count(),), (axis,))
+      if axis not in mesh.axis_names:
+        raise ValueError(f'the mesh has axes {mesh.axis_names}, not the '
+                         f'transformation\'s device axis {axis!r}')
+      self.mesh = mesh
+      self.granularity = sharded_granularity(form, mesh.shape[axis])
+      start, accumulate, finish = self._sharded_programs(mesh, axis)
+    self.start = jax.jit(start)
+    self.accumulate = jax.jit(accumulate, donate_argnums=0)
+    self.finish = jax.jit(finish)
+    if self.mesh is not None:
+      self.start, self.accumulate, self.finish = self._placed(mesh, axis)
+
+  def _placed(self, mesh, axis) -> tuple['_Placed', '_Placed', '_Placed']:
+    """The sharded programs, their arguments put where their specs say
+    (host arrays, or arrays committed to one device, are split or
+    replicated over the mesh first)."""
+    shard = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(axis))
+    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def put(tree, sharding):
+      return jax.device_put(tree, sharding)
+
+    def inputs_placed(inputs):
+      return {k: put(v, shard if k in _SPLIT_INPUTS else whole)
+              for k, v in inputs.items()}
+
+    return (
+        _Placed(self.start, lambda o, p, t: (put(o, whole), put(p, whole),
+                                             put(t, whole))),
+        _Placed(self.accumulate, lambda a, o, p, b: (
+            put(a, shard), put(o, whole), put(p, whole), put(b, shard))),
+        _Placed(self.finish, lambda p, o, a, i: (
+            put(p, whole), put(o, whole), put(a, shard), inputs_placed(i))))
+
+  def _sharded_programs(self, mesh, axis):
+    """`start`, `accumulate`, `finish` mapped over `axis` of `mesh`.
+
+    The accumulation is per device: a leading axis of one per device,
+    split over `axis` (so `[n, ...]` in all), never summed across devices
+    before `finish`.
+    """
+    shard, whole = jax.sharding.PartitionSpec(axis), (
+        jax.sharding.PartitionSpec())
+
+    def own(tree):    # this device's accumulation, out of its [1, ...] block
+      return jax.tree_util.tree_map(lambda x: x[0], tree)
+
+    def block(tree):  # this device's accumulation as its [1, ...] block
+      return jax.tree_util.tree_map(lambda x: x[None], tree)
+
+    def inputs_specs(inputs):
+      # The logical batch's ids and mask are split like the batch (the
+      # batch checks gather them); anything else is replicated.
+      return {k: shard if k in _SPLIT_INPUTS else whole for k in inputs}
+
+    def start(opt_state, params, template):
+      return jax.shard_map(
+          lambda o, p, t: block(self._start(o, p, t)), mesh=mesh,
+          in_specs=(whole, whole, whole), out_specs=shard)(
+              opt_state, params, template)
+
+    def accumulate(accumulation, opt_state, params, physical):
+      return jax.shard_map(
+          lambda a, o, p, b: block(self._accumulate(own(a), o, p, b)),
+          mesh=mesh, in_specs=(shard, whole, whole, shard),
+          out_specs=shard)(accumulation, opt_state, params, physical)
+
+    def finish(params, opt_state, accumulation, inputs):
+      return jax.shard_map(
+          lambda p, o, a, i: self._finish(p, o, own(a), i), mesh=mesh,
+          in_specs=(whole, whole, shard, inputs_specs(inputs)),
+          out_specs=(whole, whole))(params, opt_state, accumulation, inputs)
+
+    return start, accumulate, finish
 
   def split(self, batch_inputs: Mapping[str, Any]) -> LogicalBatch:
-    """`split_logical_batch` with this form's sizes."""
+    """`split_logical_batch` with this step's sizes."""
     return split_logical_batch(batch_inputs, self.form.physical_batch_size,
-                               self.form.granularity)
+                               self.granularity)
+
+  def _arguments(self, opt_state, params) -> tuple[Any, ...]:
+    # Under the axis, the (replicated) arguments are typed as varying, as
+    # the transformation's own statistic call does: a gradient with
+    # respect to them is then this device's, not summed over the axis.
+    return parallel.per_device(self.form.arguments(opt_state, params),
+                               self.form.axis_name)
 
   def _start(self, opt_state, params, template) -> Accumulation:
-    args = self.form.arguments(opt_state, params)
+    args = self._arguments(opt_state, params)
     shapes = jax.eval_shape(
         lambda: self.form.statistic(template, *args))
     return Accumulation(
@@ -415,7 +578,8 @@ class LogicalStep:
 
   def _accumulate(self, accumulation: Accumulation, opt_state, params,
                   physical: PhysicalBatch) -> Accumulation:
-    args = self.form.arguments(opt_state, params)
+    args = self._arguments(opt_state, params)
+    self._traced_sizes.add(np.shape(physical.batch_mask)[0])
     clipped = self.form.statistic(physical.batch, *args,
                                   mask=physical.batch_mask)
     fingerprint = accumulation.fingerprint
@@ -427,6 +591,7 @@ class LogicalStep:
 
   def _finish(self, params, opt_state, accumulation: Accumulation,
               inputs: dict[str, Any]):
+    axis = self.form.axis_name
     clipped = accumulation.clipped
     ids, mask = inputs.get('example_ids'), inputs.get('batch_mask')
     real = (jnp.asarray(mask, bool) if mask is not None else None)
@@ -436,15 +601,17 @@ class LogicalStep:
     if count is None and ids is not None:
       count = jnp.asarray(jnp.size(ids), jnp.int32)
     if count is not None:
+      # Over all devices: a device's physical shards need not hold its
+      # shard of the logical batch, only all of them together all of it.
       refusals.append((
-          clipped.count != count,
+          parallel.psum(clipped.count, axis) != parallel.psum(count, axis),
           'the physical batches hold another number of examples than the '
           'logical batch: they were not cut from it (use '
           'physical.split_logical_batch or Plan.step).'))
     if ids is not None:
       refusals.append((
-          jnp.any(accumulation.fingerprint !=
-                  batching.batch_fingerprint(ids, mask)),
+          jnp.any(parallel.psum(accumulation.fingerprint, axis) !=
+                  batching.batch_fingerprint(ids, mask, axis)),
           'the physical batches hold other examples than the logical '
           'batch\'s example_ids (or one of them twice): the batch checks '
           'and the accounting describe the logical batch.'))
@@ -475,11 +642,24 @@ class LogicalStep:
       `(params, opt_state)` after the step; nothing is waited for.
     """
     logical = self.split(batch_inputs)
+    if self.mesh is not None:
+      self._check_divisible(logical.inputs)
     accumulation = self.start(opt_state, params, logical.template)
     for physical in logical.physical:
       accumulation = self.accumulate(accumulation, opt_state, params,
                                      physical)
     return self.finish(params, opt_state, accumulation, logical.inputs)
+
+  def _check_divisible(self, inputs: Mapping[str, Any]) -> None:
+    """Refuses a logical batch whose ids / mask do not split evenly."""
+    devices = self.mesh.shape[self.form.axis_name]
+    for name in ('example_ids', 'batch_mask'):
+      if inputs.get(name) is not None and np.shape(inputs[name])[0] % devices:
+        raise ValueError(
+            f'the logical batch\'s {name} has {np.shape(inputs[name])[0]} '
+            f'entries, not a multiple of the {devices} devices on axis '
+            f'{self.form.axis_name!r} that split it: pad the batch to a '
+            f'multiple of {devices} (the sampler\'s pad_to_multiple)')
 
   def compiled_shapes(self) -> int:
     """How many physical sizes `accumulate` has compiled so far.
@@ -488,7 +668,11 @@ class LogicalStep:
       >>> step.compiled_shapes()    # at most 1 + ceil(log2(P / g))
 
     Returns:
-      The number of compiled `accumulate` programs.
+      The number of physical sizes `accumulate` was traced for (sharded,
+      jit may keep more than one entry per size: one per layout of the
+      arguments it was handed, the same program).
     """
-    return self.accumulate._cache_size()  # pylint: disable=protected-access
+    if self.mesh is None:
+      return self.accumulate._cache_size()  # pylint: disable=protected-access
+    return len(self._traced_sizes)
 

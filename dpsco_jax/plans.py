@@ -398,7 +398,13 @@ class Plan:
     The step runs on one device, or on arrays already sharded over several
     under `jit`; a plan built with `axis_name=` runs under `jax.pmap` or
     `jax.shard_map`, in your own step (check its records with
-    `guards.raise_if_refused`).
+    `guards.raise_if_refused`). A plan built with both `axis_name=` and
+    `physical_batch_size=` runs here, under `jax.shard_map` over a mesh of
+    all devices on that axis: each device evaluates its shard of every
+    physical batch, and the clipped statistic is summed over the devices
+    and noised once per logical batch (for another mesh,
+    `physical.LogicalStep(plan.transformation, plan.physical_form,
+    mesh=mesh)`).
 
     Example:
       >>> opt_state = plan.init(params)
@@ -1287,14 +1293,22 @@ def _single_pass(algorithm: str, loss_fn: LossFn, *, num_examples: int,
     return srg.unaccelerated_dp_srg(loss_fn, **common)
 
   physical_form = None
-  if physical_batch_size is not None:   # unaccelerated_dp_srg only
-    physical.check_no_device_axis(axis_name)
-    physical_form = srg.srg_physical_form(
-        loss_fn, l2_clip=l2_clip, num_steps=steps,
-        physical_batch_size=physical_batch_size,
-        microbatch_size=microbatch_size, clipping_method=clipping_method,
-        # chain(chain(srg_gradient, sgd, projection), guard).
-        state_of=lambda opt_state: opt_state[0][0])
+  if physical_batch_size is not None:
+    if algorithm == 'accelerated_dp_srgd':
+      physical_form = _accelerated_form(
+          loss_fn, l2_clip=l2_clip, num_steps=steps, gradient=gradient,
+          physical_batch_size=physical_batch_size,
+          microbatch_size=microbatch_size, clipping_method=clipping_method,
+          axis_name=axis_name)
+    else:
+      physical_form = srg.srg_physical_form(
+          loss_fn, l2_clip=l2_clip, num_steps=steps,
+          physical_batch_size=physical_batch_size,
+          microbatch_size=microbatch_size, clipping_method=clipping_method,
+          # chain(chain(srg_gradient, sgd, projection), guard).
+          state_of=lambda opt_state: opt_state[0][0])
+    # The estimator's device axis: the physical batches run sharded.
+    physical_form = dataclasses.replace(physical_form, axis_name=axis_name)
 
   return _batched_plan(
       algorithm, build, mechanism=mechanism, sampler=sampler, optimizer=None,
@@ -1305,6 +1319,30 @@ def _single_pass(algorithm: str, loss_fn: LossFn, *, num_examples: int,
                        'gradient': gradient,
                        'physical_batch_size': physical_batch_size},
       physical_form=physical_form)
+
+
+def _accelerated_form(loss_fn: LossFn, *, l2_clip: float, num_steps: int,
+                      gradient: str, physical_batch_size: int,
+                      microbatch_size: Optional[int], clipping_method: str,
+                      axis_name: Optional[str]) -> physical.PhysicalForm:
+  """The physical form of the `accelerated_dp_srgd` plan's transformation.
+
+  Its gradients are taken at the query point x_t, which the coupling's
+  update made the params (`optax.apply_updates` moves them to x_{t+1}),
+  and, for `gradient='srg'`, at the previous query point x_{t-1} that the
+  estimator's state keeps, weighted by the state's step count: the
+  arguments come from `chain(nesterov_coupling(estimator), guard)`'s state,
+  `opt_state[0].estimator`. The independent variant's statistic is the
+  clipped gradient sum at x_t.
+  """
+  if gradient == 'independent':
+    return _noisy_gradient_form(loss_fn, l2_clip, physical_batch_size,
+                                microbatch_size, clipping_method, axis_name)
+  return srg.srg_physical_form(
+      loss_fn, l2_clip=l2_clip, num_steps=num_steps,
+      physical_batch_size=physical_batch_size,
+      microbatch_size=microbatch_size, clipping_method=clipping_method,
+      state_of=lambda opt_state: opt_state[0].estimator)
 
 
 @keywords.checked
@@ -1328,6 +1366,7 @@ def accelerated_dp_srgd(
     microbatch_size: Optional[int] = None,
     clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
+    physical_batch_size: Optional[int] = None,
 ) -> Plan:
   """An Accelerated-DP-SRGD run (papers 000/001 Algorithm 1), calibrated.
 
@@ -1368,6 +1407,11 @@ def accelerated_dp_srgd(
       else per-example gradients, announced once), 'ghost' or 'vmap'
       (`dpsco_jax.clipping`).
     axis_name: the device axis on several devices.
+    physical_batch_size: run each batch as physical batches of at most
+      this many examples, noised once (`Plan.step`, `dpsco_jax.physical`):
+      the clipped differences at the query point x_t (the params) and at
+      x_{t-1} (the state's), the same update as one call. None (default):
+      one call per batch only.
 
   Returns:
     A `Plan`.
@@ -1380,7 +1424,7 @@ def accelerated_dp_srgd(
       relation=neighboring_relation, releases=releases,
       microbatch_size=microbatch_size,
                                      clipping_method=clipping_method,
-      axis_name=axis_name)
+      axis_name=axis_name, physical_batch_size=physical_batch_size)
 
 
 @keywords.checked
@@ -1563,13 +1607,12 @@ def dp_srg_memf(
   b = getattr(sampler, 'steps_per_epoch', sampler.num_steps)
   physical_form = None
   if physical_batch_size is not None:
-    physical.check_no_device_axis(axis_name)
-    physical_form = srg.memf_physical_form(
+    physical_form = dataclasses.replace(srg.memf_physical_form(
         loss_fn, l2_clip=l2_clip, decay=decay,
         physical_batch_size=physical_batch_size,
         microbatch_size=microbatch_size, clipping_method=clipping_method,
         # The estimator is first in the plan's chain.
-        state_of=lambda opt_state: opt_state[0])
+        state_of=lambda opt_state: opt_state[0]), axis_name=axis_name)
   return _batched_plan(
       'dp_srg_memf',
       lambda z, divisor: srg.dp_srg_memf(

@@ -276,10 +276,37 @@ def test_unaccelerated_srg_differences_equal_the_one_call_step():
   _close(pieces_state, one_state)
 
 
-def test_a_device_axis_is_refused_with_a_reason():
-  with pytest.raises(ValueError, match='do not run under a device axis'):
-    physical.statistic_form(clipping.clipped_grad_sum(_loss, 0.5), 8,
-                            axis_name='devices')
+@pytest.mark.parametrize('gradient', ['srg', 'independent'])
+def test_accelerated_srgd_at_its_query_points_equals_the_one_call_step(
+    gradient):
+  # Algorithm 1: differences (t + 1) grad f(x_t) - t grad f(x_{t-1}) at the
+  # query point x_t (the params the coupling moved) and the state's x_{t-1};
+  # a batch of 24 run 8 at a time, a clip no difference reaches, a ball the
+  # run stays inside.
+  plan = plans.accelerated_dp_srgd(
+      _loss, num_examples=N, batch_size=24, beta=20.0, radius=None,
+      l2_clip=50.0, noise_multiplier=1.0, delta=1e-5, key=0, seed=1,
+      gradient=gradient, clipping_method='vmap', physical_batch_size=8)
+  one = by_pieces = PARAMS
+  one_state = pieces_state = plan.init(PARAMS)
+  for inputs in plan.batches_of(DATA):
+    one, one_state = _one_call(plan)(one, one_state, inputs)
+    by_pieces, pieces_state = _logical(plan)(by_pieces, pieces_state,
+                                             inputs)
+    _close(by_pieces, one)
+    _close(pieces_state, one_state)
+  # The run moved the params: the comparison is not between two no-ops.
+  assert max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(
+      jax.tree_util.tree_leaves(one), jax.tree_util.tree_leaves(PARAMS))
+             ) > 1e-3
+
+
+def test_a_device_axis_is_kept_for_the_sharded_programs():
+  # The sharded step itself: tests/test_physical_sharded.py.
+  form = physical.statistic_form(clipping.clipped_grad_sum(_loss, 0.5), 8,
+                                 axis_name='devices')
+  assert form.axis_name == 'devices'
+  assert PLANS['vmap'].physical_form.axis_name is None
 
 
 # ------------------------------------------------------ the checks hold
