@@ -675,7 +675,7 @@ def _noisy_gradient_form(loss_fn: LossFn, l2_clip: float,
   return physical.statistic_form(
       clipping.clipped_grad_sum(loss_fn, l2_clip,
                                 microbatch_size=microbatch_size,
-                                method=clipping_method),
+                                clipping_method=clipping_method),
       physical_batch_size, axis_name=axis_name)
 
 
@@ -1886,7 +1886,7 @@ def user_level_dpsgd(
       physical.statistic_form(
           clipping.clipped_user_grad_sum(loss_fn, l2_clip,
                                          microbatch_size=microbatch_size,
-                                         method=clipping_method),
+                                         clipping_method=clipping_method),
           physical_batch_size, axis_name=axis_name))
 
 

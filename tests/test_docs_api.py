@@ -57,6 +57,7 @@ MEANT: dict[tuple[str, str], Optional[str]] = {
     ('README.md', 'storage'): 'noise.matrix_factorization',
     ('README.md', 'releases'): 'plans.dpsgd',
     ('README.md', 'gradient'): 'dpsco_jax.accelerated_dp_srgd',
+    ('README.md', 'physical_batch_size'): 'plans.dpsgd',
     ('docs/sharp_edges.md', 'sampling'): 'plans.dpsgd',
     ('docs/audit.md', 'release_fn'): 'audit.run_gradient_canary_audit',
     ('docs/audit.md', 'steps_per_epoch'): 'audit.run_gradient_canary_audit',

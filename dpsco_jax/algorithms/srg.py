@@ -408,7 +408,7 @@ def _difference_form(coefficients, loss_fn, l2_clip, physical_batch_size,
   return physical.PhysicalForm(
       statistic=clipping.clipped_grad_difference_sum(
           loss_fn, l2_clip, microbatch_size=microbatch_size,
-          method=clipping_method),
+          clipping_method=clipping_method),
       arguments=arguments, physical_batch_size=physical_batch_size)
 
 
