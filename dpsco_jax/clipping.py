@@ -63,6 +63,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
+from dpsco_jax import checks
 from dpsco_jax import ghost
 from dpsco_jax import keywords
 from dpsco_jax import neighboring
@@ -289,6 +290,7 @@ def _sum_layout(size: int, microbatch_size: Optional[int]) -> _SumLayout:
       max(size, _SMALLEST_BOUNDED_BATCH), roundings, jnp.float32))
 
 
+@keywords.checked
 def effective_clip(l2_clip: float, batch_size: int,
                    microbatch_size: Optional[int] = None) -> float:
   """The norm each contribution is clipped to in a batch of `batch_size` units.
@@ -685,6 +687,9 @@ class ClippedStatistic:
 
   def __post_init__(self):
     object.__setattr__(self, 'l2_clip', validate_clip(self.l2_clip))
+    if self.microbatch_size is not None:
+      object.__setattr__(self, 'microbatch_size', checks.positive_int(
+          self.microbatch_size, 'microbatch_size'))
     object.__setattr__(self, 'memory_budget',
                        ghost.validate_memory_budget(self.memory_budget))
     for built in _RECORDERS:

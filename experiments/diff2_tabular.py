@@ -72,6 +72,7 @@ import optax
 from scipy import stats
 
 import dpsco_jax
+from dpsco_jax import guards
 from dpsco_jax.algorithms import diff2
 from dpsco_jax.algorithms import diff2_accounting
 from experiments import cli
@@ -317,10 +318,12 @@ def _engine(algorithm: str, interval: int, z, config, data: SeedData
   example = jax.tree_util.tree_map(lambda a: a[0], data.params)
   shapes = jax.eval_shape(lambda p, k: init(0.1, 1.0, 1.0, p, k), example,
                           data.keys[0])
-  # Scalar int32 leaves are round counters, equal across lanes (see above).
+  # Scalar int32 leaves are round counters, equal across lanes (see above);
+  # a refusal record is each lane's own.
   state_axes = jax.tree_util.tree_map(
-      lambda s: None if (s.shape == () and s.dtype == jnp.int32) else 0,
-      shapes)
+      lambda s: (guards.Refusal(0, 0) if isinstance(s, guards.Refusal) else
+                 None if (s.shape == () and s.dtype == jnp.int32) else 0),
+      shapes, is_leaf=lambda s: isinstance(s, guards.Refusal))
   lanes = (0, 0, 0, 0)
   return _Engine(
       init=jax.jit(jax.vmap(init, in_axes=lanes + (0,),

@@ -48,6 +48,13 @@ def main(process_id: int, port: str, out: str, fresh_keys: bool) -> None:
     outcome = {'updates': result}
   except Exception as error:  # pylint: disable=broad-except
     outcome = {'error': f'{type(error).__name__}: {error}'}
+    # Both processes read the same record and refuse at the same step; meet
+    # before exiting, so that neither leaves while the other still reads
+    # the step's last collective.
+    try:
+      multihost_utils.sync_global_devices('refused')
+    except Exception:  # pylint: disable=broad-except
+      pass
   with open(out, 'w') as f:
     json.dump(outcome, f)
   # Skip the coordinator's shutdown barrier: a refused step leaves the

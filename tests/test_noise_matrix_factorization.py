@@ -9,6 +9,7 @@ from scipy import stats
 
 import dpsco_jax
 from dpsco_jax import accounting
+from dpsco_jax import guards
 from dpsco_jax import noise
 from tests.noise_streams import flat, gaussian_draws, stream
 
@@ -119,10 +120,13 @@ def test_jitted_step_past_its_size_is_poisoned_and_raises(storage):
   next_noise = jax.jit(mechanism.next)
   for _ in range(3):
     _, state = next_noise(state, TEMPLATE)
-  # Inside jit the error comes from a host callback, wrapped by the runtime.
-  with pytest.raises(Exception) as info:
-    jax.block_until_ready(next_noise(state, TEMPLATE))
-  assert 'capacity' in str(info.value)
+  # Inside jit: NaN noise, and the refusal recorded in the state.
+  noise_out, state = next_noise(state, TEMPLATE)
+  assert all(np.all(np.isnan(np.asarray(leaf)))
+             for leaf in jax.tree_util.tree_leaves(noise_out))
+  with pytest.raises(guards.PrivacyGuardError) as info:
+    guards.raise_if_refused(state)
+  assert 'capacity' in str(info.value) and info.value.step == 3
 
 
 @pytest.mark.parametrize('strategy,match', [

@@ -121,12 +121,16 @@ def test_update_refuses_the_other_algorithms_state_eagerly(make_from,
 def test_update_refuses_the_other_algorithms_state_under_jit():
   state = _dpsgd().init(PARAMS)
   dpftrl = _dpftrl()
-  step = jax.jit(lambda s: dpftrl.update(None, s, PARAMS, batch=BATCH)[0])
-  with pytest.raises(Exception, match='another noise mechanism'):
-    jax.block_until_ready(step(state))
+  step = jax.jit(lambda s: dpftrl.update(None, s, PARAMS, batch=BATCH))
+  out, refused = step(state)
+  assert np.all(np.isnan(np.asarray(out['w'])))
+  with pytest.raises(dpsco_jax.PrivacyGuardError,
+                     match='another noise mechanism'):
+    dpsco_jax.raise_if_refused(refused)
   # Its own state passes under the same compiled step.
-  out = step(dpftrl.init(PARAMS))
+  out, passed = step(dpftrl.init(PARAMS))
   assert np.all(np.isfinite(np.asarray(out['w'])))
+  dpsco_jax.raise_if_refused(passed)
 
 
 def test_under_vmap_one_foreign_run_is_refused():
@@ -136,9 +140,13 @@ def test_under_vmap_one_foreign_run_is_refused():
       jnp.asarray(dpsgd.init(PARAMS).noise.mechanism_id))
   states = states._replace(noise=states.noise._replace(mechanism_id=ids))
   run = jax.jit(jax.vmap(lambda s: dpftrl.update(None, s, PARAMS,
-                                                 batch=BATCH)[0]))
-  with pytest.raises(Exception, match='another noise mechanism'):
-    jax.block_until_ready(run(states))
+                                                 batch=BATCH)))
+  out, states = run(states)
+  refused = np.isnan(np.asarray(out['w'])).all(axis=-1)
+  np.testing.assert_array_equal(refused, [False, False, True, False])
+  with pytest.raises(dpsco_jax.PrivacyGuardError,
+                     match='another noise mechanism.*entry 2 of the 4'):
+    dpsco_jax.raise_if_refused(states)
 
 
 def _transformations():

@@ -16,6 +16,7 @@ import pytest
 
 import dpsco_jax
 from dpsco_jax import accounting
+from dpsco_jax import clipping
 from dpsco_jax import noise
 from dpsco_jax import strategies
 from dpsco_jax.algorithms import srg
@@ -86,7 +87,7 @@ def test_normalized_recursion_equals_prefix_sum_over_eta():
                (eta_prev * example_grad(iterates[t - 1], batches[t], i)
                 if t else 0.0))
       clipped_any |= np.linalg.norm(delta) > clip_norm
-      prefix = prefix + clip(delta, clip_norm) / BATCH
+      prefix = prefix + clip(delta, clipping.effective_clip(clip_norm, BATCH)) / BATCH
     np.testing.assert_allclose(flat(states[t].grad), prefix / eta,
                                rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(flat(outputs[t]), prefix / eta, rtol=1e-5,
@@ -394,7 +395,8 @@ def test_srg_memf_normalized_form_equals_exponential_weights():
     c_t = 0.0 if t == 0 else c
     delta = sum(clip(example_grad(iterates[t], batches[t], i) -
                      c_t * example_grad(iterates[t - 1], batches[t], i),
-                     clip_norm) for i in range(BATCH)) / BATCH
+                     clipping.effective_clip(clip_norm, BATCH))
+                for i in range(BATCH)) / BATCH
     weighted = weighted + c ** (-t) * delta
     np.testing.assert_allclose(flat(outputs[t]), weighted / c ** (-t),
                                rtol=1e-5, atol=1e-6)
