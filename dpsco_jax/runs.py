@@ -392,6 +392,40 @@ def scan_steps(transformation: optax.GradientTransformationExtraArgs,
   return jax.lax.scan(one_step, carry, batches)
 
 
+def non_private(mean_loss: Callable[[PyTree, PyTree], jax.Array],
+                optimizer: optax.GradientTransformation
+                ) -> optax.GradientTransformationExtraArgs:
+  """The non-private reference step, shaped like a private transformation.
+
+  `update(None, state, params, batch=...)` takes the gradient of
+  `mean_loss(params, batch)` and hands it to `optimizer`, so the
+  non-private baseline of an experiment runs through `scan_steps` like the
+  private runs it is compared with. It releases the raw gradient: never use
+  it on data that needs privacy.
+
+  Example:
+    >>> tx = non_private(mean_loss, optax.sgd(0.1, momentum=0.9))
+    >>> (params, state), _ = scan_steps(tx, params, tx.init(params),
+    ...                                 (indices, None),
+    ...                                 inputs_fn=gathered_inputs(data))
+
+  Args:
+    mean_loss: `mean_loss(params, batch) -> scalar`, the batch's mean loss.
+    optimizer: the optax optimizer.
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs` (call with `batch=`; other
+    extra arguments are ignored).
+  """
+
+  def update_fn(updates, state, params=None, *, batch, **extra_args):
+    del updates, extra_args
+    grads = jax.grad(mean_loss)(params, batch)
+    return optimizer.update(grads, state, params)
+
+  return optax.GradientTransformationExtraArgs(optimizer.init, update_fn)
+
+
 def plan_output(plan: Any) -> Callable[[PyTree, PyTree], PyTree]:
   """What a plan's family releases as its model after the last step.
 
