@@ -47,6 +47,7 @@ Results are `AuditReport`s (`to_markdown`, `plot_roc`). See docs/audit.md.
 """
 
 import dataclasses
+import functools
 import math
 import time
 from typing import Any, Callable, Optional, Sequence, Union
@@ -61,10 +62,12 @@ from scipy import stats
 
 from dpsco_jax import batching
 from dpsco_jax import checks
+from dpsco_jax import guards
 from dpsco_jax import keys as keys_lib
 from dpsco_jax import neighboring
 from dpsco_jax import noise as noise_lib
 from dpsco_jax import progress as progress_lib
+from dpsco_jax import runs
 from dpsco_jax.algorithms import nonsmooth
 from dpsco_jax.algorithms import srg
 
@@ -889,33 +892,7 @@ def audit_observations(
       num_calibration_runs=min(held_in, held_out), bound=bound)
 
 
-def run_keys(key: Any, count: int) -> jax.Array:
-  """The noise keys of runs `0, ..., count - 1`: `fold_in(key, i)`.
-
-  Run i's key depends on `key` and i only, not on how many runs there are:
-  an audit with more runs repeats the runs of a smaller one (same key, same
-  arm) and adds new ones, and any single run can be replayed on its own.
-
-  Example:
-    >>> keys = run_keys(0, 4)      # [4] keys, keys[i] = fold_in(key(0), i)
-
-  Args:
-    key: a JAX key (typed or raw) or an int seed.
-    count: the number of runs.
-
-  Returns:
-    `[count]` keys, all distinct.
-
-  Raises:
-    ValueError: if `key` is None (an audit never draws keys silently).
-  """
-  if key is None:
-    raise ValueError('an audit needs a key (or int seed) for its runs')
-  if isinstance(key, (int, np.integer)):
-    key = jax.random.key(int(key))
-  count = checks.positive_int(count, 'count')
-  return jax.vmap(lambda i: jax.random.fold_in(key, i))(
-      jnp.arange(count, dtype=jnp.uint32))
+run_keys = runs.run_keys
 
 
 def run_canary_audit(
@@ -1515,114 +1492,12 @@ def run_one_run_gradient_audit(
 # ---------------------------------------------------------------------------
 
 
-def _fresh_run_keys(state: PyTree, key: jax.Array) -> PyTree:
-  """`state` with every noise key replaced by one folded from `key`.
-
-  Every `noise.NoiseState`'s key (typed or raw) and every other typed key
-  leaf (e.g. an output-iterate draw) gets `fold_in(key, j)` for its own j,
-  so a run of the plan draws all its randomness from its run key, as the
-  plan would with that key given as `key=`.
-  """
-  count = [0]
-
-  def fresh(old):
-    count[0] += 1
-    new = jax.random.fold_in(key, count[0])
-    return new if keys_lib.is_typed_key(old) else jax.random.key_data(new)
-
-  def visit(node):
-    if isinstance(node, noise_lib.NoiseState):
-      return node._replace(key=fresh(node.key))
-    if keys_lib.is_typed_key(node):
-      return fresh(node)
-    return node
-
-  return jax.tree_util.tree_map(
-      visit, state, is_leaf=lambda node: isinstance(
-          node, noise_lib.NoiseState) or keys_lib.is_typed_key(node))
-
-
-def _sampler_seeds(key: Any, count: int) -> list[int]:
-  """One sampler seed per run, from the audit's key and the run's index."""
-  if key is None:
-    raise ValueError('an audit needs a key (or int seed) for its runs')
-  if isinstance(key, (int, np.integer)):
-    words = [int(key) & 0xFFFFFFFF, (int(key) >> 32) & 0xFFFFFFFF]
-  else:
-    words = [int(w) for w in keys_lib.key_data(key)[1].ravel()]
-  return [int(np.random.SeedSequence(words + [0x5A4D, run]).generate_state(
-      2, np.uint64)[0] >> np.uint64(1)) for run in range(count)]
-
-
-def _reseeded(sampler: Any, seed: int) -> Any:
-  """The plan's sampler with another seed (same class, sizes, padding)."""
-  return batching.reseeded(sampler, seed)
-
-
 # The chunk size `audit_plan` starts from: enough runs to vectorize the
 # step over, few enough that progress is reported often and a chunk's
 # batches stay small on the host.
 _DEFAULT_RUNS_PER_CHUNK = 64
 # `audit_plan`'s default bound on one chunk's memory.
 DEFAULT_AUDIT_MEMORY_BYTES = 2**30
-# The share of runs allowed to need a wider padding than the common one.
-_WIDE_RUN_SHARE = 0.01
-
-
-def _padded_size(size: int, multiple: int) -> int:
-  return max(1, -(-int(size) // multiple)) * multiple
-
-
-def _poisson_widths(sampler: Any) -> Optional[tuple[int, int]]:
-  """`(common, widest)` padded batch sizes for a Poisson sampler, else None.
-
-  `common` is the smallest multiple of the sampler's `pad_to_multiple` that
-  holds every batch of a run with probability at least
-  `1 - _WIDE_RUN_SHARE` (a union bound over the steps; usually the
-  sampler's own padded size); `widest` the multiple that holds the largest
-  batch the plan's size check accepts (`batching.poisson_size_bound`).
-  Both are multiples of `pad_to_multiple`, as the check requires.
-  """
-  if isinstance(sampler, batching.CyclicPoissonBatches):
-    population = sampler.largest_partition
-  elif isinstance(sampler, batching.PoissonBatches):
-    population = sampler.num_examples
-  else:
-    return None
-  q, pad = float(sampler.sampling_probability), sampler.pad_to_multiple
-  fits = int(stats.binom.isf(_WIDE_RUN_SHARE / sampler.num_steps,
-                             population, q))
-  common = _padded_size(fits, pad)
-  widest = _padded_size(batching.poisson_size_bound(population, q), pad)
-  return common, max(common, widest)
-
-
-def _drawn_batches(sampler: Any, seed: int) -> list[Any]:
-  """One run's batches: those of `sampler` reseeded with `seed`."""
-  return list(_reseeded(sampler, seed).iterate())
-
-
-def _needed_width(batches: Sequence[Any], multiple: int) -> int:
-  """The padded size that holds every real example of a run's batches."""
-  return _padded_size(max(int(np.sum(mask)) for _, mask in batches),
-                      multiple)
-
-
-def _padded_runs(runs: Sequence[Sequence[Any]], width: int
-                 ) -> tuple[np.ndarray, np.ndarray]:
-  """Poisson runs as `[runs, steps, width]` indices and masks.
-
-  Every step's real examples, in the sampler's order, followed by padding
-  (index 0, masked out): the same batches, padded to one common size.
-  """
-  shape = (len(runs), len(runs[0]), width)
-  indices, masks = np.zeros(shape, np.int32), np.zeros(shape, bool)
-  for run, batches in enumerate(runs):
-    for step, (ids, keep) in enumerate(batches):
-      real = ids[keep]
-      indices[run, step, :len(real)] = real
-      masks[run, step, :len(real)] = True
-  return indices, masks
 
 
 def _poisson_chunk(sampler: Any, seeds: Sequence[int], run_ids: np.ndarray,
@@ -1630,41 +1505,19 @@ def _poisson_chunk(sampler: Any, seeds: Sequence[int], run_ids: np.ndarray,
   """A chunk of Poisson runs: those that fit `width`, and the others.
 
   Returns `(ids, (indices, masks) or None, wide)`: the runs whose batches
-  all fit `width`, their batches padded to it (`_padded_runs`), and for
+  all fit `width`, their batches padded to it (`runs.padded_runs`), and for
   every other run `(id, batches, needed width)`, its batches compacted to
   their real examples until they run at a wider size.
   """
-  drawn = [_drawn_batches(sampler, seed) for seed in seeds]
-  needed = [_needed_width(b, sampler.pad_to_multiple) for b in drawn]
+  drawn = [runs.drawn_batches(sampler, seed) for seed in seeds]
+  needed = [runs.needed_width(b, sampler.pad_to_multiple) for b in drawn]
   fits = [k for k, size in enumerate(needed) if size <= width]
   wide = [(run_ids[k], [(ids[keep].astype(np.int32),
                          np.ones(int(np.sum(keep)), bool))
                         for ids, keep in drawn[k]], needed[k])
           for k in range(len(run_ids)) if needed[k] > width]
-  batches = _padded_runs([drawn[k] for k in fits], width) if fits else None
+  batches = runs.padded_runs([drawn[k] for k in fits], width) if fits else None
   return run_ids[fits], batches, wide
-
-
-def _run_batches(sampler: Any, seeds: Sequence[int],
-                 width: Optional[int] = None) -> Any:
-  """The batches of runs with these sampler seeds, laid out for `vmap`.
-
-  Poisson samplers (`(indices, mask)` batches): `(indices, masks)`, each
-  `[runs, steps, width]`, every batch padded to `width` (default: the
-  widest run's need); batches of one size: `(indices [runs, steps, batch],
-  None)`; batches whose size varies across steps (the anchored single
-  pass): a tuple of per-step `(indices [runs, batch_t], None)`.
-  """
-  runs = [_drawn_batches(sampler, seed) for seed in seeds]
-  if isinstance(runs[0][0], tuple):
-    if width is None:
-      width = max(_needed_width(batches, sampler.pad_to_multiple)
-                  for batches in runs)
-    return _padded_runs(runs, width)
-  if len({len(batch) for batch in runs[0]}) == 1:
-    return np.asarray(runs, np.int32), None
-  return tuple((np.stack([batches[step] for batches in runs]).astype(
-      np.int32), None) for step in range(len(runs[0])))
 
 
 def _even_chunks(total: int, most: int) -> int:
@@ -1726,15 +1579,6 @@ def _plan_relation(plan: Any) -> neighboring.NeighboringRelation:
   return neighboring.NeighboringRelation.REPLACE_ONE
 
 
-def _plan_output(plan: Any) -> Callable[[PyTree, PyTree], PyTree]:
-  """What a family releases as its model after the last step."""
-  if plan.algorithm == 'accelerated_dp_srgd':
-    return lambda params, state: srg.final_params(state)
-  if plan.algorithm.startswith('nonsmooth_'):
-    return lambda params, state: nonsmooth.o2nc_output(state)
-  return lambda params, state: params
-
-
 def _plan_scores(plan: Any, *, params: PyTree, data: PyTree, canary: PyTree,
                  replacement: PyTree, canary_index: int, masked: bool,
                  score_fn: Callable[[PyTree, PyTree], jax.Array],
@@ -1785,25 +1629,13 @@ def _plan_scores(plan: Any, *, params: PyTree, data: PyTree, canary: PyTree,
     return inputs
 
   def train_fn(data, run_key, include, batches):
-    def one_step(carry, step_batch):
-      p, s = carry
-      indices, mask = step_batch
-      updates, s = tx.update(None, s, p, **step_inputs(data, include,
-                                                       indices, mask))
-      return (optax.apply_updates(p, updates), s), None
-
-    carry = (params, _fresh_run_keys(initial_state, run_key))
-    if batches is None:
-      carry, _ = jax.lax.scan(lambda c, _: one_step(c, (None, None)), carry,
-                              None, length=plan.num_steps)
-    elif isinstance(batches[0], tuple):
-      # Batch sizes that vary across steps (the anchored single pass).
-      for step_batch in batches:
-        carry, _ = one_step(carry, step_batch)
-    else:
-      carry, _ = jax.lax.scan(one_step, carry, batches)
-    output = output_fn(*carry)
-    return jnp.asarray(score_fn(output, canary), jnp.float32)
+    (p, s), _ = runs.scan_steps(
+        tx, params, runs.fresh_run_keys(initial_state, run_key), batches,
+        inputs_fn=functools.partial(step_inputs, data, include),
+        num_steps=plan.num_steps)
+    # The guards' records come back with the score: a refused run raises.
+    return (jnp.asarray(score_fn(output_fn(p, s), canary), jnp.float32),
+            guards.refusals_in(s))
 
   def run_chunk(data, run_key_array, includes, batches):
     return jax.vmap(train_fn, in_axes=(None, 0, 0, 0))(
@@ -1813,8 +1645,8 @@ def _plan_scores(plan: Any, *, params: PyTree, data: PyTree, canary: PyTree,
   run_key_array = run_keys(key, total)
   includes = np.arange(total) % 2 == 0
   sampler = plan.batches
-  seeds = None if sampler is None else _sampler_seeds(key, total)
-  widths = None if sampler is None else _poisson_widths(sampler)
+  seeds = None if sampler is None else runs.sampler_seeds(key, total)
+  widths = None if sampler is None else runs.poisson_widths(sampler)
   compiled = {}
 
   def program(width, count):
@@ -1824,7 +1656,7 @@ def _plan_scores(plan: Any, *, params: PyTree, data: PyTree, canary: PyTree,
       if sampler is None:
         batches = None
       elif widths is None:
-        batches = _run_batches(sampler, seeds[:1])
+        batches = runs.run_batches(sampler, seeds[:1])
       else:
         batches = (np.zeros((1, plan.num_steps, width), np.int32),
                    np.zeros((1, plan.num_steps, width), bool))
@@ -1861,7 +1693,8 @@ def _plan_scores(plan: Any, *, params: PyTree, data: PyTree, canary: PyTree,
           data, run_key_array[chosen], includes[chosen], batches)))
 
     def collect():
-      run_ids, out = in_flight.pop(0)
+      run_ids, (out, refusals) = in_flight.pop(0)
+      plan.check_refusals(refusals)
       scores[run_ids] = np.asarray(out, np.float64)[:len(run_ids)]
       timing['done'] += len(run_ids)
       now = time.perf_counter()
@@ -1877,14 +1710,14 @@ def _plan_scores(plan: Any, *, params: PyTree, data: PyTree, canary: PyTree,
     def launch_wide(group):
       width = max([widths[1]] + [needed for _, _, needed in group])
       launch(np.array([run for run, _, _ in group]),
-             _padded_runs([batches for _, batches, _ in group], width), width)
+             runs.padded_runs([batches for _, batches, _ in group], width), width)
 
     for start in range(0, total, count):
       run_ids = np.arange(start, min(start + count, total))
       if sampler is None:
         batches = None
       elif widths is None:
-        batches = _run_batches(sampler, [seeds[i] for i in run_ids])
+        batches = runs.run_batches(sampler, [seeds[i] for i in run_ids])
       else:
         run_ids, batches, too_wide = _poisson_chunk(
             sampler, [seeds[i] for i in run_ids], run_ids, common)
@@ -2081,7 +1914,7 @@ def audit_plan(
   if replacement is None:
     replacement = jax.tree_util.tree_map(lambda leaf: leaf[canary_index],
                                          data)
-  output_fn = _plan_output(plan) if output_fn is None else output_fn
+  output_fn = runs.plan_output(plan) if output_fn is None else output_fn
   scores = _plan_scores(
       plan, params=params, data=data, canary=canary, replacement=replacement,
       canary_index=canary_index, masked=masked, score_fn=score_fn,

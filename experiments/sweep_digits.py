@@ -4,7 +4,8 @@ Every run trains the quickstart's model (multiclass logistic regression, zero
 init, `optax.sgd(lr, momentum)`) on scikit-learn's digits with DP-MEMF
 (default) or DP-SGD on batches in a fixed public order, repeated every epoch,
 and is accounted as `accounting.FixedOrder(num_epochs, steps_per_epoch)`
-(no amplification). A whole run is one `lax.scan` over its steps, so
+(no amplification). A whole run is one `lax.scan` over its steps
+(`dpsco_jax.runs.scan_steps`), so
 `experiments.sweeps.run_sweep` runs all seeds and grid points as one vmapped
 program per privacy target:
 
@@ -14,9 +15,9 @@ Each seed draws, inside the program, its run's public batch order
 (`jax.random.permutation`, independent of the data) and its noise key, so
 the intervals cover both sources of run-to-run variation. The order is
 fixed for the whole run: step t uses batch `t mod steps_per_epoch` of it,
-which is what the `FixedOrder` accounting assumes; DP-MEMF is built with
-`check_order=False` because the order is built into the scan rather than
-fed by a host pipeline that could reshuffle it.
+which is what the `FixedOrder` accounting assumes, and what DP-MEMF's
+order check verifies at every step from the example ids (a refused step
+would poison the run's metrics with NaN).
 
 The noise multiplier is calibrated once per epsilon on the host (it depends
 on neither the clip nor the learning rate: the noise scales with the clip).
@@ -49,6 +50,7 @@ import optax
 import dpsco_jax
 from dpsco_jax import accounting
 from dpsco_jax import noise
+from dpsco_jax import runs
 from dpsco_jax import strategies
 from experiments import cli
 from experiments import datasets
@@ -165,16 +167,15 @@ def make_train_fn(config: ml_collections.ConfigDict, train_data: Split,
     noise_key = jax.random.fold_in(key, 1)
     sgd = optax.sgd(hparams['learning_rate'], momentum=config.momentum)
     if noise_multiplier is None:
-      tx = sgd
+      tx = runs.non_private(models.linear_mean_loss, sgd)
     elif config.algorithm == 'dpmemf':
       tx = optax.chain(
           dpsco_jax.dpmemf(
               models.linear_example_loss, l2_clip=hparams['clip'],
               noise_multiplier=noise_multiplier, strategy=strategy,
               steps_per_epoch=b, key=noise_key,
-              # The fixed order is built into the scan: step t always uses
-              # batch t mod b of `batches`.
-              check_order=False),
+              # The order check runs on the example ids of every step.
+              num_examples=schedule.num_examples),
           sgd)
     else:
       tx = optax.chain(
@@ -184,22 +185,13 @@ def make_train_fn(config: ml_collections.ConfigDict, train_data: Split,
               num_steps=schedule.num_steps, key=noise_key),
           sgd)
     params = models.linear_init(64, 10)
-    state = tx.init(params)
-
-    def step(carry, t):
-      params, state = carry
-      indices = batches[t % b]
-      batch = {'x': x_train[indices], 'y': y_train[indices]}
-      if noise_multiplier is None:
-        grads = jax.grad(models.linear_mean_loss)(params, batch)
-        updates, state = tx.update(grads, state, params)
-      else:
-        updates, state = tx.update(None, state, params, batch=batch)
-      params = optax.apply_updates(params, updates)
-      return (params, state), accuracy(params)
-
-    (params, _), curve = jax.lax.scan(step, (params, state),
-                                      jnp.arange(schedule.num_steps))
+    # Step t uses batch t mod b of the run's order (FixedOrder(k, b)).
+    step_ids = batches[jnp.arange(schedule.num_steps) % b]
+    (params, state), curve = runs.scan_steps(
+        tx, params, tx.init(params), (step_ids, None),
+        inputs_fn=runs.gathered_inputs(train_all),
+        metric_fn=lambda params, _: accuracy(params))
+    del state
     return {'test_accuracy': curve[-1],
             'train_loss': models.linear_mean_loss(params, train_all),
             'test_accuracy_curve': curve}
