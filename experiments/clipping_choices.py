@@ -32,7 +32,7 @@ in all. Writes `summary.md`, `summary.csv`, `runs.csv`,
 import itertools
 import os
 import time
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, Iterator, List, Sequence
 
 from absl import logging
 import dp_accounting
@@ -190,8 +190,10 @@ def tuned_row(result: sweeps.SweepResult, grid, labels: Row) -> Row:
 
 
 def search_row(config, schedule, train_fn_of, mechanism, splits, epsilon,
-               seeds: Sequence[int]) -> tuple[Row, List[Row]]:
-  """Private random searches (one per seed) at total `epsilon`."""
+               seeds: Sequence[int], trial_seeds: Iterator[int]
+               ) -> tuple[Row, List[Row]]:
+  """Private random searches (one per seed) at total `epsilon`; each trial
+  takes the next of `trial_seeds` (its batch order and noise keys)."""
   distribution = tuning.truncated_negative_binomial(
       config.search_eta, config.search_mean_trials)
   score_noise = float(config.search_score_noise)
@@ -208,7 +210,6 @@ def search_row(config, schedule, train_fn_of, mechanism, splits, epsilon,
            'clip': list(config.clips)}
   bests, per_run = [], []
   for seed in seeds:
-    trial_seeds = itertools.count(1_000_000 * (seed + 1))
 
     def run_trial(hparams, noise_multiplier):
       assert noise_multiplier == z
@@ -263,6 +264,10 @@ def run(config: ml_collections.ConfigDict, output_dir: str) -> Dict[str, Any]:
   seeds = list(range(config.num_seeds))
   data = jax.tree_util.tree_map(jnp.asarray, splits)
   rows, per_run, privacy = [], [], []
+  # One counter for every trial of every search: no two trials share a
+  # batch order or a noise key (nor their scores' keys), and none shares
+  # the seeds 0..num_seeds-1 of the sweeps.
+  trial_seeds = itertools.count(10_000_000)
   for epsilon in sorted(float(e) for e in config.epsilons):
     z = dpsco_jax.calibrate_noise_multiplier(
         mechanism, schedule.participation, epsilon, config.delta)
@@ -287,7 +292,7 @@ def run(config: ml_collections.ConfigDict, output_dir: str) -> Dict[str, Any]:
     row, searched = search_row(
         config, schedule,
         lambda z_trial: make_train_fn(config, SEARCH, schedule, z_trial),
-        mechanism, data, epsilon, seeds)
+        mechanism, data, epsilon, seeds, trial_seeds)
     rows.append(row)
     per_run += searched
     logging.info('epsilon %g done', epsilon)

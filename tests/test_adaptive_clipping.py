@@ -399,3 +399,56 @@ def test_automatic_clipping_trains_through_dpsgd(data):
   for _ in range(40):
     params, state = step(params, state)
   assert float(mean_loss(params)) < before
+
+
+# ------------------------------------------------------------- the audit
+
+
+def _released_fractions(num_runs, with_canary, seed):
+  """One adaptive step per run; the score is the released fraction read
+  back from the clip it publishes (b~ = gamma - log(C_1 / C_0) / eta)."""
+  loss = lambda params, example: jnp.vdot(params['w'], example['x'])
+  rows = jnp.full((16, 4), 10.0)            # gradients x: all clipped at 1
+  if with_canary:                           # a zero gradient: unclipped
+    rows = jnp.concatenate([rows, jnp.zeros((1, 4))])
+  config = adaptive_clipping.AdaptiveClipping(count_stddev=2.0)
+  params = {'w': jnp.zeros(4)}
+
+  def one_run(key):
+    tx = estimators.noisy_gradient(
+        loss, l2_clip=1.0, noise_multiplier=2.0, mechanism=noise.gaussian(1),
+        key=key, normalize_by=16, clipping_method='vmap',
+        adaptive_clipping=config)
+    _, state = tx.update(None, tx.init(params), params, batch={'x': rows})
+    return (config.target_quantile -
+            jnp.log(state.adaptive.clip) / config.learning_rate)
+
+  return np.asarray(jax.jit(jax.vmap(one_run))(
+      jax.random.split(jax.random.key(seed), num_runs)))
+
+
+def _audited_epsilon(num_runs=3000):
+  from dpsco_jax import audit  # pylint: disable=g-import-not-at-top
+  return audit.epsilon_lower_bound(
+      _released_fractions(num_runs, True, 1),
+      _released_fractions(num_runs, False, 2), delta=1e-5,
+      thresholds=np.linspace(-0.2, 0.6, 33)).epsilon
+
+
+def test_the_auditor_bounds_the_released_clip_and_catches_a_noiseless_count(
+    monkeypatch):
+  """The step is accounted as one Gaussian of multiplier 2 (epsilon 2.3 at
+  delta 1e-5); the clip it publishes must not reveal more. With the count
+  released without its noise (a planted bug) the clip tells whether the
+  canary was there."""
+  accountant = dp_accounting.pld.PLDAccountant(
+      value_discretization_interval=1e-3)
+  accountant.compose(dp_accounting.GaussianDpEvent(2.0))
+  claimed = accountant.get_epsilon(1e-5)
+  assert _audited_epsilon() <= claimed
+  noiseless = adaptive_clipping.unclipped_fraction
+  monkeypatch.setattr(
+      adaptive_clipping, 'unclipped_fraction',
+      lambda clipped, state, *, stddev, **kw: noiseless(
+          clipped, state, stddev=0.0, **kw))
+  assert _audited_epsilon() > claimed
