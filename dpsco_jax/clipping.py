@@ -197,11 +197,6 @@ def _squared_norms_in_clip_units(contributions: PyTree,
       dtype)
 
 
-# Automatic clipping divides by at most this (in clip units): see
-# `_clip_factors`.
-_SMALLEST_NORMALIZED = 2.0 ** -30
-
-
 def _clip_factors(squared: jax.Array, mask: jax.Array,
                   sum_shrink: float = 1.0,
                   stability: Optional[Any] = None):
@@ -238,12 +233,11 @@ def _clip_factors(squared: jax.Array, mask: jax.Array,
     # most sqrt(squared) / (sqrt(squared) + r / C) < 1 clip norm: the same
     # sensitivity as clipping, whatever r >= 0 (the margin of `shrink`
     # covers the rounding of the sqrt, the sum and the quotient).
-    # The floor keeps r = 0 (normalization) finite on a zero row; a row
-    # below it (norm under 2^-30 clip norms, or one whose square
-    # underflowed) is scaled by at most 2^30, so it stays far inside the
-    # clip.
-    scale = shrink / jnp.maximum(jnp.sqrt(squared) + stability,
-                                 _SMALLEST_NORMALIZED)
+    # With r = 0 (normalization) a zero row still divides by a positive
+    # number: `squared` carries the underflow floor of
+    # `rounding.upper_bound` (4 n tiny), so its factor is finite and the
+    # row stays zero.
+    scale = shrink / (jnp.sqrt(squared) + stability)
   factors = jnp.where(used, scale, 0.0)
   counters = ClippedSum(
       sum=None,
