@@ -1637,14 +1637,19 @@ def _o2nc(learning_rate: float, movement_radius: float, block_length: int,
                         reset_delta_each_block=reset_delta_each_block)
 
 
-def _nonsmooth_hyperparameters(*, clips, failure_probability,
-                               **values) -> dict[str, Any]:
-  """The run record both nonsmooth plans share."""
-  return {'order': values.pop('order'),
-          'sensitivity': values.pop('sensitivity'),
-          'clips': dict(clips._asdict()),
-          'mechanism_delta': values.pop('mechanism_delta'),
-          'failure_probability': failure_probability, **values}
+# What both nonsmooth plans record of their run, by local name.
+_NONSMOOTH_RECORD = ('order', 'sensitivity', 'clips', 'mechanism_delta',
+                     'failure_probability', 'lipschitz', 'dimension',
+                     'smoothing_radius', 'movement_radius', 'learning_rate',
+                     'block_length', 'period', 'num_directions',
+                     'anchor_directions', 'released_noise_norm',
+                     'learning_rate_scale')
+
+
+def _nonsmooth_hyperparameters(values: Mapping[str, Any]) -> dict[str, Any]:
+  """The run record of a nonsmooth plan, from its local `values`."""
+  return {name: (dict(values[name]._asdict()) if name == 'clips'
+                 else values[name]) for name in _NONSMOOTH_RECORD}
 
 
 @keywords.checked
@@ -1763,23 +1768,23 @@ def nonsmooth_single_pass(
       mechanism, sampler.participation, target, relation,
       accounting_delta=accountants.clip_event_budget(
           sensitivity, 0.0, delta)[0])
-  mechanism_delta, failure = accountants.clip_event_budget(
+  mechanism_delta, failure_probability = accountants.clip_event_budget(
       sensitivity, accountant.epsilon, delta)
   clips = _nonsmooth_clips(
       sensitivity, order=order, lipschitz=lipschitz, dimension=dimension,
       smoothing_radius=smoothing_radius, movement_radius=movement_radius,
       num_directions=num_directions, anchor_directions=anchor_directions,
-      failure_probability=failure,
+      failure_probability=failure_probability,
       num_estimates=anchors * anchor_batch_size +
       2 * (steps - anchors) * batch_size)
-  noise_norm = nonsmooth.released_noise_norm(
+  released_noise_norm = nonsmooth.released_noise_norm(
       noise_multiplier=accountant.noise_multiplier, dimension=dimension,
       period=period,
       sensitivity=neighboring.sensitivity_factor(relation) * max(
           clips.anchor / anchor_batch_size, clips.difference / batch_size))
   learning_rate = _o2nc_learning_rate(
       learning_rate, learning_rate_scale, movement_radius=movement_radius,
-      block_length=block_length, lipschitz=lipschitz, noise_norm=noise_norm)
+      block_length=block_length, lipschitz=lipschitz, noise_norm=released_noise_norm)
   family = Family(
       f'nonsmooth_single_pass_{order}_order', mechanism,
       private=lambda z, _: nonsmooth.nonsmooth_vr_gradient(
@@ -1792,19 +1797,9 @@ def nonsmooth_single_pass(
           axis_name=devices.axis_name, dimension=dimension),
       output=(_o2nc(learning_rate, movement_radius, block_length,
                     reset_delta_each_block),),
-      hyperparameters={
-          **_nonsmooth_hyperparameters(
-              order=order, sensitivity=sensitivity, clips=clips,
-              mechanism_delta=mechanism_delta, failure_probability=failure,
-              lipschitz=lipschitz, dimension=dimension,
-              smoothing_radius=smoothing_radius,
-              movement_radius=movement_radius, learning_rate=learning_rate,
-              block_length=block_length, period=period),
-          'anchor_batch_size': anchor_batch_size, 'batch_size': batch_size,
-          'num_directions': num_directions,
-          'anchor_directions': anchor_directions,
-          'released_noise_norm': noise_norm,
-          'learning_rate_scale': learning_rate_scale})
+      hyperparameters={**_nonsmooth_hyperparameters(locals()),
+                       'anchor_batch_size': anchor_batch_size,
+                       'batch_size': batch_size})
   return build(family, accountant, sampler=sampler,
                num_examples=sampler.num_examples, devices=devices)
 
@@ -1886,7 +1881,7 @@ def nonsmooth_multi_pass(
       accounting_delta=accountants.clip_event_budget(
           sensitivity, 0.0, delta)[0])
   z = accountant.noise_multiplier
-  mechanism_delta, failure = accountants.clip_event_budget(
+  mechanism_delta, failure_probability = accountants.clip_event_budget(
       sensitivity, accountant.epsilon, delta)
   anchors = diff2_accounting.num_restarts(steps, period)
   if anchor_directions is None:
@@ -1895,16 +1890,16 @@ def nonsmooth_multi_pass(
       sensitivity, order=order, lipschitz=lipschitz, dimension=dimension,
       smoothing_radius=smoothing_radius, movement_radius=movement_radius,
       num_directions=num_directions, anchor_directions=anchor_directions,
-      failure_probability=failure,
+      failure_probability=failure_probability,
       num_estimates=n * (anchors + 2 * (steps - anchors)))
   # Replace-one (Algorithm 4's relation): an increment moves by f C / n.
-  noise_norm = nonsmooth.released_noise_norm(
+  released_noise_norm = nonsmooth.released_noise_norm(
       noise_multiplier=1.0, dimension=dimension,
       sensitivity=neighboring.sensitivity_factor(Relation.REPLACE_ONE) * max(
           z.restart * clips.anchor, z.difference * clips.difference) / n)
   learning_rate = _o2nc_learning_rate(
       learning_rate, learning_rate_scale, movement_radius=movement_radius,
-      block_length=block_length, lipschitz=lipschitz, noise_norm=noise_norm)
+      block_length=block_length, lipschitz=lipschitz, noise_norm=released_noise_norm)
   family = Family(
       f'nonsmooth_multi_pass_{order}_order', noise.gaussian(steps),
       private=lambda z, _: nonsmooth.nonsmooth_multipass_gradient(
@@ -1916,18 +1911,8 @@ def nonsmooth_multi_pass(
           dimension=dimension),
       output=(_o2nc(learning_rate, movement_radius, block_length,
                     reset_delta_each_block),),
-      hyperparameters={
-          **_nonsmooth_hyperparameters(
-              order=order, sensitivity=sensitivity, clips=clips,
-              mechanism_delta=mechanism_delta, failure_probability=failure,
-              lipschitz=lipschitz, dimension=dimension,
-              smoothing_radius=smoothing_radius,
-              movement_radius=movement_radius, learning_rate=learning_rate,
-              block_length=block_length, period=period),
-          'num_directions': num_directions,
-          'anchor_directions': anchor_directions,
-          'budget_split': budget_split, 'released_noise_norm': noise_norm,
-          'learning_rate_scale': learning_rate_scale})
+      hyperparameters={**_nonsmooth_hyperparameters(locals()),
+                       'budget_split': budget_split})
   return build(family, accountant, sampler=None, num_examples=n,
                devices=devices)
 
