@@ -108,7 +108,7 @@ class Accountant(abc.ABC):
 
   @property
   def releases(self) -> tuple[accounting.GaussianRelease, ...]:
-    """The earlier releases of the same data the run spends besides its steps."""
+    """The earlier releases of the same data the run spends too."""
     return self.target.releases
 
   def check_state(self, opt_state: PyTree) -> None:

@@ -873,14 +873,13 @@ def _matrix_factorization(batches: plan_config.Sampling,
   """The sampler and mechanism of an MF plan.
 
   Returns:
-    `(sampler, mechanism)`, the mechanism's strategy: for `strategy=None` or 'banded' a
-    matrix optimized for `workload(T, 'true', momentum, decay)` (under
-    `FixedOrder(k, b)`, or with unit column norms and `bands` bands for
-    cyclic Poisson sampling); for 'banded_sqrt' the closed-form
-    `strategies.banded_square_root` of that workload; for
-    'banded_inverse_sqrt', `None` and the mechanism of
-    `strategies.banded_inverse_square_root` (noise streamed from its banded
-    inverse); for `strategy='blt'`, `None` and a BLT mechanism optimized
+    `(sampler, mechanism)`. The mechanism's strategy: for `strategy=None`
+    or 'banded', a matrix optimized for `workload(T, 'true', momentum,
+    decay)` (under `FixedOrder(k, b)`, or with unit column norms and
+    `bands` bands for cyclic Poisson sampling); for 'banded_sqrt' the
+    closed-form `strategies.banded_square_root` of that workload; for
+    'banded_inverse_sqrt', `strategies.banded_inverse_square_root` (noise
+    streamed from its banded inverse); for 'blt', a BLT strategy optimized
     for the same workload under `FixedOrder(k, b)` (`blt.optimize`); a
     given matrix is used as is.
 
@@ -1751,9 +1750,9 @@ def nonsmooth_single_pass(
   Returns:
     A `Plan`.
   """
-  target, devices, noise_key = plan_config.from_keywords(
-      locals(), plan_config.PrivacyTarget, plan_config.Devices,
-      plan_config.NoiseKey)
+  target, clip, devices, noise_key = plan_config.from_keywords(
+      locals(), plan_config.PrivacyTarget, plan_config.Clipping,
+      plan_config.Devices, plan_config.NoiseKey)
   relation = target.relation(Relation.REPLACE_ONE)
   sampler = batching.AnchoredSinglePass(
       num_examples, anchor_batch_size, batch_size, period,
@@ -1784,7 +1783,8 @@ def nonsmooth_single_pass(
           clips.anchor / anchor_batch_size, clips.difference / batch_size))
   learning_rate = _o2nc_learning_rate(
       learning_rate, learning_rate_scale, movement_radius=movement_radius,
-      block_length=block_length, lipschitz=lipschitz, noise_norm=released_noise_norm)
+      block_length=block_length, lipschitz=lipschitz,
+      noise_norm=released_noise_norm)
   family = Family(
       f'nonsmooth_single_pass_{order}_order', mechanism,
       private=lambda z, _: nonsmooth.nonsmooth_vr_gradient(
@@ -1793,7 +1793,7 @@ def nonsmooth_single_pass(
           anchor_batch_size=anchor_batch_size, batch_size=batch_size,
           noise_multiplier=z, num_steps=steps,
           anchor_directions=anchor_directions, key=noise_key.key,
-          neighboring_relation=relation, microbatch_size=microbatch_size,
+          neighboring_relation=relation, microbatch_size=clip.microbatch_size,
           axis_name=devices.axis_name, dimension=dimension),
       output=(_o2nc(learning_rate, movement_radius, block_length,
                     reset_delta_each_block),),
@@ -1871,8 +1871,9 @@ def nonsmooth_multi_pass(
   target = plan_config.PrivacyTarget(
       delta=delta, epsilon=epsilon, noise_multiplier=noise_multipliers,
       method=method)
-  devices, noise_key = plan_config.from_keywords(
-      locals(), plan_config.Devices, plan_config.NoiseKey)
+  clip, devices, noise_key = plan_config.from_keywords(
+      locals(), plan_config.Clipping, plan_config.Devices,
+      plan_config.NoiseKey)
   steps = checks.positive_int(num_steps, 'num_steps')
   period = checks.positive_int(period, 'period')
   n = checks.positive_int(num_examples, 'num_examples')
@@ -1899,7 +1900,8 @@ def nonsmooth_multi_pass(
           z.restart * clips.anchor, z.difference * clips.difference) / n)
   learning_rate = _o2nc_learning_rate(
       learning_rate, learning_rate_scale, movement_radius=movement_radius,
-      block_length=block_length, lipschitz=lipschitz, noise_norm=released_noise_norm)
+      block_length=block_length, lipschitz=lipschitz,
+      noise_norm=released_noise_norm)
   family = Family(
       f'nonsmooth_multi_pass_{order}_order', noise.gaussian(steps),
       private=lambda z, _: nonsmooth.nonsmooth_multipass_gradient(
@@ -1907,7 +1909,7 @@ def nonsmooth_multi_pass(
           num_directions=num_directions, clips=clips, period=period,
           num_examples=n, noise_multipliers=z, num_steps=steps,
           anchor_directions=anchor_directions, key=noise_key.key,
-          microbatch_size=microbatch_size, axis_name=devices.axis_name,
+          microbatch_size=clip.microbatch_size, axis_name=devices.axis_name,
           dimension=dimension),
       output=(_o2nc(learning_rate, movement_radius, block_length,
                     reset_delta_each_block),),
