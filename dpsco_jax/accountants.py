@@ -81,8 +81,9 @@ class Accountant(abc.ABC):
   method: str
   num_steps: int
 
+  @abc.abstractmethod
   def epsilon_at(self, step: int) -> float:
-    """The epsilon spent by the first `step` steps.
+    """The epsilon spent by the first `step` steps (earlier releases included).
 
     Example:
       >>> accountant.epsilon_at(100)
@@ -91,25 +92,27 @@ class Accountant(abc.ABC):
       step: in `[0, num_steps]`.
 
     Returns:
-      epsilon: 0 at step 0, `epsilon` at `num_steps`.
+      epsilon; `epsilon` at `num_steps`.
 
     Raises:
       ValueError: for a step past `num_steps`.
     """
-    step = ledger_lib._non_negative_int(step, 'step')  # pylint: disable=protected-access
-    if step > self.num_steps:
-      raise ValueError(f'step {step} is past the {self.num_steps} steps of '
-                       'the plan')
-    return 0.0 if step == 0 else self._epsilon_of_prefix(step)
-
-  @abc.abstractmethod
-  def _epsilon_of_prefix(self, step: int) -> float:
-    """The epsilon of the first `step` (>= 1) steps."""
 
   @property
   def releases(self) -> tuple[accounting.GaussianRelease, ...]:
     """The earlier releases of the same data the run spends too."""
     return self.target.releases
+
+  def noise_record(self) -> Any:
+    """The noise multiplier as JSON values (for `Plan.describe`).
+
+    Example:
+      >>> json.dumps(accountant.noise_record())
+
+    Returns:
+      A float.
+    """
+    return float(self.noise_multiplier)
 
   def check_state(self, opt_state: PyTree) -> None:
     """Refuses an optimizer state of another mechanism (with a ledger).
@@ -195,11 +198,8 @@ class GaussianAccountant(Accountant):
   method = property(lambda self: self.target.method)
   num_steps = property(lambda self: self.ledger.num_steps)
 
-  def _epsilon_of_prefix(self, step: int) -> float:
-    return self.ledger.epsilon_at(step, self.mechanism)
-
   def epsilon_at(self, step: int) -> float:
-    # The ledger checks the step itself (and reads the releases).
+    # The ledger checks the step itself and spends the releases from step 0.
     return self.ledger.epsilon_at(step, self.mechanism)
 
 
@@ -235,8 +235,7 @@ class Diff2Accountant(Accountant):
   participation = None
 
   def __post_init__(self):
-    object.__setattr__(self, 'epsilon',
-                       self._epsilon_of_prefix(self.num_steps))
+    object.__setattr__(self, 'epsilon', self._spent(self.num_steps))
 
   @classmethod
   def create(cls, num_steps: int, period: int,
@@ -275,12 +274,31 @@ class Diff2Accountant(Accountant):
   target_epsilon = property(lambda self: self.target.target_epsilon)
   delta = property(lambda self: float(self.target.delta))
 
+  def noise_record(self) -> dict[str, float]:
+    """The two multipliers by name, e.g. `{'restart': 2.0, 'difference': 3.0}`.
+
+    Example:
+      >>> accountant.noise_record()
+
+    Returns:
+      A dict of floats.
+    """
+    return {name: float(value)
+            for name, value in self.noise_multiplier._asdict().items()}
+
   @property
   def event(self) -> dp_accounting.DpEvent:
     return diff2_accounting.diff2_dp_event(self.num_steps, self.period,
                                            self.noise_multiplier)
 
-  def _epsilon_of_prefix(self, step: int) -> float:
+  def epsilon_at(self, step: int) -> float:
+    step = ledger_lib._non_negative_int(step, 'step')  # pylint: disable=protected-access
+    if step > self.num_steps:
+      raise ValueError(f'step {step} is past the {self.num_steps} steps of '
+                       'the plan')
+    return 0.0 if step == 0 else self._spent(step)
+
+  def _spent(self, step: int) -> float:
     return diff2_accounting.epsilon_spent(
         step, self.period, self.noise_multiplier, self.accounting_delta,
         method=self.method)

@@ -36,6 +36,14 @@ hand is checked against its accounting with `ledger.check_state`.
 A plan is either calibrated (`epsilon=`: the smallest noise multiplier
 that meets it) or given its noise (`noise_multiplier=`: the epsilon it
 spends is computed); exactly one of the two.
+
+How a plan is assembled: each plan function gathers its keywords into the
+validated configs of `dpsco_jax.plan_config` (privacy target, sampling,
+clipping, devices, noise key; each keyword documented there once),
+describes its algorithm as a `Family` (the mechanism, built once; the
+private transformation built given it; what follows it), and hands both to
+an `accountants.Accountant` (calibration, epsilon, event, ledger) and to
+`build`, the one place a `Plan` is made.
 """
 
 import dataclasses
@@ -148,6 +156,16 @@ class Plan:
   method = property(lambda self: self.accountant.method)
   num_steps = property(lambda self: self.accountant.num_steps)
 
+  # The repr's fields, as before the accountant held them. Not the
+  # sampler (its seed decides the batches) nor the key.
+  _REPR = ('algorithm', 'noise_multiplier', 'participation', 'epsilon',
+           'target_epsilon', 'delta', 'method', 'num_steps', 'num_examples',
+           'hyperparameters')
+
+  def __repr__(self) -> str:
+    return 'Plan(' + ', '.join(f'{name}={getattr(self, name)!r}'
+                               for name in self._REPR) + ')'
+
   def init(self, params: PyTree) -> PyTree:
     """The optimizer state of step 0, checked against the accounting.
 
@@ -242,16 +260,11 @@ class Plan:
     Returns:
       A dict; the noise key never appears in it.
     """
-    multiplier = self.noise_multiplier
-    if isinstance(multiplier, tuple):
-      multiplier = {k: float(v) for k, v in multiplier._asdict().items()}
-    else:
-      multiplier = float(multiplier)
     return {
         'algorithm': self.algorithm,
         'mechanism': self.mechanism.name,
         'mechanism_identity': self.mechanism.identity,
-        'noise_multiplier': multiplier,
+        'noise_multiplier': self.accountant.noise_record(),
         'participation': (None if self.participation is None else {
             'kind': type(self.participation).__name__,
             **dataclasses.asdict(self.participation)}),
