@@ -132,6 +132,7 @@ class CyclicPoissonSampling:
 
   @property
   def max_participations(self) -> int:
+    """The most steps one partition (so one example) can take part in."""
     return -(-self.num_steps // self.num_partitions)
 
 
@@ -762,7 +763,7 @@ def calibrate_noise_multiplier(
       them is (epsilon, delta)-DP.
 
   Returns:
-    The noise multiplier (node/step noise std over one step's sensitivity):
+    The noise multiplier (node/step noise std over one step's sensitivity),
     finite and > 0, and `epsilon_spent` of it (with the releases) under the
     same method is at most `epsilon`.
 

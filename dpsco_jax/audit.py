@@ -525,8 +525,8 @@ class AuditReport:
 
   @property
   def exceeds_claim(self) -> bool:
-    """Whether the lower bound is above the claimed epsilon: a privacy bug
-    (or a wrong claim), at confidence `1 - alpha`."""
+    """Whether the lower bound is above the claimed epsilon, at confidence
+    `1 - alpha`: a privacy bug (or a wrong claim)."""
     return self.epsilon_lower_bound > self.claimed_epsilon
 
   def verdict(self) -> str:

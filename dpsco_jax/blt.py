@@ -90,6 +90,7 @@ class BltParameters(NamedTuple):
 
   @property
   def num_buffers(self) -> int:
+    """The number of params-sized noise buffers the strategy keeps."""
     return len(self.buffer_decays)
 
 

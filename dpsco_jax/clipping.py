@@ -727,7 +727,7 @@ class ClippedStatistic:
 
   @property
   def method(self) -> str:
-    """Deprecated: `clipping_method` (removed in dpsco_jax 0.3.0)."""
+    """Deprecated name of `clipping_method` (removed in dpsco_jax 0.3.0)."""
     warnings.warn(
         f'ClippedStatistic.method is now ClippedStatistic.clipping_method; '
         f'method is deprecated and stops working in dpsco_jax '

@@ -142,7 +142,7 @@ class Table(NamedTuple):
 
   @property
   def num_examples(self) -> int:
-    """The training rows n: the plan's `num_examples`."""
+    """The number of training rows n, the plan's `num_examples`."""
     return int(self.train['y'].shape[0])
 
   @property
@@ -518,7 +518,7 @@ def predictive_columns(x: np.ndarray, y: np.ndarray, names: Sequence[str],
       indices.
 
   Returns:
-    The flagged columns with their evidence: each column alone first, then
+    The flagged columns with their evidence, each column alone first, then
     at most one combination (of columns not flagged alone). Empty for fewer
     than 20 rows or a constant target.
 

@@ -430,8 +430,8 @@ class PrivacyLedger:
       mechanism: the run's noise mechanism, for the exact partial account.
 
     Returns:
-      epsilon: the releases' alone before the first step (0 without
-      releases), `planned_epsilon` after the last.
+      The epsilon spent; the releases' alone before the first step (0
+      without releases), `planned_epsilon` after the last.
 
     Raises:
       LedgerMismatchError: if `mechanism` is not the run's mechanism.

@@ -56,7 +56,7 @@ relation has all three, in float32 or bfloat16 and at ANY offset from the
 origin:
 
 * a distance is computed from `fl(a_i - b_i)`, whose error is relative to
-  the difference itself (not to |a| or |b|, as the Gram form's
+  the difference itself (not to `|a|` or `|b|`, as the Gram form's
   `|a|^2 + |b|^2 - 2 a.b` is: far from the origin its terms cancel and
   points far apart came out at distance 0, a release moving 2.8 times
   its sensitivity);

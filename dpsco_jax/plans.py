@@ -36,23 +36,25 @@ hand is checked against its accounting with `ledger.check_state`.
 A plan is either calibrated (`epsilon=`: the smallest noise multiplier
 that meets it) or given its noise (`noise_multiplier=`: the epsilon it
 spends is computed); exactly one of the two.
+
+How a plan is assembled: each plan function gathers its keywords into the
+validated configs of `dpsco_jax.plan_config` (privacy target, sampling,
+clipping, devices, noise key; each keyword documented there once),
+describes its algorithm as a `Family` (the mechanism, built once; the
+private transformation built given it; what follows it), and hands both to
+an `accountants.Accountant` (calibration, epsilon, event, ledger) and to
+`build`, the one place a `Plan` is made.
 """
 
 import dataclasses
 import functools
-import hashlib
-import json
-import math
-import os
-import secrets
-import tempfile
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
-import dp_accounting
 import jax
 import numpy as np
 import optax
 
+from dpsco_jax import accountants
 from dpsco_jax import accounting
 from dpsco_jax import batching
 from dpsco_jax import blt
@@ -62,10 +64,10 @@ from dpsco_jax import data as data_lib
 from dpsco_jax import estimators
 from dpsco_jax import guards
 from dpsco_jax import keywords
-from dpsco_jax import ledger as ledger_lib
 from dpsco_jax import neighboring
 from dpsco_jax import noise
 from dpsco_jax import physical
+from dpsco_jax import plan_config
 from dpsco_jax import progress
 from dpsco_jax import runs
 from dpsco_jax import smoothing
@@ -80,11 +82,10 @@ from dpsco_jax.algorithms import user_level
 
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree], jax.Array]
-Sampler = Union[batching.FixedOrderBatches, batching.ShuffledBatches,
-                batching.PoissonBatches, batching.CyclicPoissonBatches]
+Sampler = plan_config.Sampler
 Relation = neighboring.NeighboringRelation
 
-SAMPLINGS = ('poisson', 'shuffled', 'fixed')
+SAMPLINGS = plan_config.SAMPLINGS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +110,10 @@ class Plan:
     ledger: the run's `PrivacyLedger` (None for DIFF2, accounted by
       `algorithms.diff2_accounting`: its two multipliers are not one
       mechanism's).
+    accountant: the `accountants.Accountant` that calibrated the noise and
+      answers the privacy attributes here (`noise_multiplier`,
+      `participation`, `event`, `ledger`, `epsilon`, `target_epsilon`,
+      `delta`, `method`, `num_steps`) and `epsilon_at`.
     epsilon: the epsilon the whole run spends (at most `target_epsilon`).
     target_epsilon: the epsilon asked for, or None when the noise was given.
     delta: the run's delta.
@@ -131,25 +136,36 @@ class Plan:
   # batch (Poisson amplification needs it secret), and reprs end up in logs.
   batches: Optional[Sampler] = dataclasses.field(repr=False)
   mechanism: noise.NoiseMechanism = dataclasses.field(repr=False)
-  noise_multiplier: Any
-  participation: Optional[accounting.Participation]
-  event: dp_accounting.DpEvent = dataclasses.field(repr=False)
-  ledger: Optional[ledger_lib.PrivacyLedger] = dataclasses.field(repr=False)
-  epsilon: float
-  target_epsilon: Optional[float]
-  delta: float
-  method: str
-  num_steps: int
+  accountant: accountants.Accountant
   num_examples: int
   hyperparameters: Mapping[str, Any]
-  _epsilon_of_prefix: Optional[Callable[[int], float]] = dataclasses.field(
-      default=None, repr=False)
   physical_form: Optional[physical.PhysicalForm] = dataclasses.field(
       default=None, repr=False)
   # The clipped statistics the private transformation computes: they record
   # the clipping path each step took (`describe()['clipping_path']`).
   _statistics: tuple[clipping.ClippedStatistic, ...] = dataclasses.field(
       default=(), repr=False)
+
+  # What the accountant says of the run, read as before.
+  noise_multiplier = property(lambda self: self.accountant.noise_multiplier)
+  participation = property(lambda self: self.accountant.participation)
+  event = property(lambda self: self.accountant.event)
+  ledger = property(lambda self: self.accountant.ledger)
+  epsilon = property(lambda self: self.accountant.epsilon)
+  target_epsilon = property(lambda self: self.accountant.target_epsilon)
+  delta = property(lambda self: self.accountant.delta)
+  method = property(lambda self: self.accountant.method)
+  num_steps = property(lambda self: self.accountant.num_steps)
+
+  # The repr's fields, as before the accountant held them. Not the
+  # sampler (its seed decides the batches) nor the key.
+  _REPR = ('algorithm', 'noise_multiplier', 'participation', 'epsilon',
+           'target_epsilon', 'delta', 'method', 'num_steps', 'num_examples',
+           'hyperparameters')
+
+  def __repr__(self) -> str:
+    return 'Plan(' + ', '.join(f'{name}={getattr(self, name)!r}'
+                               for name in self._REPR) + ')'
 
   def init(self, params: PyTree) -> PyTree:
     """The optimizer state of step 0, checked against the accounting.
@@ -164,8 +180,7 @@ class Plan:
       `transformation.init(params)`.
     """
     opt_state = self.transformation.init(params)
-    if self.ledger is not None:
-      self.ledger.check_state(opt_state)
+    self.accountant.check_state(opt_state)
     return opt_state
 
   def epsilon_at(self, step: int) -> float:
@@ -180,13 +195,7 @@ class Plan:
     Returns:
       epsilon; `epsilon` at `num_steps`.
     """
-    if self._epsilon_of_prefix is not None:
-      step = ledger_lib._non_negative_int(step, 'step')  # pylint: disable=protected-access
-      if step > self.num_steps:
-        raise ValueError(f'step {step} is past the {self.num_steps} steps of '
-                         'the plan')
-      return 0.0 if step == 0 else self._epsilon_of_prefix(step)
-    return self.ledger.epsilon_at(step, self.mechanism)
+    return self.accountant.epsilon_at(step)
 
   def batches_of(self, data: PyTree, start_step: int = 0
                  ) -> Iterator[dict[str, Any]]:
@@ -252,16 +261,11 @@ class Plan:
     Returns:
       A dict; the noise key never appears in it.
     """
-    multiplier = self.noise_multiplier
-    if isinstance(multiplier, tuple):
-      multiplier = {k: float(v) for k, v in multiplier._asdict().items()}
-    else:
-      multiplier = float(multiplier)
     return {
         'algorithm': self.algorithm,
         'mechanism': self.mechanism.name,
         'mechanism_identity': self.mechanism.identity,
-        'noise_multiplier': multiplier,
+        'noise_multiplier': self.accountant.noise_record(),
         'participation': (None if self.participation is None else {
             'kind': type(self.participation).__name__,
             **dataclasses.asdict(self.participation)}),
@@ -271,8 +275,8 @@ class Plan:
         'hyperparameters': dict(self.hyperparameters),
         # The noise state's memory, in params-sized buffers.
         'noise_buffers': noise.noise_buffer_count(self.mechanism),
-        'releases': [dataclasses.asdict(release) for release in (
-            self.ledger.releases if self.ledger is not None else ())],
+        'releases': [dataclasses.asdict(release)
+                     for release in self.accountant.releases],
         'clipping_path': _clipping_path(self._statistics),
     }
 
@@ -551,120 +555,6 @@ def _clipping_path(statistics: Sequence[clipping.ClippedStatistic]
   return ' and '.join(sorted(paths)) if paths else 'not traced yet'
 
 
-def _target(epsilon: Optional[float], noise_multiplier: Any,
-            delta: float, num_examples: int, unit: str = 'example') -> None:
-  """Exactly one of a privacy target and a given noise; a delta that means
-  something for `num_examples` privacy units (`checks.warn_large_delta`)."""
-  if (epsilon is None) == (noise_multiplier is None):
-    raise ValueError('give exactly one of epsilon= (the noise is calibrated '
-                     'to it) and noise_multiplier= (its epsilon is computed)')
-  accounting.validate_epsilon_delta(epsilon, delta)
-  checks.warn_large_delta(delta, num_examples, unit)
-
-
-def _fresh_seed(seed: Optional[int]) -> int:
-  """The sampler seed: given, or fresh from OS entropy (it decides who is in
-  which batch, so a guessable one would weaken nothing accounted but leak
-  the batches; keep it as private as the data)."""
-  return secrets.randbits(63) if seed is None else int(seed)
-
-
-def _sampler(sampling: str, num_examples: int, batch_size: int, epochs: int,
-             seed: Optional[int]) -> Sampler:
-  """The sampler of a batched plan."""
-  num_examples = checks.positive_int(num_examples, 'num_examples')
-  batch_size = checks.positive_int(batch_size, 'batch_size')
-  epochs = checks.positive_int(epochs, 'epochs')
-  if batch_size > num_examples:
-    raise ValueError(f'batch_size {batch_size} exceeds num_examples '
-                     f'{num_examples}')
-  seed = _fresh_seed(seed)
-  if sampling == 'fixed':
-    return batching.FixedOrderBatches(num_examples, batch_size, epochs,
-                                      seed=seed)
-  if sampling == 'shuffled':
-    return batching.ShuffledBatches(num_examples, batch_size, epochs,
-                                    seed=seed)
-  if sampling == 'poisson':
-    # As many expected passes: T q = epochs.
-    steps = max(1, round(epochs * num_examples / batch_size))
-    return batching.PoissonBatches(num_examples, batch_size / num_examples,
-                                   steps, seed)
-  raise ValueError(f'sampling must be one of {SAMPLINGS}, got {sampling!r}')
-
-
-def _normalize_by(sampler: Sampler) -> float:
-  if isinstance(sampler, (batching.PoissonBatches,
-                          batching.CyclicPoissonBatches)):
-    return sampler.expected_batch_size
-  return float(sampler.batch_size)
-
-
-def _noise_multiplier(mechanism, participation, epsilon, delta,
-                      noise_multiplier, method, relation, releases=()
-                      ) -> float:
-  """The given noise multiplier, or the one calibrated to (epsilon, delta).
-
-  A calibration is cached on disk (`strategies.cache_root()/calibrations`),
-  keyed by everything it depends on; a cached value only saves time: the
-  plan's ledger recomputes the epsilon it spends and refuses one that
-  misses the target.
-  """
-  if noise_multiplier is not None:
-    return checks.noise_multiplier(noise_multiplier)
-  path = _calibration_path(mechanism, participation, epsilon, delta, method,
-                           relation, releases)
-  if path is not None:
-    try:
-      with open(path) as handle:
-        cached = float(json.load(handle)['noise_multiplier'])
-      if math.isfinite(cached) and cached > 0:
-        return cached
-    except (OSError, ValueError, KeyError, TypeError):
-      pass
-  # PLD calibration of a long run takes seconds: say so on stderr.
-  name = mechanism.name.split('(')[0]
-  with progress.task(f'dpsco_jax: calibrating the {name} noise to epsilon '
-                     f'{epsilon:g} ({method})'):
-    multiplier = accounting.calibrate_noise_multiplier(
-        mechanism, participation, epsilon, delta, method=method,
-        neighboring_relation=relation, releases=releases)
-  if path is not None:
-    try:
-      os.makedirs(os.path.dirname(path), exist_ok=True)
-      with tempfile.NamedTemporaryFile('w', dir=os.path.dirname(path),
-                                       suffix='.json', delete=False) as f:
-        json.dump({'noise_multiplier': multiplier}, f)
-      os.replace(f.name, path)
-    except OSError:
-      pass  # A read-only cache only costs the next build the calibration.
-  return multiplier
-
-
-# Bumped whenever calibration changes what it returns.
-_CALIBRATION_CACHE_VERSION = 1
-
-
-def _calibration_path(mechanism, participation, epsilon, delta, method,
-                      relation, releases) -> Optional[str]:
-  """The cache file of a calibration, or None if it cannot be keyed."""
-  if not mechanism.identity:
-    return None
-  key = json.dumps({
-      'version': _CALIBRATION_CACHE_VERSION,
-      'dp_accounting': getattr(dp_accounting, '__version__', None),
-      'mechanism': [mechanism.identity, mechanism.name, mechanism.num_steps],
-      'participation': [type(participation).__name__,
-                        dataclasses.asdict(participation)],
-      'epsilon': float(epsilon), 'delta': float(delta), 'method': method,
-      'relation': Relation(relation).value,
-      'releases': [dataclasses.asdict(r) for r in releases],
-  }, sort_keys=True, default=repr)
-  digest = hashlib.sha256(key.encode()).hexdigest()[:32]
-  return os.path.join(strategies.cache_root(), 'calibrations',
-                      f'noise-{digest}.json')
-
-
 def _check_relation(algorithm: str, relation: Relation,
                     participation: accounting.Participation) -> None:
   """Refuses add/remove neighbours for a fixed or shuffled batch order.
@@ -685,91 +575,138 @@ def _check_relation(algorithm: str, relation: Relation,
         "and epsilon) or Poisson sampling")
 
 
-def _noisy_gradient_form(loss_fn: LossFn, l2_clip: float,
-                         physical_batch_size: Optional[int],
-                         microbatch_size: Optional[int],
-                         clipping_method: str, axis_name: Optional[str]
-                         ) -> Optional[physical.PhysicalForm]:
-  """The physical form of `estimators.noisy_gradient` built with these
-  arguments (its statistic, built alike), or None without a size."""
-  if physical_batch_size is None:
-    return None
-  return physical.statistic_form(
-      clipping.clipped_grad_sum(loss_fn, l2_clip,
-                                microbatch_size=microbatch_size,
-                                clipping_method=clipping_method),
-      physical_batch_size, axis_name=axis_name)
+@dataclasses.dataclass(frozen=True)
+class Family:
+  """One algorithm's part of a plan; the builder adds the rest.
 
+  The mechanism is built once, by the family; the accountant calibrates
+  its noise and the private transformation is built GIVEN it (never
+  rebuilding it), so what runs is what was accounted.
 
-def _batched_plan(
-    algorithm: str,
-    build: Callable[[float, float], optax.GradientTransformationExtraArgs],
-    *,
-    mechanism: noise.NoiseMechanism,
-    sampler: Sampler,
-    optimizer: Optional[optax.GradientTransformation],
-    epsilon: Optional[float],
-    noise_multiplier: Optional[float],
-    delta: float,
-    method: str,
-    relation: Relation,
-    axis_name: Optional[str],
-    hyperparameters: Mapping[str, Any],
-    releases: Sequence[accounting.GaussianRelease] = (),
-    physical_form: Optional[physical.PhysicalForm] = None,
-) -> Plan:
-  """Calibrates, builds and checks a plan whose batches come from `sampler`.
+  Example:
+    >>> family = Family('dpsgd', mechanism, private=lambda z, divisor: ...,
+    ...                 output=(optax.sgd(0.1),))
 
-  `build(noise_multiplier, normalize_by)` makes the private transformation.
-  The noise is calibrated to what the `releases` (private preprocessing of
-  the same data) leave of the target, and the ledger spends them too.
-  `physical_form` (the private transformation's statistic, for
-  `Plan.step`) changes nothing else.
+  Attributes:
+    algorithm: the plan's name, e.g. 'dpftrl'.
+    mechanism: the noise mechanism the private transformation draws from.
+    private: `private(noise_multiplier, normalize_by)`, the calibrated
+      private transformation (`normalize_by`: the sampler's public batch
+      size, None without a sampler).
+    output: what follows the private transformation and the batch check
+      (your optimizer, or the algorithm's outer loop).
+    before: what precedes the private transformation (DIFF2's output
+      selector).
+    hyperparameters: the family's other values, for run records.
+    physical_form: the private statistic over physical batches, or None.
   """
-  _target(epsilon, noise_multiplier, delta, sampler.num_examples,
-          hyperparameters.get('privacy_unit', 'example'))
-  relation = Relation(relation)
-  participation = sampler.participation
-  _check_relation(algorithm, relation, participation)
-  if mechanism.num_steps != participation.num_steps:
-    raise AssertionError('the mechanism and the sampler disagree on the '
-                         'number of steps')
-  releases = tuple(releases)
-  multiplier = _noise_multiplier(mechanism, participation, epsilon, delta,
-                                 noise_multiplier, method, relation, releases)
+
+  algorithm: str
+  mechanism: noise.NoiseMechanism
+  private: Callable[[Any, Optional[float]],
+                    optax.GradientTransformationExtraArgs]
+  output: Sequence[Optional[optax.GradientTransformation]] = ()
+  before: Sequence[optax.GradientTransformation] = ()
+  hyperparameters: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  physical_form: Optional[physical.PhysicalForm] = None
+
+
+def build(family: Family, accountant: accountants.Accountant, *,
+          sampler: Optional[Sampler], num_examples: int,
+          devices: plan_config.Devices) -> Plan:
+  """The plan of `family`, accounted by `accountant`: the one place a `Plan`
+  is made.
+
+  The transformation is `chain(*before, private, batch check, *output)`;
+  the batch check (`batching.participation_guard`) is there whenever the
+  plan has a sampler.
+
+  Example:
+    >>> plan = build(family, accountant, sampler=sampler, num_examples=n,
+    ...              devices=plan_config.Devices())
+
+  Args:
+    family: the algorithm's part.
+    accountant: the calibrated accounting of the run.
+    sampler: the batch sampler, or None (full-batch rounds).
+    num_examples: the training set size (users for a user-level plan).
+    devices: the device axis.
+
+  Returns:
+    The `Plan`.
+
+  Raises:
+    ValueError: for an output (optimizer) that is not an optax
+      transformation.
+  """
+  accountant.target.warn_for(
+      num_examples, family.hyperparameters.get('privacy_unit', 'example'))
   with clipping.recording_statistics() as statistics:
-    private = build(multiplier, _normalize_by(sampler))
-  guard = batching.participation_guard(
-      participation, num_examples=sampler.num_examples,
+    private = family.private(
+        accountant.noise_multiplier,
+        None if sampler is None else plan_config.normalize_by(sampler))
+  guard = [] if sampler is None else [batching.participation_guard(
+      accountant.participation, num_examples=num_examples,
       batch_size=getattr(sampler, 'batch_size', None),
       pad_to_multiple=getattr(sampler, 'pad_to_multiple', None),
-      axis_name=axis_name)
-  parts = [private, guard] + ([] if optimizer is None else [optimizer])
-  if optimizer is not None and not hasattr(optimizer, 'update'):
-    raise ValueError(f'optimizer must be an optax GradientTransformation, '
-                     f'got {type(optimizer).__name__}')
-  ledger = ledger_lib.PrivacyLedger.create(
-      mechanism, multiplier, participation, delta, key=None,
-      target_epsilon=epsilon, method=method, neighboring_relation=relation,
-      releases=releases)
+      axis_name=devices.axis_name)]
+  output = [part for part in family.output if part is not None]
+  for part in output:
+    if not hasattr(part, 'update'):
+      raise ValueError(f'optimizer must be an optax GradientTransformation, '
+                       f'got {type(part).__name__}')
   return Plan(
-      algorithm=algorithm, transformation=optax.chain(*parts),
-      private_transformation=private, batches=sampler, mechanism=mechanism,
-      noise_multiplier=multiplier, participation=participation,
-      event=accounting.dp_event(mechanism, multiplier, participation,
-                                releases),
-      ledger=ledger, epsilon=ledger.planned_epsilon,
-      target_epsilon=None if epsilon is None else float(epsilon),
-      delta=float(delta), method=method, num_steps=participation.num_steps,
-      num_examples=sampler.num_examples,
-      hyperparameters={'sampling': type(sampler).__name__,
-                       'batch_size': _normalize_by(sampler),
-                       **hyperparameters},
-      physical_form=physical_form,
-      _statistics=tuple(statistics))
+      algorithm=family.algorithm,
+      transformation=optax.chain(*family.before, private, *guard, *output),
+      private_transformation=private, batches=sampler,
+      mechanism=family.mechanism, accountant=accountant,
+      num_examples=num_examples, hyperparameters=family.hyperparameters,
+      physical_form=family.physical_form, _statistics=tuple(statistics))
+
+
+def _batched_plan(family: Family, sampler: Sampler,
+                  target: plan_config.PrivacyTarget, relation: Relation,
+                  clip: plan_config.Clipping,
+                  devices: plan_config.Devices) -> Plan:
+  """The plan of a family whose batches come from `sampler`, accounted as
+  one Gaussian mechanism under its participation (calibrated to what the
+  target's `releases` leave of it; the ledger spends them too)."""
+  relation = Relation(relation)
+  _check_relation(family.algorithm, relation, sampler.participation)
+  accountant = accountants.GaussianAccountant.create(
+      family.mechanism, sampler.participation, target, relation)
+  family = dataclasses.replace(family, hyperparameters={
+      'sampling': type(sampler).__name__,
+      'batch_size': plan_config.normalize_by(sampler),
+      'l2_clip': clip.l2_clip, **family.hyperparameters,
+      'physical_batch_size': clip.physical_batch_size})
+  return build(family, accountant, sampler=sampler,
+               num_examples=sampler.num_examples, devices=devices)
 
 
 # ----------------------------------------------------------------- plans
+
+# The configs every plan function gathers from its keywords.
+_SHARED = (plan_config.PrivacyTarget, plan_config.Sampling,
+           plan_config.Clipping, plan_config.Devices, plan_config.NoiseKey)
+
+
+def _noisy_gradient_family(
+    algorithm: str, loss_fn: LossFn, mechanism: noise.NoiseMechanism, *,
+    clip: plan_config.Clipping, noise_key: plan_config.NoiseKey,
+    relation: Relation, devices: plan_config.Devices,
+    optimizer: optax.GradientTransformation,
+    hyperparameters: Mapping[str, Any]) -> Family:
+  """DP-SGD and DP-FTRL: `estimators.noisy_gradient` with `mechanism`."""
+  return Family(
+      algorithm, mechanism,
+      private=lambda z, divisor: estimators.noisy_gradient(
+          loss_fn, l2_clip=clip.l2_clip, noise_multiplier=z,
+          mechanism=mechanism, key=noise_key.key,
+          neighboring_relation=relation, normalize_by=divisor,
+          axis_name=devices.axis_name, **clip.statistic_keywords),
+      output=(optimizer,), hyperparameters=hyperparameters,
+      physical_form=clip.gradient_form(loss_fn, devices))
 
 
 @keywords.checked
@@ -805,6 +742,11 @@ def dpsgd(
   `epochs * (num_examples // batch_size)` steps of full batches (the
   `num_examples % batch_size` left over are not used in an epoch).
 
+  The keywords every plan shares are documented once, in
+  `dpsco_jax.plan_config`: the privacy target (`PrivacyTarget`), the
+  batches (`Sampling`), the clipping (`Clipping`), the device axis
+  (`Devices`) and the noise key (`NoiseKey`).
+
   Example:
     >>> plan = plans.dpsgd(loss_fn, optimizer=optax.sgd(0.1),
     ...                    num_examples=60_000, batch_size=256, epochs=3,
@@ -814,61 +756,29 @@ def dpsgd(
   Args:
     loss_fn: `loss_fn(params, example) -> scalar` for ONE example.
     optimizer: the optax optimizer the private gradient feeds.
-    num_examples: training set size n.
-    batch_size: examples per batch (expected size under Poisson sampling).
-    epochs: passes over the data.
-    l2_clip: per-example clip norm.
-    delta: target delta.
-    epsilon: target epsilon (or give `noise_multiplier`).
-    noise_multiplier: the noise to use (or give `epsilon`).
-    sampling: 'poisson', 'shuffled' or 'fixed'.
-    seed: the sampler's seed (None: fresh from OS entropy; it decides which
-      examples are in which batch: keep it private).
-    key: the noise key (None: fresh from OS entropy).
-    method: accounting method (`accounting.METHODS`).
-    neighboring_relation: the relation the noise is calibrated for; default
-      add/remove under Poisson sampling, zero-out for 'shuffled' and
-      'fixed' (what their accounting assumes; add/remove is refused there).
-    releases: private preprocessing of the same data
-      (`preprocessing.dp_standardization(...).release`): the noise is
-      calibrated to what they leave of `epsilon`, and the ledger and
-      `epsilon_at` spend them from step 0 on.
-    microbatch_size: optional cap on per-example gradients held at once.
-    clipping_method: 'auto' (default: ghost norms when the loss qualifies,
-      else per-example gradients, announced once), 'ghost' or 'vmap'
-      (`dpsco_jax.clipping`).
-    axis_name: the device axis on several devices.
-    physical_batch_size: run each logical batch as physical batches of at
-      most this many examples, noised once (`Plan.step`,
-      `dpsco_jax.physical`): Poisson batches at the cost of their realized
-      size, and logical batches larger than memory. None (default): one
-      call per batch only.
+    num_examples, batch_size, epochs, sampling, seed: `Sampling`.
+    l2_clip, microbatch_size, clipping_method, physical_batch_size:
+      `Clipping`.
+    delta, epsilon, noise_multiplier, method, releases: `PrivacyTarget`.
+    neighboring_relation: `PrivacyTarget`; default add/remove under Poisson
+      sampling, zero-out for 'shuffled' and 'fixed' (what their accounting
+      assumes; add/remove is refused there).
+    key: `NoiseKey`.
+    axis_name: `Devices`.
 
   Returns:
     A `Plan`.
   """
-  sampler = _sampler(sampling, num_examples, batch_size, epochs, seed)
-  steps = sampler.num_steps
-  if neighboring_relation is None:
-    neighboring_relation = (Relation.ADD_OR_REMOVE if sampling == 'poisson'
-                            else Relation.ZERO_OUT)
-  return _batched_plan(
-      'dpsgd',
-      lambda z, divisor: baselines.dpsgd(
-          loss_fn, l2_clip=l2_clip, noise_multiplier=z, num_steps=steps,
-          key=key, neighboring_relation=neighboring_relation,
-          normalize_by=divisor, microbatch_size=microbatch_size,
-                                clipping_method=clipping_method,
-          axis_name=axis_name),
-      mechanism=baselines.dpsgd_mechanism(steps), sampler=sampler,
-      optimizer=optimizer, epsilon=epsilon, noise_multiplier=noise_multiplier,
-      delta=delta, method=method, relation=neighboring_relation,
-      axis_name=axis_name, releases=releases,
-      hyperparameters={'l2_clip': l2_clip, 'epochs': epochs,
-                       'physical_batch_size': physical_batch_size},
-      physical_form=_noisy_gradient_form(
-          loss_fn, l2_clip, physical_batch_size, microbatch_size,
-          clipping_method, axis_name))
+  target, batches, clip, devices, noise_key = plan_config.from_keywords(
+      locals(), *_SHARED)
+  sampler = batches.sampler()
+  relation = target.relation(Relation.ADD_OR_REMOVE if sampling == 'poisson'
+                             else Relation.ZERO_OUT)
+  family = _noisy_gradient_family(
+      'dpsgd', loss_fn, baselines.dpsgd_mechanism(sampler.num_steps),
+      clip=clip, noise_key=noise_key, relation=relation, devices=devices,
+      optimizer=optimizer, hyperparameters={'epochs': epochs})
+  return _batched_plan(family, sampler, target, relation, clip, devices)
 
 
 def _restart_every(restart: Union[None, str, int], steps_per_epoch: int
@@ -911,7 +821,8 @@ def dpftrl(
   as `FixedOrder`, checked in every step) or reshuffled each epoch
   ('shuffled': exact with a restart every epoch, an upper bound
   otherwise). A fresh tree starts every epoch by default (`restart=
-  'epoch'`), every `restart` steps for an int, never for None.
+  'epoch'`), every `restart` steps for an int, never for None. Shared
+  keywords: `dpsco_jax.plan_config` (as for `dpsgd`).
 
   Example:
     >>> plan = plans.dpftrl(loss_fn, optimizer=optax.sgd(0.1, momentum=0.9),
@@ -922,36 +833,18 @@ def dpftrl(
     loss_fn: `loss_fn(params, example) -> scalar` for ONE example.
     optimizer: the optax optimizer (DP-FTRL is `optax.sgd`, with momentum
       its momentum variant).
-    num_examples: n.
-    batch_size: examples per batch.
-    epochs: passes over the data.
-    l2_clip: per-example clip norm.
-    delta: target delta.
-    epsilon: target epsilon (or give `noise_multiplier`).
-    noise_multiplier: the tree-node noise to use (or give `epsilon`).
     restart: 'epoch', an int number of steps, or None.
     honaker: Honaker's variance-reduced tree estimates.
-    sampling: 'fixed' or 'shuffled'.
-    seed: the order's seed (None: fresh from OS entropy).
-    key: the noise key (None: fresh from OS entropy).
-    method: accounting method.
-    neighboring_relation: the relation the noise is calibrated for; default
-      zero-out, what a fixed or shuffled order's accounting assumes (same
-      sensitivity as add/remove, which is refused here).
-    releases: private preprocessing of the same data
-      (`preprocessing.dp_standardization(...).release`): the noise is
-      calibrated to what they leave of `epsilon`, and the ledger and
-      `epsilon_at` spend them from step 0 on.
-    microbatch_size: optional cap on per-example gradients held at once.
-    clipping_method: 'auto' (default: ghost norms when the loss qualifies,
-      else per-example gradients, announced once), 'ghost' or 'vmap'
-      (`dpsco_jax.clipping`).
-    axis_name: the device axis on several devices.
-    physical_batch_size: run each logical batch as physical batches of at
-      most this many examples, noised once (`Plan.step`,
-      `dpsco_jax.physical`): Poisson batches at the cost of their realized
-      size, and logical batches larger than memory. None (default): one
-      call per batch only.
+    sampling: 'fixed' or 'shuffled' (`Sampling`, with num_examples,
+      batch_size, epochs, seed).
+    noise_multiplier: the tree-node noise to use (or give `epsilon`; with
+      delta, method, releases: `PrivacyTarget`).
+    neighboring_relation: default zero-out, what a fixed or shuffled
+      order's accounting assumes (same sensitivity as add/remove, which is
+      refused here).
+    l2_clip, microbatch_size, clipping_method, physical_batch_size:
+      `Clipping`.
+    key, axis_name: `NoiseKey`, `Devices`.
 
   Returns:
     A `Plan`.
@@ -959,27 +852,19 @@ def dpftrl(
   if sampling not in ('fixed', 'shuffled'):
     raise ValueError("DP-FTRL's tree noise is not amplified by sampling: "
                      f"sampling must be 'fixed' or 'shuffled', got {sampling!r}")
-  sampler = _sampler(sampling, num_examples, batch_size, epochs, seed)
-  steps = sampler.num_steps
+  target, batches, clip, devices, noise_key = plan_config.from_keywords(
+      locals(), *_SHARED)
+  sampler = batches.sampler()
   restart_every = _restart_every(restart, sampler.steps_per_epoch)
-  return _batched_plan(
-      'dpftrl',
-      lambda z, divisor: baselines.dpftrl(
-          loss_fn, l2_clip=l2_clip, noise_multiplier=z, num_steps=steps,
-          key=key, restart_every=restart_every, honaker=honaker,
-          neighboring_relation=neighboring_relation, normalize_by=divisor,
-          microbatch_size=microbatch_size,
-          clipping_method=clipping_method, axis_name=axis_name),
-      mechanism=baselines.dpftrl_mechanism(steps, restart_every, honaker),
-      sampler=sampler, optimizer=optimizer, epsilon=epsilon,
-      noise_multiplier=noise_multiplier, delta=delta, method=method,
-      relation=neighboring_relation, axis_name=axis_name, releases=releases,
-      hyperparameters={'l2_clip': l2_clip, 'epochs': epochs,
-                       'restart_every': restart_every, 'honaker': honaker,
-                       'physical_batch_size': physical_batch_size},
-      physical_form=_noisy_gradient_form(
-          loss_fn, l2_clip, physical_batch_size, microbatch_size,
-          clipping_method, axis_name))
+  family = _noisy_gradient_family(
+      'dpftrl', loss_fn,
+      baselines.dpftrl_mechanism(sampler.num_steps, restart_every, honaker),
+      clip=clip, noise_key=noise_key, relation=neighboring_relation,
+      devices=devices, optimizer=optimizer,
+      hyperparameters={'epochs': epochs, 'restart_every': restart_every,
+                       'honaker': honaker})
+  return _batched_plan(family, sampler, target, neighboring_relation, clip,
+                       devices)
 
 
 # The default cap on the noise state of an MF plan, in params-sized buffers.
@@ -993,14 +878,12 @@ CLOSED_FORMS = ('banded_sqrt', 'banded_inverse_sqrt')
 MF_STRATEGIES = ('banded', 'blt') + CLOSED_FORMS
 
 
-def _cyclic_poisson_sampler(num_examples: int, batch_size: int, epochs: int,
-                            bands: Optional[int], seed: Optional[int]
+def _cyclic_poisson_sampler(batches: plan_config.Sampling,
+                            bands: Optional[int]
                             ) -> batching.CyclicPoissonBatches:
   """Cyclic Poisson batches over `bands` partitions, `epochs` expected
   passes: q = B b / n, T = round(k n / B)."""
-  num_examples = checks.positive_int(num_examples, 'num_examples')
-  batch_size = checks.positive_int(batch_size, 'batch_size')
-  epochs = checks.positive_int(epochs, 'epochs')
+  num_examples, batch_size = batches.num_examples, batches.batch_size
   if bands is None:
     raise ValueError("sampling='cyclic_poisson' needs bands=b: the examples "
                      'are split into b partitions and the banded strategy '
@@ -1012,28 +895,26 @@ def _cyclic_poisson_sampler(num_examples: int, batch_size: int, epochs: int,
         f'batch_size {batch_size} x bands {bands} exceeds num_examples '
         f'{num_examples}: a partition of n / b examples cannot give batches '
         'of that expected size; lower bands or batch_size')
-  steps = max(1, round(epochs * num_examples / batch_size))
-  return batching.CyclicPoissonBatches(num_examples, q, steps, bands,
-                                       seed=_fresh_seed(seed))
+  steps = max(1, round(batches.epochs * num_examples / batch_size))
+  return batching.CyclicPoissonBatches(
+      num_examples, q, steps, bands, seed=plan_config.fresh_seed(batches.seed))
 
 
-def _matrix_factorization(num_examples: int, batch_size: int, epochs: int,
-                          seed: Optional[int],
+def _matrix_factorization(batches: plan_config.Sampling,
                           strategy: Union[np.ndarray, str, None],
                           momentum: float, decay: float, bands: Optional[int],
-                          n_buffers: int, max_noise_buffers: int,
-                          sampling: str = 'fixed'):
-  """The sampler, strategy and mechanism of an MF plan.
+                          n_buffers: int, max_noise_buffers: int
+                          ) -> tuple[Sampler, noise.NoiseMechanism]:
+  """The sampler and mechanism of an MF plan.
 
   Returns:
-    `(sampler, strategy, mechanism)`: for `strategy=None` or 'banded' a
-    matrix optimized for `workload(T, 'true', momentum, decay)` (under
-    `FixedOrder(k, b)`, or with unit column norms and `bands` bands for
-    cyclic Poisson sampling); for 'banded_sqrt' the closed-form
-    `strategies.banded_square_root` of that workload; for
-    'banded_inverse_sqrt', `None` and the mechanism of
-    `strategies.banded_inverse_square_root` (noise streamed from its banded
-    inverse); for `strategy='blt'`, `None` and a BLT mechanism optimized
+    `(sampler, mechanism)`. The mechanism's strategy: for `strategy=None`
+    or 'banded', a matrix optimized for `workload(T, 'true', momentum,
+    decay)` (under `FixedOrder(k, b)`, or with unit column norms and
+    `bands` bands for cyclic Poisson sampling); for 'banded_sqrt' the
+    closed-form `strategies.banded_square_root` of that workload; for
+    'banded_inverse_sqrt', `strategies.banded_inverse_square_root` (noise
+    streamed from its banded inverse); for 'blt', a BLT strategy optimized
     for the same workload under `FixedOrder(k, b)` (`blt.optimize`); a
     given matrix is used as is.
 
@@ -1041,6 +922,7 @@ def _matrix_factorization(num_examples: int, batch_size: int, epochs: int,
     ValueError: if the noise state would keep more than `max_noise_buffers`
       params-sized buffers (checked before a dense strategy is optimized).
   """
+  sampling = batches.sampling
   if sampling not in MF_SAMPLINGS:
     raise ValueError(f'sampling must be one of {MF_SAMPLINGS}, got '
                      f'{sampling!r}')
@@ -1066,8 +948,7 @@ def _matrix_factorization(num_examples: int, batch_size: int, epochs: int,
           "sampling='cyclic_poisson' is accounted for a banded strategy "
           "(Amplified BandMF): use strategy='banded' or 'banded_sqrt' with "
           'bands=b, or a given matrix of at most b bands')
-    sampler = _cyclic_poisson_sampler(num_examples, batch_size, epochs, bands,
-                                      seed)
+    sampler = _cyclic_poisson_sampler(batches, bands)
     steps = sampler.num_steps
     if kind == 'banded':
       _check_noise_buffers(None, max_noise_buffers, steps,
@@ -1087,10 +968,11 @@ def _matrix_factorization(num_examples: int, batch_size: int, epochs: int,
       raise ValueError(f'the strategy covers {mechanism.num_steps} steps; '
                        f'the run has {steps}')
     _check_noise_buffers(mechanism, max_noise_buffers, steps)
-    return sampler, np.asarray(strategy), mechanism
+    return sampler, mechanism
   if kind == 'banded':
     strategy = None
-  sampler = _sampler('fixed', num_examples, batch_size, epochs, seed)
+  sampler = batches.sampler()
+  epochs = batches.epochs
   steps, b = sampler.num_steps, sampler.steps_per_epoch
   if kind == 'banded_sqrt':
     # The sensitivity under FixedOrder(k, b) is computed from this C by the
@@ -1105,7 +987,7 @@ def _matrix_factorization(num_examples: int, batch_size: int, epochs: int,
     mechanism = mf.epoch_mechanism(
         None, 'buffer', b, noise.matrix_factorization(c, inverse=c_inverse))
     _check_noise_buffers(mechanism, max_noise_buffers, steps)
-    return sampler, None, mechanism
+    return sampler, mechanism
   if isinstance(strategy, str):
     if bands is not None:
       raise ValueError("bands applies to an optimized matrix strategy, not "
@@ -1116,7 +998,7 @@ def _matrix_factorization(num_examples: int, batch_size: int, epochs: int,
             steps, momentum=momentum, decay=decay), cache_dir=True)
     mechanism = blt.mechanism(params, steps)
     _check_noise_buffers(mechanism, max_noise_buffers, steps)
-    return sampler, None, mechanism
+    return sampler, mechanism
   if strategy is None:
     _check_noise_buffers(None, max_noise_buffers, steps,
                          planned=min(bands or steps, steps) - 1)
@@ -1129,7 +1011,7 @@ def _matrix_factorization(num_examples: int, batch_size: int, epochs: int,
     raise ValueError(f'the strategy covers {mechanism.num_steps} steps; the '
                      f'run has {steps} ({epochs} epochs of {b})')
   _check_noise_buffers(mechanism, max_noise_buffers, steps)
-  return sampler, strategy, mechanism
+  return sampler, mechanism
 
 
 def _check_noise_buffers(mechanism: Optional[noise.NoiseMechanism],
@@ -1146,6 +1028,20 @@ def _check_noise_buffers(mechanism: Optional[noise.NoiseMechanism],
         f'buffers, near the dense error), a banded strategy (bands=b keeps '
         f'b - 1), or raise max_noise_buffers to at least {count} when the '
         f'memory is there ({steps} steps).')
+
+
+def _mf_hyperparameters(strategy: Union[np.ndarray, str, None],
+                        momentum: float, bands: Optional[int],
+                        n_buffers: int, max_noise_buffers: int
+                        ) -> dict[str, Any]:
+  """The strategy choices of an MF plan, for run records."""
+  return {'strategy_given': not (strategy is None or
+                                 isinstance(strategy, str)),
+          'strategy': strategy if isinstance(strategy, str) else None,
+          'momentum': momentum, 'bands': bands,
+          'n_buffers': (n_buffers if isinstance(strategy, str)
+                        and strategy == 'blt' else None),
+          'max_noise_buffers': max_noise_buffers}
 
 
 @keywords.checked
@@ -1182,7 +1078,8 @@ def dpmemf(
   every step). Without `strategy`, one is optimized for the workload of SGD
   with `momentum` (`strategies.workload(k b, 'true', momentum=...)`; set it
   to your optimizer's; with Adam, its b1 or 0: docs/choosing.md says which
-  and why) under (k, b)-participation, `bands` making it banded.
+  and why) under (k, b)-participation, `bands` making it banded. Shared
+  keywords: `dpsco_jax.plan_config` (as for `dpsgd`).
 
   Example:
     >>> plan = plans.dpmemf(loss_fn, optimizer=optax.sgd(0.5, momentum=0.9),
@@ -1193,13 +1090,6 @@ def dpmemf(
   Args:
     loss_fn: `loss_fn(params, example) -> scalar` for ONE example.
     optimizer: the optax optimizer.
-    num_examples: n.
-    batch_size: examples per batch.
-    epochs: k.
-    l2_clip: per-example clip norm.
-    delta: target delta.
-    epsilon: target epsilon (or give `noise_multiplier`).
-    noise_multiplier: the noise to use (or give `epsilon`).
     strategy: the lower-triangular `[k b, k b]` strategy; None (optimized
       here, dense or with `bands`); 'banded' (optimized here with `bands`
       bands; with 'banded_sqrt' and a given matrix, the choices for
@@ -1226,74 +1116,46 @@ def dpmemf(
       partition t mod b with probability B b / n for round(k n / B) steps,
       accounted with amplification, `accounting.CyclicPoissonSampling`;
       with strategy='banded', 'banded_sqrt' or a matrix of at most `bands`
-      bands).
-    seed: the order's seed (None: fresh from OS entropy).
-    key: the noise key (None: fresh from OS entropy).
-    method: accounting method.
-    neighboring_relation: the relation the noise is calibrated for; default
-      ZERO_OUT, the papers' (000/001): a fixed batch order's accounting
-      assumes it (same sensitivity as add/remove).
-    releases: private preprocessing of the same data
-      (`preprocessing.dp_standardization(...).release`): the noise is
-      calibrated to what they leave of `epsilon`, and the ledger and
-      `epsilon_at` spend them from step 0 on.
-    microbatch_size: optional cap on per-example gradients held at once.
-    clipping_method: 'auto' (default: ghost norms when the loss qualifies,
-      else per-example gradients, announced once), 'ghost' or 'vmap'
-      (`dpsco_jax.clipping`).
-    axis_name: the device axis on several devices.
-    physical_batch_size: run each logical batch as physical batches of at
-      most this many examples, noised once (`Plan.step`,
-      `dpsco_jax.physical`): Poisson batches at the cost of their realized
-      size, and logical batches larger than memory. None (default): one
-      call per batch only.
+      bands); with num_examples, batch_size, epochs (k), seed: `Sampling`.
+    neighboring_relation: default ZERO_OUT, the papers' (000/001): a fixed
+      batch order's accounting assumes it (same sensitivity as add/remove);
+      with delta, epsilon, noise_multiplier, method, releases:
+      `PrivacyTarget`.
+    l2_clip, microbatch_size, clipping_method, physical_batch_size:
+      `Clipping`.
+    key, axis_name: `NoiseKey`, `Devices`.
 
   Returns:
     A `Plan`.
   """
-  sampler, c, mechanism = _matrix_factorization(
-      num_examples, batch_size, epochs, seed, strategy, momentum, 0.0, bands,
-      n_buffers, max_noise_buffers, sampling)
+  target, batches, clip, devices, noise_key = plan_config.from_keywords(
+      locals(), *_SHARED)
+  sampler, mechanism = _matrix_factorization(
+      batches, strategy, momentum, 0.0, bands, n_buffers, max_noise_buffers)
   b = getattr(sampler, 'steps_per_epoch', sampler.num_steps)
-  return _batched_plan(
-      'dpmemf',
-      lambda z, divisor: mf.dpmemf(
-          loss_fn, l2_clip=l2_clip, noise_multiplier=z, strategy=c,
-          mechanism=None if c is not None else mechanism,
-          steps_per_epoch=b, key=key, check_order=False,
+  family = Family(
+      'dpmemf', mechanism,
+      private=lambda z, divisor: mf.dpmemf(
+          loss_fn, l2_clip=l2_clip, noise_multiplier=z, mechanism=mechanism,
+          steps_per_epoch=b, key=noise_key.key, check_order=False,
           neighboring_relation=neighboring_relation, normalize_by=divisor,
-          microbatch_size=microbatch_size,
-          clipping_method=clipping_method, axis_name=axis_name),
-      mechanism=mechanism, sampler=sampler, optimizer=optimizer,
-      epsilon=epsilon, noise_multiplier=noise_multiplier, delta=delta,
-      method=method, relation=neighboring_relation,
-      axis_name=axis_name, releases=releases,
-      hyperparameters={'l2_clip': l2_clip, 'epochs': epochs,
-                       'strategy_given': not (strategy is None or
-                                              isinstance(strategy, str)),
-                       'strategy': strategy if isinstance(strategy, str)
-                                   else None,
-                       'momentum': momentum, 'bands': bands,
-                       'n_buffers': (n_buffers if isinstance(strategy, str)
-                                     and strategy == 'blt' else None),
-                       'max_noise_buffers': max_noise_buffers,
-                       'physical_batch_size': physical_batch_size},
-      physical_form=_noisy_gradient_form(
-          loss_fn, l2_clip, physical_batch_size, microbatch_size,
-          clipping_method, axis_name))
+          axis_name=devices.axis_name, **clip.statistic_keywords),
+      output=(optimizer,),
+      hyperparameters={'epochs': epochs, **_mf_hyperparameters(
+          strategy, momentum, bands, n_buffers, max_noise_buffers)},
+      physical_form=clip.gradient_form(loss_fn, devices))
+  return _batched_plan(family, sampler, target, neighboring_relation, clip,
+                       devices)
 
 
-def _single_pass(algorithm: str, loss_fn: LossFn, *, num_examples: int,
-                 batch_size: int, beta: float, radius: Optional[float],
-                 l2_clip: float, delta: float, epsilon: Optional[float],
-                 noise_multiplier: Optional[float], gradient: str,
-                 seed: Optional[int], key: estimators.KeyLike, method: str,
-                 relation: Relation, microbatch_size: Optional[int],
-                 axis_name: Optional[str], clipping_method: str,
-                 releases: Sequence[accounting.GaussianRelease] = (),
-                 physical_batch_size: Optional[int] = None) -> Plan:
-  """The plans of Algorithm 1 and its unaccelerated ablation."""
-  sampler = _sampler('fixed', num_examples, batch_size, 1, seed)
+def _single_pass(algorithm: str, loss_fn: LossFn, keywords: Mapping[str, Any],
+                 *, beta: float, radius: Optional[float], gradient: str
+                 ) -> Plan:
+  """The plans of Algorithm 1 and its unaccelerated ablation: one pass in a
+  public order, the SRG (or independent) noise given to the estimator."""
+  target, batches, clip, devices, noise_key = plan_config.from_keywords(
+      {**keywords, 'sampling': 'fixed'}, *_SHARED)
+  sampler = batches.sampler()
   steps = sampler.num_steps
   if gradient == 'srg':
     mechanism = srg.srg_mechanism(steps)
@@ -1303,68 +1165,50 @@ def _single_pass(algorithm: str, loss_fn: LossFn, *, num_examples: int,
     raise ValueError("gradient must be 'srg'"
                      + (" or 'independent'" if algorithm ==
                         'accelerated_dp_srgd' else '') + f', got {gradient!r}')
-
-  def build(z, divisor):
-    common = dict(l2_clip=l2_clip, noise_multiplier=z, num_steps=steps,
-                  beta=beta, radius=radius, key=key, mechanism=mechanism,
-                  neighboring_relation=relation, normalize_by=divisor,
-                  microbatch_size=microbatch_size,
-                  clipping_method=clipping_method, axis_name=axis_name)
-    if algorithm == 'accelerated_dp_srgd':
-      return srg.accelerated_dp_srgd(loss_fn, gradient=gradient, **common)
-    return srg.unaccelerated_dp_srg(loss_fn, **common)
-
-  physical_form = None
-  if physical_batch_size is not None:
-    if algorithm == 'accelerated_dp_srgd':
-      physical_form = _accelerated_form(
-          loss_fn, l2_clip=l2_clip, num_steps=steps, gradient=gradient,
-          physical_batch_size=physical_batch_size,
-          microbatch_size=microbatch_size, clipping_method=clipping_method,
-          axis_name=axis_name)
-    else:
-      physical_form = srg.srg_physical_form(
-          loss_fn, l2_clip=l2_clip, num_steps=steps,
-          physical_batch_size=physical_batch_size,
-          microbatch_size=microbatch_size, clipping_method=clipping_method,
-          # chain(chain(srg_gradient, sgd, projection), guard).
-          state_of=lambda opt_state: opt_state[0][0])
-    # The estimator's device axis: the physical batches run sharded.
-    physical_form = dataclasses.replace(physical_form, axis_name=axis_name)
-
-  return _batched_plan(
-      algorithm, build, mechanism=mechanism, sampler=sampler, optimizer=None,
-      epsilon=epsilon, noise_multiplier=noise_multiplier, delta=delta,
-      method=method, relation=relation, axis_name=axis_name,
-      releases=releases,
-      hyperparameters={'l2_clip': l2_clip, 'beta': beta, 'radius': radius,
-                       'gradient': gradient,
-                       'physical_batch_size': physical_batch_size},
-      physical_form=physical_form)
+  relation = target.neighboring_relation
+  estimator = functools.partial(
+      srg.accelerated_dp_srgd, gradient=gradient) if (
+          algorithm == 'accelerated_dp_srgd') else srg.unaccelerated_dp_srg
+  family = Family(
+      algorithm, mechanism,
+      private=lambda z, divisor: estimator(
+          loss_fn, l2_clip=clip.l2_clip, noise_multiplier=z, num_steps=steps,
+          beta=beta, radius=radius, key=noise_key.key, mechanism=mechanism,
+          neighboring_relation=relation, normalize_by=divisor,
+          axis_name=devices.axis_name, **clip.statistic_keywords),
+      hyperparameters={'beta': beta, 'radius': radius, 'gradient': gradient},
+      physical_form=_srg_form(algorithm, loss_fn, clip, devices, steps,
+                              gradient))
+  return _batched_plan(family, sampler, target, relation, clip, devices)
 
 
-def _accelerated_form(loss_fn: LossFn, *, l2_clip: float, num_steps: int,
-                      gradient: str, physical_batch_size: int,
-                      microbatch_size: Optional[int], clipping_method: str,
-                      axis_name: Optional[str]) -> physical.PhysicalForm:
-  """The physical form of the `accelerated_dp_srgd` plan's transformation.
+def _srg_form(algorithm: str, loss_fn: LossFn, clip: plan_config.Clipping,
+              devices: plan_config.Devices, num_steps: int, gradient: str
+              ) -> Optional[physical.PhysicalForm]:
+  """The physical form of a single-pass SRG plan's transformation.
 
-  Its gradients are taken at the query point x_t, which the coupling's
-  update made the params (`optax.apply_updates` moves them to x_{t+1}),
-  and, for `gradient='srg'`, at the previous query point x_{t-1} that the
-  estimator's state keeps, weighted by the state's step count: the
-  arguments come from `chain(nesterov_coupling(estimator), guard)`'s state,
-  `opt_state[0].estimator`. The independent variant's statistic is the
-  clipped gradient sum at x_t.
+  `accelerated_dp_srgd`'s gradients are taken at the query point x_t,
+  which the coupling's update made the params (`optax.apply_updates` moves
+  them to x_{t+1}), and, for `gradient='srg'`, at the previous query point
+  x_{t-1} that the estimator's state keeps, weighted by the state's step
+  count: the arguments come from `chain(nesterov_coupling(estimator),
+  guard)`'s state, `opt_state[0].estimator`. The independent variant's
+  statistic is the clipped gradient sum at x_t. `unaccelerated_dp_srg`'s
+  chain is `chain(chain(srg_gradient, sgd, projection), guard)`.
   """
+  if clip.physical_batch_size is None:
+    return None
   if gradient == 'independent':
-    return _noisy_gradient_form(loss_fn, l2_clip, physical_batch_size,
-                                microbatch_size, clipping_method, axis_name)
-  return srg.srg_physical_form(
-      loss_fn, l2_clip=l2_clip, num_steps=num_steps,
-      physical_batch_size=physical_batch_size,
-      microbatch_size=microbatch_size, clipping_method=clipping_method,
-      state_of=lambda opt_state: opt_state[0].estimator)
+    return clip.gradient_form(loss_fn, devices)
+  state_of = ((lambda opt_state: opt_state[0].estimator)
+              if algorithm == 'accelerated_dp_srgd' else
+              (lambda opt_state: opt_state[0][0]))
+  form = srg.srg_physical_form(
+      loss_fn, l2_clip=clip.l2_clip, num_steps=num_steps,
+      physical_batch_size=clip.physical_batch_size, state_of=state_of,
+      **clip.statistic_keywords)
+  # The estimator's device axis: the physical batches run sharded.
+  return dataclasses.replace(form, axis_name=devices.axis_name)
 
 
 @keywords.checked
@@ -1405,48 +1249,26 @@ def accelerated_dp_srgd(
 
   Args:
     loss_fn: `loss_fn(params, example) -> scalar` for ONE example.
-    num_examples: n.
-    batch_size: B.
     beta: the scaling beta.
     radius: the l2-ball radius R, or None.
-    l2_clip: clip norm of each per-example difference.
-    delta: target delta.
-    epsilon: target epsilon (or give `noise_multiplier`).
-    noise_multiplier: the noise to use (or give `epsilon`).
     gradient: 'srg' (Algorithm 1) or 'independent' (Theorem 5.13 ablation).
-    seed: the order's seed (None: fresh from OS entropy).
-    key: the noise key (None: fresh from OS entropy).
-    method: accounting method ('gdp_paper' is the papers' route).
-    neighboring_relation: the relation the noise is calibrated for; default
-      ZERO_OUT, the papers' (000/001): a fixed batch order's accounting
-      assumes it (same sensitivity as add/remove).
-    releases: private preprocessing of the same data
-      (`preprocessing.dp_standardization(...).release`): the noise is
-      calibrated to what they leave of `epsilon`, and the ledger and
-      `epsilon_at` spend them from step 0 on.
-    microbatch_size: optional cap on per-example values held at once.
-    clipping_method: 'auto' (default: ghost norms when the loss qualifies,
-      else per-example gradients, announced once), 'ghost' or 'vmap'
-      (`dpsco_jax.clipping`).
-    axis_name: the device axis on several devices.
-    physical_batch_size: run each batch as physical batches of at most
-      this many examples, noised once (`Plan.step`, `dpsco_jax.physical`):
-      the clipped differences at the query point x_t (the params) and at
-      x_{t-1} (the state's), the same update as one call. None (default):
-      one call per batch only.
+    num_examples, batch_size (B), seed: the one pass in a public order
+      (`Sampling`).
+    l2_clip: clip norm of each per-example difference; with
+      microbatch_size, clipping_method and physical_batch_size (the clipped
+      differences at the query point x_t, the params, and at x_{t-1}, the
+      state's: the same update as one call): `Clipping`.
+    method: accounting method ('gdp_paper' is the papers' route); with
+      delta, epsilon, noise_multiplier, releases and neighboring_relation
+      (default ZERO_OUT, the papers' (000/001): a fixed batch order's
+      accounting assumes it): `PrivacyTarget`.
+    key, axis_name: `NoiseKey`, `Devices`.
 
   Returns:
     A `Plan`.
   """
-  return _single_pass(
-      'accelerated_dp_srgd', loss_fn, num_examples=num_examples,
-      batch_size=batch_size, beta=beta, radius=radius, l2_clip=l2_clip,
-      delta=delta, epsilon=epsilon, noise_multiplier=noise_multiplier,
-      gradient=gradient, seed=seed, key=key, method=method,
-      relation=neighboring_relation, releases=releases,
-      microbatch_size=microbatch_size,
-                                     clipping_method=clipping_method,
-      axis_name=axis_name, physical_batch_size=physical_batch_size)
+  return _single_pass('accelerated_dp_srgd', loss_fn, locals(), beta=beta,
+                      radius=radius, gradient=gradient)
 
 
 @keywords.checked
@@ -1480,45 +1302,18 @@ def unaccelerated_dp_srg(
 
   Args:
     loss_fn: `loss_fn(params, example) -> scalar` for ONE example.
-    num_examples: n.
-    batch_size: B.
     beta: inverse step size.
     radius: the l2-ball radius, or None.
-    l2_clip: clip norm of each per-example difference.
-    delta: target delta.
-    epsilon: target epsilon (or give `noise_multiplier`).
-    noise_multiplier: the noise to use (or give `epsilon`).
-    seed: the order's seed (None: fresh from OS entropy).
-    key: the noise key (None: fresh from OS entropy).
-    method: accounting method.
-    neighboring_relation: the relation the noise is calibrated for; default
-      ZERO_OUT, the papers' (000/001): a fixed batch order's accounting
-      assumes it (same sensitivity as add/remove).
-    releases: private preprocessing of the same data
-      (`preprocessing.dp_standardization(...).release`): the noise is
-      calibrated to what they leave of `epsilon`, and the ledger and
-      `epsilon_at` spend them from step 0 on.
-    microbatch_size: optional cap on per-example values held at once.
-    clipping_method: 'auto' (default: ghost norms when the loss qualifies,
-      else per-example gradients, announced once), 'ghost' or 'vmap'
-      (`dpsco_jax.clipping`).
-    axis_name: the device axis on several devices.
-    physical_batch_size: run each batch as physical batches of at most
-      this many examples, noised once (`Plan.step`,
-      `dpsco_jax.physical`). None (default): one call per batch only.
+    num_examples, batch_size, seed, l2_clip, microbatch_size,
+      clipping_method, physical_batch_size, delta, epsilon,
+      noise_multiplier, method, neighboring_relation, releases, key,
+      axis_name: as in `accelerated_dp_srgd` (`dpsco_jax.plan_config`).
 
   Returns:
     A `Plan`.
   """
-  return _single_pass(
-      'unaccelerated_dp_srg', loss_fn, num_examples=num_examples,
-      batch_size=batch_size, beta=beta, radius=radius, l2_clip=l2_clip,
-      delta=delta, epsilon=epsilon, noise_multiplier=noise_multiplier,
-      gradient='srg', seed=seed, key=key, method=method,
-      relation=neighboring_relation, releases=releases,
-      microbatch_size=microbatch_size,
-                                     clipping_method=clipping_method,
-      axis_name=axis_name, physical_batch_size=physical_batch_size)
+  return _single_pass('unaccelerated_dp_srg', loss_fn, locals(), beta=beta,
+                      radius=radius, gradient='srg')
 
 
 @keywords.checked
@@ -1565,100 +1360,47 @@ def dp_srg_memf(
   Args:
     loss_fn: `loss_fn(params, example) -> scalar` for ONE example.
     optimizer: the optax optimizer.
-    num_examples: n.
-    batch_size: examples per batch.
-    epochs: k.
-    l2_clip: clip norm of each per-example difference.
     decay: c in [0, 1].
-    delta: target delta.
-    epsilon: target epsilon (or give `noise_multiplier`).
-    noise_multiplier: the noise to use (or give `epsilon`).
-    strategy: the lower-triangular `[k b, k b]` strategy; None (optimized
-      here, dense or with `bands`); 'banded' (optimized here with `bands`
-      bands; with 'banded_sqrt' and a given matrix, the choices for
-      `sampling='cyclic_poisson'`); 'banded_sqrt' or 'banded_inverse_sqrt': the closed
-      forms `strategies.banded_square_root` / `banded_inverse_square_root`
-      of the same workload with `bands` bands (of C, resp. of C^-1; no
-      optimization, `bands - 1` noise buffers; 'banded_sqrt' also with
-      `sampling='cyclic_poisson'`); or 'blt': a buffered-linear-Toeplitz
-      strategy optimized here for the same workload under (k, b)
-      participation (`dpsco_jax.blt`), whose noise keeps `n_buffers`
-      params-sized buffers instead of `k b - 1`.
-    momentum: the workload's momentum when the strategy is optimized or
-      built here: your SGD's momentum; with Adam, b1 (its first moment, if
-      its second moment changes slowly) or 0 (the hedge; docs/choosing.md).
-    bands: bands of the optimized strategy (None: dense), or of the
-      closed form.
-    n_buffers: buffers of the BLT strategy (2 to 5 come within a few
-      percent of the dense error).
-    max_noise_buffers: the most params-sized noise buffers the plan may
-      keep (`Plan.describe()['noise_buffers']`); a dense strategy keeps
-      `k b - 1` and is refused above it. Raise it when the memory is there.
-    sampling: 'fixed' (the same batches every epoch, `FixedOrder(k, b)`) or
-      'cyclic_poisson' (Amplified BandMF: `bands` partitions, step t draws
-      partition t mod b with probability B b / n for round(k n / B) steps,
-      accounted with amplification, `accounting.CyclicPoissonSampling`;
-      with strategy='banded', 'banded_sqrt' or a matrix of at most `bands`
-      bands).
-    seed: the order's seed (None: fresh from OS entropy).
-    key: the noise key (None: fresh from OS entropy).
-    method: accounting method.
-    neighboring_relation: the relation the noise is calibrated for; default
-      ZERO_OUT, the papers' (000/001): a fixed batch order's accounting
-      assumes it (same sensitivity as add/remove).
-    releases: private preprocessing of the same data
-      (`preprocessing.dp_standardization(...).release`): the noise is
-      calibrated to what they leave of `epsilon`, and the ledger and
-      `epsilon_at` spend them from step 0 on.
-    microbatch_size: optional cap on per-example values held at once.
-    clipping_method: 'auto' (default: ghost norms when the loss qualifies,
-      else per-example gradients, announced once), 'ghost' or 'vmap'
-      (`dpsco_jax.clipping`).
-    axis_name: the device axis on several devices.
-    physical_batch_size: run each logical batch as physical batches of at
-      most this many examples, noised once (`Plan.step`,
-      `dpsco_jax.physical`). None (default): one call per batch only.
+    l2_clip: clip norm of each per-example difference (`Clipping`, with
+      microbatch_size, clipping_method, physical_batch_size).
+    strategy, momentum, bands, n_buffers, max_noise_buffers, sampling:
+      the strategy and its batches, as in `dpmemf` (momentum and decay
+      make the workload).
+    num_examples, batch_size, epochs, seed, delta, epsilon,
+      noise_multiplier, method, neighboring_relation, releases, key,
+      axis_name: as in `dpmemf` (`dpsco_jax.plan_config`).
 
   Returns:
     A `Plan`.
   """
   decay = srg.validate_decay(decay)
-  sampler, c, mechanism = _matrix_factorization(
-      num_examples, batch_size, epochs, seed, strategy, momentum, decay, bands,
-      n_buffers, max_noise_buffers, sampling)
+  target, batches, clip, devices, noise_key = plan_config.from_keywords(
+      locals(), *_SHARED)
+  sampler, mechanism = _matrix_factorization(
+      batches, strategy, momentum, decay, bands, n_buffers, max_noise_buffers)
   b = getattr(sampler, 'steps_per_epoch', sampler.num_steps)
   physical_form = None
   if physical_batch_size is not None:
     physical_form = dataclasses.replace(srg.memf_physical_form(
         loss_fn, l2_clip=l2_clip, decay=decay,
         physical_batch_size=physical_batch_size,
-        microbatch_size=microbatch_size, clipping_method=clipping_method,
         # The estimator is first in the plan's chain.
-        state_of=lambda opt_state: opt_state[0]), axis_name=axis_name)
-  return _batched_plan(
-      'dp_srg_memf',
-      lambda z, divisor: srg.dp_srg_memf(
-          loss_fn, l2_clip=l2_clip, noise_multiplier=z, strategy=c,
-          mechanism=None if c is not None else mechanism,
-          steps_per_epoch=b, decay=decay, key=key, check_order=False,
-          neighboring_relation=neighboring_relation, normalize_by=divisor,
-          microbatch_size=microbatch_size,
-          clipping_method=clipping_method, axis_name=axis_name),
-      mechanism=mechanism, sampler=sampler, optimizer=optimizer,
-      epsilon=epsilon, noise_multiplier=noise_multiplier, delta=delta,
-      method=method, relation=neighboring_relation,
-      axis_name=axis_name, releases=releases,
-      hyperparameters={'l2_clip': l2_clip, 'epochs': epochs, 'decay': decay,
-                       'strategy_given': not (strategy is None or
-                                              isinstance(strategy, str)),
-                       'strategy': strategy if isinstance(strategy, str)
-                                   else None,
-                       'momentum': momentum, 'bands': bands,
-                       'n_buffers': (n_buffers if isinstance(strategy, str)
-                                     and strategy == 'blt' else None),
-                       'max_noise_buffers': max_noise_buffers,
-                       'physical_batch_size': physical_batch_size},
+        state_of=lambda opt_state: opt_state[0], **clip.statistic_keywords),
+                                        axis_name=axis_name)
+  family = Family(
+      'dp_srg_memf', mechanism,
+      private=lambda z, divisor: srg.dp_srg_memf(
+          loss_fn, l2_clip=l2_clip, noise_multiplier=z, mechanism=mechanism,
+          steps_per_epoch=b, decay=decay, key=noise_key.key,
+          check_order=False, neighboring_relation=neighboring_relation,
+          normalize_by=divisor, axis_name=devices.axis_name,
+          **clip.statistic_keywords),
+      output=(optimizer,),
+      hyperparameters={'epochs': epochs, 'decay': decay, **_mf_hyperparameters(
+          strategy, momentum, bands, n_buffers, max_noise_buffers)},
       physical_form=physical_form)
+  return _batched_plan(family, sampler, target, neighboring_relation, clip,
+                       devices)
 
 
 @keywords.checked
@@ -1708,17 +1450,13 @@ def diff2_gd(
       whether `learning_rate` meets Theorem 4.3's bound).
     num_examples: the total number of examples over the clients (recorded;
       the accounting is per example and does not depend on it).
-    delta: target delta.
-    epsilon: target epsilon (or give `noise_multipliers`).
-    noise_multipliers: the noise to use (or give `epsilon`).
-    method: 'pld' (default), 'rdp' or 'paper'.
+    noise_multipliers: `Diff2NoiseMultipliers(z_1, z_2)` to use (or give
+      `epsilon`); with delta, epsilon and method ('pld' (default), 'rdp'
+      or 'paper'): `plan_config.PrivacyTarget`.
     budget_split: u of Proposition 4.1 (default 1.25).
-    key: the server noise key (None: fresh from OS entropy).
-    microbatch_size: optional cap on per-example values held at once.
-    clipping_method: 'auto' (default: ghost norms when the loss qualifies,
-      else per-example gradients, announced once), 'ghost' or 'vmap'
-      (`dpsco_jax.clipping`).
-    axis_name: the client axis.
+    key: the server noise key (`plan_config.NoiseKey`).
+    microbatch_size, clipping_method: `plan_config.Clipping`.
+    axis_name: the client axis (`plan_config.Devices`).
     output: 'last', or 'random_iterate' to also keep Algorithm 1's output
       `x_{t_hat}` (`algorithms.diff2.random_output_iterate`, first in the
       chain; read it with `algorithms.diff2.selected_iterate(state)`).
@@ -1727,43 +1465,34 @@ def diff2_gd(
   Returns:
     A `Plan` (no sampler, no ledger: see `Plan`).
   """
-  _target(epsilon, noise_multipliers, delta, num_examples)
+  target = plan_config.PrivacyTarget(
+      delta=delta, epsilon=epsilon, noise_multiplier=noise_multipliers,
+      method=method)
+  clip, devices, noise_key = plan_config.from_keywords(
+      {**locals(), 'l2_clip': grad_clip}, plan_config.Clipping,
+      plan_config.Devices, plan_config.NoiseKey)
   num_rounds = checks.positive_int(num_rounds, 'num_rounds')
   selector = diff2.output_selector(output, num_rounds, output_key)
   restart_interval = checks.positive_int(restart_interval, 'restart_interval')
-  method = method or 'pld'
-  if noise_multipliers is None:
-    z = diff2_accounting.calibrate(num_rounds, restart_interval, epsilon,
-                                   delta, method=method,
-                                   budget_split=budget_split)
-  else:
-    z = diff2.Diff2NoiseMultipliers(*noise_multipliers)
-  with clipping.recording_statistics() as statistics:
-    private = diff2.diff2_estimator(
-        loss_fn, grad_clip=grad_clip, diff_clip_factor=diff_clip_factor,
-        restart_interval=restart_interval, num_rounds=num_rounds,
-        noise_multipliers=z, key=key, microbatch_size=microbatch_size,
-        clipping_method=clipping_method, axis_name=axis_name)
-  spent = lambda rounds: diff2_accounting.epsilon_spent(
-      rounds, restart_interval, z, delta, method=method)
-  return Plan(
-      algorithm='diff2_gd' if restart_interval > 1 else 'dp_gd',
-      transformation=optax.chain(*selector, private,
-                                 optax.sgd(learning_rate)),
-      private_transformation=private, batches=None,
-      mechanism=diff2.diff2_mechanism(num_rounds), noise_multiplier=z,
-      participation=None,
-      event=diff2_accounting.diff2_dp_event(num_rounds, restart_interval, z),
-      ledger=None, epsilon=spent(num_rounds),
-      target_epsilon=None if epsilon is None else float(epsilon),
-      delta=float(delta), method=method, num_steps=num_rounds,
-      num_examples=checks.positive_int(num_examples, 'num_examples'),
+  accountant = accountants.Diff2Accountant.create(
+      num_rounds, restart_interval, target, budget_split=budget_split)
+  family = Family(
+      'diff2_gd' if restart_interval > 1 else 'dp_gd',
+      diff2.diff2_mechanism(num_rounds),
+      private=lambda z, _: diff2.diff2_estimator(
+          loss_fn, grad_clip=clip.l2_clip, diff_clip_factor=diff_clip_factor,
+          restart_interval=restart_interval, num_rounds=num_rounds,
+          noise_multipliers=z, key=noise_key.key,
+          axis_name=devices.axis_name, **clip.statistic_keywords),
+      before=tuple(selector), output=(optax.sgd(learning_rate),),
       hyperparameters={'learning_rate': learning_rate,
                        'restart_interval': restart_interval,
                        'grad_clip': grad_clip,
                        'diff_clip_factor': diff_clip_factor,
-                       'output': output},
-      _epsilon_of_prefix=spent, _statistics=tuple(statistics))
+                       'output': output})
+  return build(family, accountant, sampler=None,
+               num_examples=checks.positive_int(num_examples, 'num_examples'),
+               devices=devices)
 
 
 @keywords.checked
@@ -1795,17 +1524,9 @@ def dp_gd(
     learning_rate: eta.
     num_rounds: R.
     grad_clip: C_1.
-    num_examples: the total number of examples (recorded).
-    delta: target delta.
-    epsilon: target epsilon (or give `noise_multiplier`).
-    noise_multiplier: the noise to use (or give `epsilon`).
-    method: 'pld' (default), 'rdp' or 'paper'.
-    key: the server noise key (None: fresh from OS entropy).
-    microbatch_size: optional cap on per-example values held at once.
-    clipping_method: 'auto' (default: ghost norms when the loss qualifies,
-      else per-example gradients, announced once), 'ghost' or 'vmap'
-      (`dpsco_jax.clipping`).
-    axis_name: the client axis.
+    noise_multiplier: the noise of every round (or give `epsilon`).
+    num_examples, delta, epsilon, method, key, microbatch_size,
+      clipping_method, axis_name: as in `diff2_gd`.
 
   Returns:
     A `Plan`.
@@ -1817,8 +1538,7 @@ def dp_gd(
       noise_multipliers=(None if noise_multiplier is None else
                          diff2.Diff2NoiseMultipliers(noise_multiplier, 0.0)),
       method=method, key=key, microbatch_size=microbatch_size,
-                              clipping_method=clipping_method,
-      axis_name=axis_name)
+      clipping_method=clipping_method, axis_name=axis_name)
 
 
 @keywords.checked
@@ -1862,25 +1582,17 @@ def user_level_dpsgd(
   Args:
     loss_fn: `loss_fn(params, item) -> scalar` for ONE item.
     optimizer: the optax optimizer.
-    num_users: the number of users.
-    users_per_batch: the expected number of users per batch.
-    epochs: expected passes over the users.
-    l2_clip: clip norm of each user's mean gradient.
-    delta: target delta (per user).
-    epsilon: target epsilon (or give `noise_multiplier`).
-    noise_multiplier: the noise to use (or give `epsilon`).
-    seed: the user sampler's seed (None: fresh from OS entropy; keep it
-      private).
-    key: the noise key (None: fresh from OS entropy).
-    method: 'pld' or 'rdp'.
+    num_users: the number of users (`Sampling.num_examples`).
+    users_per_batch: the expected number of users per batch
+      (`Sampling.batch_size`; with epochs and seed, Poisson over users).
+    l2_clip: clip norm of each user's mean gradient (`Clipping`, with
+      microbatch_size (users processed at once), clipping_method and
+      physical_batch_size (users per physical batch)).
+    delta: target delta (per user); with epsilon, noise_multiplier and
+      method ('pld' or 'rdp'): `PrivacyTarget`.
     neighboring_relation: add/remove one user (replace-one is not accounted
       under Poisson sampling).
-    microbatch_size: optional cap on users processed at once.
-    clipping_method: 'auto', 'ghost' or 'vmap'.
-    axis_name: the device axis on several devices.
-    physical_batch_size: run each logical batch as physical batches of at
-      most this many users, noised once (`Plan.step`,
-      `dpsco_jax.physical`). None (default): one call per batch only.
+    key, axis_name: `NoiseKey`, `Devices`.
 
   Returns:
     A `Plan`.
@@ -1888,28 +1600,27 @@ def user_level_dpsgd(
   References:
     Paper 002, §5 (the user-level DP-SGD baseline).
   """
-  sampler = _sampler('poisson', num_users, users_per_batch, epochs, seed)
-  steps = sampler.num_steps
-  return _batched_plan(
-      'user_level_dpsgd',
-      lambda z, divisor: user_level.user_level_dpsgd(
-          loss_fn, l2_clip=l2_clip, noise_multiplier=z, num_steps=steps,
-          key=key, neighboring_relation=neighboring_relation,
-          normalize_by=divisor, microbatch_size=microbatch_size,
-          clipping_method=clipping_method, axis_name=axis_name),
-      mechanism=user_level.user_level_dpsgd_mechanism(steps),
-      sampler=sampler, optimizer=optimizer, epsilon=epsilon,
-      noise_multiplier=noise_multiplier, delta=delta, method=method,
-      relation=neighboring_relation, axis_name=axis_name,
-      hyperparameters={'l2_clip': l2_clip, 'epochs': epochs,
-                       'privacy_unit': 'user',
-                       'physical_batch_size': physical_batch_size},
-      physical_form=None if physical_batch_size is None else
-      physical.statistic_form(
-          clipping.clipped_user_grad_sum(loss_fn, l2_clip,
-                                         microbatch_size=microbatch_size,
-                                         clipping_method=clipping_method),
-          physical_batch_size, axis_name=axis_name))
+  target, batches, clip, devices, noise_key = plan_config.from_keywords(
+      {**locals(), 'num_examples': num_users, 'batch_size': users_per_batch,
+       'sampling': 'poisson'}, *_SHARED)
+  sampler = batches.sampler()
+  mechanism = user_level.user_level_dpsgd_mechanism(sampler.num_steps)
+  statistic = lambda: clipping.clipped_user_grad_sum(
+      loss_fn, l2_clip, **clip.statistic_keywords)
+  family = Family(
+      'user_level_dpsgd', mechanism,
+      # `user_level.user_level_dpsgd`, given the mechanism built here.
+      private=lambda z, divisor: estimators.noisy_statistic(
+          statistic(), noise_multiplier=z, mechanism=mechanism,
+          key=noise_key.key, neighboring_relation=neighboring_relation,
+          normalize_by=divisor, axis_name=axis_name,
+          name='user_level_dpsgd'),
+      output=(optimizer,),
+      hyperparameters={'epochs': epochs, 'privacy_unit': 'user'},
+      physical_form=(None if physical_batch_size is None else
+                     clip.form(statistic(), devices)))
+  return _batched_plan(family, sampler, target, neighboring_relation, clip,
+                       devices)
 
 
 # ----------------------------------------------- nonsmooth (paper 004)
@@ -1933,22 +1644,6 @@ def _nonsmooth_clips(sensitivity, *, order, lipschitz, dimension,
       failure_probability=failure_probability, num_estimates=num_estimates)
 
 
-def _clip_event_budget(sensitivity: str, epsilon: float, delta: float
-                       ) -> tuple[float, float]:
-  """`(mechanism delta, failure probability)` of a nonsmooth run.
-
-  Effective clips: half of delta goes to the mechanism, and the failure
-  probability g is the largest with `(1 + e^epsilon) g <= delta / 2`: a
-  mechanism that equals this (epsilon, delta/2)-DP run except with
-  probability g on every data set is (epsilon, delta/2 + (1 + e^eps) g)-DP,
-  so the paper's unclipped algorithm is covered too (docs/nonsmooth.md).
-  Worst-case clips never bind for an L-Lipschitz loss: all of delta.
-  """
-  if sensitivity == 'worst_case':
-    return delta, 0.0
-  return delta / 2, (delta / 2) / (1.0 + math.exp(min(epsilon, 700.0)))
-
-
 def _o2nc_learning_rate(learning_rate: Union[float, str], scale: float, *,
                         movement_radius: float, block_length: int,
                         lipschitz: float, noise_norm: float) -> float:
@@ -1965,6 +1660,30 @@ def _o2nc_learning_rate(learning_rate: Union[float, str], scale: float, *,
                      f"'{nonsmooth.PROPOSITION_2_6}' only; got a learning "
                      f'rate {learning_rate!r} and a scale {scale!r}')
   return float(learning_rate)
+
+
+def _o2nc(learning_rate: float, movement_radius: float, block_length: int,
+          reset_delta_each_block: bool) -> optax.GradientTransformation:
+  """O2NC's outer loop, after the private estimate."""
+  return nonsmooth.o2nc(learning_rate=learning_rate,
+                        movement_radius=movement_radius,
+                        block_length=block_length,
+                        reset_delta_each_block=reset_delta_each_block)
+
+
+# What both nonsmooth plans record of their run, by local name.
+_NONSMOOTH_RECORD = ('order', 'sensitivity', 'clips', 'mechanism_delta',
+                     'failure_probability', 'lipschitz', 'dimension',
+                     'smoothing_radius', 'movement_radius', 'learning_rate',
+                     'block_length', 'period', 'num_directions',
+                     'anchor_directions', 'released_noise_norm',
+                     'learning_rate_scale')
+
+
+def _nonsmooth_hyperparameters(values: Mapping[str, Any]) -> dict[str, Any]:
+  """The run record of a nonsmooth plan, from its local `values`."""
+  return {name: (dict(values[name]._asdict()) if name == 'clips'
+                 else values[name]) for name in _NONSMOOTH_RECORD}
 
 
 @keywords.checked
@@ -2066,83 +1785,58 @@ def nonsmooth_single_pass(
   Returns:
     A `Plan`.
   """
-  _target(epsilon, noise_multiplier, delta, num_examples)
-  relation = Relation(neighboring_relation)
+  target, clip, devices, noise_key = plan_config.from_keywords(
+      locals(), plan_config.PrivacyTarget, plan_config.Clipping,
+      plan_config.Devices, plan_config.NoiseKey)
+  relation = target.relation(Relation.REPLACE_ONE)
   sampler = batching.AnchoredSinglePass(
       num_examples, anchor_batch_size, batch_size, period,
-      seed=_fresh_seed(seed), num_steps=num_steps)
+      seed=plan_config.fresh_seed(seed), num_steps=num_steps)
   steps = sampler.num_steps
   mechanism = nonsmooth.nonsmooth_mechanism(steps, period)
-  participation = sampler.participation
-  _check_relation('nonsmooth_single_pass', relation, participation)
+  _check_relation('nonsmooth_single_pass', relation, sampler.participation)
   anchors = -(-steps // period)
   if anchor_directions is None:
     anchor_directions = 1 if order == 'first' else num_directions
-  if epsilon is not None:
-    mechanism_delta, failure = _clip_event_budget(sensitivity, epsilon, delta)
-    multiplier = _noise_multiplier(mechanism, participation, epsilon,
-                                   mechanism_delta, None, method, relation)
-  else:
-    mechanism_delta = _clip_event_budget(sensitivity, 0.0, delta)[0]
-    multiplier = checks.noise_multiplier(noise_multiplier)
-  ledger = ledger_lib.PrivacyLedger.create(
-      mechanism, multiplier, participation, mechanism_delta, key=None,
-      target_epsilon=epsilon, method=method, neighboring_relation=relation)
-  spent = ledger.planned_epsilon
-  failure = _clip_event_budget(sensitivity, spent, delta)[1]
+  accountant = accountants.GaussianAccountant.create(
+      mechanism, sampler.participation, target, relation,
+      accounting_delta=accountants.clip_event_budget(
+          sensitivity, 0.0, delta)[0])
+  mechanism_delta, failure_probability = accountants.clip_event_budget(
+      sensitivity, accountant.epsilon, delta)
   clips = _nonsmooth_clips(
       sensitivity, order=order, lipschitz=lipschitz, dimension=dimension,
       smoothing_radius=smoothing_radius, movement_radius=movement_radius,
       num_directions=num_directions, anchor_directions=anchor_directions,
-      failure_probability=failure,
+      failure_probability=failure_probability,
       num_estimates=anchors * anchor_batch_size +
       2 * (steps - anchors) * batch_size)
-  with clipping.recording_statistics() as statistics:
-    private = nonsmooth.nonsmooth_vr_gradient(
-        loss_fn, order=order, smoothing_radius=smoothing_radius,
-        num_directions=num_directions, clips=clips, period=period,
-        anchor_batch_size=anchor_batch_size, batch_size=batch_size,
-        noise_multiplier=multiplier, num_steps=steps,
-        anchor_directions=anchor_directions, key=key,
-        neighboring_relation=relation, microbatch_size=microbatch_size,
-        axis_name=axis_name, dimension=dimension)
-  guard = batching.participation_guard(participation,
-                                       num_examples=num_examples,
-                                       axis_name=axis_name)
-  noise_norm = nonsmooth.released_noise_norm(
-      noise_multiplier=multiplier, dimension=dimension, period=period,
+  released_noise_norm = nonsmooth.released_noise_norm(
+      noise_multiplier=accountant.noise_multiplier, dimension=dimension,
+      period=period,
       sensitivity=neighboring.sensitivity_factor(relation) * max(
           clips.anchor / anchor_batch_size, clips.difference / batch_size))
   learning_rate = _o2nc_learning_rate(
       learning_rate, learning_rate_scale, movement_radius=movement_radius,
-      block_length=block_length, lipschitz=lipschitz, noise_norm=noise_norm)
-  outer = nonsmooth.o2nc(learning_rate=learning_rate,
-                         movement_radius=movement_radius,
-                         block_length=block_length,
-                         reset_delta_each_block=reset_delta_each_block)
-  return Plan(
-      algorithm=f'nonsmooth_single_pass_{order}_order',
-      transformation=optax.chain(private, guard, outer),
-      private_transformation=private, batches=sampler, mechanism=mechanism,
-      noise_multiplier=multiplier, participation=participation,
-      event=accounting.dp_event(mechanism, multiplier, participation),
-      ledger=ledger, epsilon=spent,
-      target_epsilon=None if epsilon is None else float(epsilon),
-      delta=float(delta), method=method, num_steps=steps,
-      num_examples=sampler.num_examples,
-      hyperparameters={
-          'order': order, 'sensitivity': sensitivity,
-          'clips': dict(clips._asdict()), 'mechanism_delta': mechanism_delta,
-          'failure_probability': failure, 'lipschitz': lipschitz,
-          'dimension': dimension, 'smoothing_radius': smoothing_radius,
-          'movement_radius': movement_radius, 'learning_rate': learning_rate,
-          'block_length': block_length, 'period': period,
-          'anchor_batch_size': anchor_batch_size, 'batch_size': batch_size,
-          'num_directions': num_directions,
-          'anchor_directions': anchor_directions,
-          'released_noise_norm': noise_norm,
-          'learning_rate_scale': learning_rate_scale},
-      _statistics=tuple(statistics))
+      block_length=block_length, lipschitz=lipschitz,
+      noise_norm=released_noise_norm)
+  family = Family(
+      f'nonsmooth_single_pass_{order}_order', mechanism,
+      private=lambda z, _: nonsmooth.nonsmooth_vr_gradient(
+          loss_fn, order=order, smoothing_radius=smoothing_radius,
+          num_directions=num_directions, clips=clips, period=period,
+          anchor_batch_size=anchor_batch_size, batch_size=batch_size,
+          noise_multiplier=z, num_steps=steps,
+          anchor_directions=anchor_directions, key=noise_key.key,
+          neighboring_relation=relation, microbatch_size=clip.microbatch_size,
+          axis_name=devices.axis_name, dimension=dimension),
+      output=(_o2nc(learning_rate, movement_radius, block_length,
+                    reset_delta_each_block),),
+      hyperparameters={**_nonsmooth_hyperparameters(locals()),
+                       'anchor_batch_size': anchor_batch_size,
+                       'batch_size': batch_size})
+  return build(family, accountant, sampler=sampler,
+               num_examples=sampler.num_examples, devices=devices)
 
 
 @keywords.checked
@@ -2209,22 +1903,22 @@ def nonsmooth_multi_pass(
   Returns:
     A `Plan` (no sampler: pass the whole data set every step).
   """
-  _target(epsilon, noise_multipliers, delta, num_examples)
+  target = plan_config.PrivacyTarget(
+      delta=delta, epsilon=epsilon, noise_multiplier=noise_multipliers,
+      method=method)
+  clip, devices, noise_key = plan_config.from_keywords(
+      locals(), plan_config.Clipping, plan_config.Devices,
+      plan_config.NoiseKey)
   steps = checks.positive_int(num_steps, 'num_steps')
   period = checks.positive_int(period, 'period')
   n = checks.positive_int(num_examples, 'num_examples')
-  if epsilon is not None:
-    mechanism_delta = _clip_event_budget(sensitivity, epsilon, delta)[0]
-    z = diff2_accounting.calibrate(steps, period, epsilon, mechanism_delta,
-                                   method=method, budget_split=budget_split)
-  else:
-    mechanism_delta = _clip_event_budget(sensitivity, 0.0, delta)[0]
-    z = diff2.Diff2NoiseMultipliers(*noise_multipliers)
-  spent = lambda k: diff2_accounting.epsilon_spent(k, period, z,
-                                                   mechanism_delta,
-                                                   method=method)
-  epsilon_spent = spent(steps)
-  failure = _clip_event_budget(sensitivity, epsilon_spent, delta)[1]
+  accountant = accountants.Diff2Accountant.create(
+      steps, period, target, budget_split=budget_split,
+      accounting_delta=accountants.clip_event_budget(
+          sensitivity, 0.0, delta)[0])
+  z = accountant.noise_multiplier
+  mechanism_delta, failure_probability = accountants.clip_event_budget(
+      sensitivity, accountant.epsilon, delta)
   anchors = diff2_accounting.num_restarts(steps, period)
   if anchor_directions is None:
     anchor_directions = num_directions
@@ -2232,50 +1926,32 @@ def nonsmooth_multi_pass(
       sensitivity, order=order, lipschitz=lipschitz, dimension=dimension,
       smoothing_radius=smoothing_radius, movement_radius=movement_radius,
       num_directions=num_directions, anchor_directions=anchor_directions,
-      failure_probability=failure,
+      failure_probability=failure_probability,
       num_estimates=n * (anchors + 2 * (steps - anchors)))
-  with clipping.recording_statistics() as statistics:
-    private = nonsmooth.nonsmooth_multipass_gradient(
-        loss_fn, order=order, smoothing_radius=smoothing_radius,
-        num_directions=num_directions, clips=clips, period=period,
-        num_examples=n, noise_multipliers=z, num_steps=steps,
-        anchor_directions=anchor_directions, key=key,
-        microbatch_size=microbatch_size, axis_name=axis_name,
-        dimension=dimension)
   # Replace-one (Algorithm 4's relation): an increment moves by f C / n.
-  noise_norm = nonsmooth.released_noise_norm(
+  released_noise_norm = nonsmooth.released_noise_norm(
       noise_multiplier=1.0, dimension=dimension,
       sensitivity=neighboring.sensitivity_factor(Relation.REPLACE_ONE) * max(
           z.restart * clips.anchor, z.difference * clips.difference) / n)
   learning_rate = _o2nc_learning_rate(
       learning_rate, learning_rate_scale, movement_radius=movement_radius,
-      block_length=block_length, lipschitz=lipschitz, noise_norm=noise_norm)
-  outer = nonsmooth.o2nc(learning_rate=learning_rate,
-                         movement_radius=movement_radius,
-                         block_length=block_length,
-                         reset_delta_each_block=reset_delta_each_block)
-  return Plan(
-      algorithm=f'nonsmooth_multi_pass_{order}_order',
-      transformation=optax.chain(private, outer),
-      private_transformation=private, batches=None,
-      mechanism=noise.gaussian(steps), noise_multiplier=z,
-      participation=None,
-      event=diff2_accounting.diff2_dp_event(steps, period, z), ledger=None,
-      epsilon=epsilon_spent,
-      target_epsilon=None if epsilon is None else float(epsilon),
-      delta=float(delta), method=method, num_steps=steps, num_examples=n,
-      hyperparameters={
-          'order': order, 'sensitivity': sensitivity,
-          'clips': dict(clips._asdict()), 'mechanism_delta': mechanism_delta,
-          'failure_probability': failure, 'lipschitz': lipschitz,
-          'dimension': dimension, 'smoothing_radius': smoothing_radius,
-          'movement_radius': movement_radius, 'learning_rate': learning_rate,
-          'block_length': block_length, 'period': period,
-          'num_directions': num_directions,
-          'anchor_directions': anchor_directions,
-          'budget_split': budget_split, 'released_noise_norm': noise_norm,
-          'learning_rate_scale': learning_rate_scale},
-      _epsilon_of_prefix=spent, _statistics=tuple(statistics))
+      block_length=block_length, lipschitz=lipschitz,
+      noise_norm=released_noise_norm)
+  family = Family(
+      f'nonsmooth_multi_pass_{order}_order', noise.gaussian(steps),
+      private=lambda z, _: nonsmooth.nonsmooth_multipass_gradient(
+          loss_fn, order=order, smoothing_radius=smoothing_radius,
+          num_directions=num_directions, clips=clips, period=period,
+          num_examples=n, noise_multipliers=z, num_steps=steps,
+          anchor_directions=anchor_directions, key=noise_key.key,
+          microbatch_size=clip.microbatch_size, axis_name=devices.axis_name,
+          dimension=dimension),
+      output=(_o2nc(learning_rate, movement_radius, block_length,
+                    reset_delta_each_block),),
+      hyperparameters={**_nonsmooth_hyperparameters(locals()),
+                       'budget_split': budget_split})
+  return build(family, accountant, sampler=None, num_examples=n,
+               devices=devices)
 
 
 __all__ = ('Plan', 'accelerated_dp_srgd', 'diff2_gd', 'dp_gd', 'dp_srg_memf',

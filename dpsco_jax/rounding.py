@@ -13,7 +13,7 @@ a pair as close a little later), never looser.
 The facts used (Higham, "Accuracy and Stability of Numerical Algorithms",
 2nd ed., §2.2 and §4.2), with u the unit roundoff (2^-24 for float32):
 
-* each operation rounds once: `fl(x op y) = (x op y)(1 + d)`, |d| <= u (no
+* each operation rounds once: `fl(x op y) = (x op y)(1 + d)`, `|d| <= u` (no
   underflow); a difference is therefore accurate relative to ITSELF, not
   to its operands, which is what keeps distances far from the origin
   right (the Gram form `|a|^2 + |b|^2 - 2 a.b` is not);

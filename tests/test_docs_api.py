@@ -51,13 +51,14 @@ FORWARDS: dict[str, Callable[[], Callable[..., Any]]] = {}
 # it is checked like any other; None where it is the `update` of an optax
 # transformation (extra arguments, no signature to check).
 MEANT: dict[tuple[str, str], Optional[str]] = {
-    ('README.md', 'batch_mask'): None,        # "pass batch_mask= to update"
-    ('README.md', 'key'): 'dpsco_jax.dpsgd',  # each process's transformation
     ('README.md', 'sampling'): 'plans.dpsgd',
-    ('README.md', 'storage'): 'noise.matrix_factorization',
-    ('README.md', 'releases'): 'plans.dpsgd',
-    ('README.md', 'gradient'): 'dpsco_jax.accelerated_dp_srgd',
-    ('README.md', 'physical_batch_size'): 'plans.dpsgd',
+    ('docs/by_hand.md', 'batch_mask'): None,  # "pass batch_mask= to update"
+    ('docs/by_hand.md', 'key'): 'dpsco_jax.dpsgd',  # each process's tx
+    ('docs/algorithms.md', 'sampling'): 'plans.dpsgd',
+    ('docs/algorithms.md', 'storage'): 'noise.matrix_factorization',
+    ('docs/privacy.md', 'releases'): 'plans.dpsgd',
+    ('docs/algorithms.md', 'gradient'): 'dpsco_jax.accelerated_dp_srgd',
+    ('docs/fast_clipping.md', 'physical_batch_size'): 'plans.dpsgd',
     ('docs/sharp_edges.md', 'sampling'): 'plans.dpsgd',
     ('docs/audit.md', 'release_fn'): 'audit.run_gradient_canary_audit',
     ('docs/audit.md', 'steps_per_epoch'): 'audit.run_gradient_canary_audit',
@@ -283,7 +284,8 @@ def uses(path: str) -> Iterator[Use]:
     text = f.read()
   name = os.path.relpath(path, ROOT)
   if name.startswith('..'):        # a copy elsewhere: named as the original
-    name = os.path.basename(path)
+    parts = os.path.normpath(path).split(os.sep)
+    name = '/'.join(parts[-2:] if parts[-2] == 'docs' else parts[-1:])
   variables: dict[str, Any] = {}
   fences = list(FENCE.finditer(text))
   # Fenced Python blocks, in order (they share a namespace).
@@ -374,34 +376,43 @@ def test_the_docs_are_read():
   fenced = [u for u in readme if u.callee and u.where and u.keyword ==
             'restart']
   assert fenced, 'the first block (plans.dpftrl(..., restart=)) was not read'
+  by_hand = list(uses(os.path.join(ROOT, 'docs', 'by_hand.md')))
   assert any(u.callee == 'dpsco_jax.dpsgd' and u.keyword == 'num_steps'
-             for u in readme)                       # inline, elided values
-  assert any(not u.callee and u.keyword == 'clipping_method' for u in readme)
+             for u in by_hand)                      # inline, elided values
+  fast_clipping = list(uses(os.path.join(ROOT, 'docs', 'fast_clipping.md')))
+  assert any(not u.callee and u.keyword == 'clipping_method'
+             for u in fast_clipping)
   assert len({u.where.split(':')[0] for u in
               (u for p in PAGES for u in uses(p))}) >= 3
 
 
-@pytest.mark.parametrize('original, misspelled', [
+@pytest.mark.parametrize('page, original, misspelled', [
     # in a fenced block
-    ("restart='epoch'", "restrat='epoch'"),
+    ('README.md', "restart='epoch'", "restrat='epoch'"),
     # in a method call on an object a block made
-    ('plan.epsilon_at(t)', 'plan.epsilon_at(step=t, stpe=1)'),
+    ('README.md', 'plan.epsilon_at(t)', 'plan.epsilon_at(step=t, stpe=1)'),
     # inline, elided values
-    ('dpsco_jax.dpsgd(loss_fn, l2_clip=...,',
+    ('docs/by_hand.md', 'dpsco_jax.dpsgd(loss_fn, l2_clip=...,',
      'dpsco_jax.dpsgd(loss_fn, l2_clipp=...,'),
     # a keyword alone in prose (the issue's `method='vmap'`)
-    ("pass `clipping_method='vmap'` there", "pass `method='vmap'` there"),
+    ('docs/fast_clipping.md', "pass `clipping_method='vmap'` there",
+     "pass `method='vmap'` there"),
     # a name the library does not have
-    ('dpsco_jax.srgd_preset(', 'dpsco_jax.srgd_presets('),
+    ('docs/algorithms.md', 'dpsco_jax.srgd_preset(',
+     'dpsco_jax.srgd_presets('),
 ])
-def test_a_misspelled_keyword_in_a_copy_of_the_readme_fails(
-    tmp_path, original, misspelled):
-  with open(PAGES[0]) as f:
+def test_a_misspelled_keyword_in_a_copy_of_a_page_fails(
+    tmp_path, page, original, misspelled):
+  path = os.path.join(ROOT, page)
+  with open(path) as f:
     text = f.read()
   assert original in text
-  copy = tmp_path / 'README.md'
+  # The copy sits at the same place below tmp_path, so that it is named as
+  # the original (MEANT's keys) and its relative layout is the same.
+  copy = tmp_path / page
+  copy.parent.mkdir(parents=True, exist_ok=True)
   copy.write_text(text.replace(original, misspelled, 1))
-  assert problems([PAGES[0]]) == []
+  assert problems([path]) == []
   found = problems([str(copy)])
   assert found, misspelled
   assert len(found) == 1, found
