@@ -3,6 +3,8 @@
 Written the way a user writes a model: a flax module and an optax loss.
 """
 
+import itertools
+
 import dp_accounting
 import flax.linen as nn
 import jax
@@ -452,3 +454,83 @@ def test_the_auditor_bounds_the_released_clip_and_catches_a_noiseless_count(
       lambda clipped, state, *, stddev, **kw: noiseless(
           clipped, state, stddev=0.0, **kw))
   assert _audited_epsilon() > claimed
+
+
+# ----------------------------------------------------------------- plans
+
+
+def _plan(**kw):
+  from dpsco_jax import plans  # pylint: disable=g-import-not-at-top
+  return plans.dpsgd(loss_fn, optimizer=optax.sgd(0.1), num_examples=BATCH,
+                     batch_size=16, epochs=2, l2_clip=0.05, delta=1e-5,
+                     noise_multiplier=1.0, seed=3, key=29,
+                     clipping_method='vmap', **kw)
+
+
+def test_a_plan_with_adaptive_clipping_spends_what_the_fixed_clip_plan_does(
+    data):
+  params, batch = data
+  config = adaptive_clipping.AdaptiveClipping(target_quantile=0.7)
+  with pytest.warns(Warning):   # the key given twice in this process
+    fixed, adaptive = _plan(), _plan(adaptive_clipping=config)
+  assert adaptive.epsilon == fixed.epsilon
+  assert adaptive.event == fixed.event
+  record = adaptive.describe()['hyperparameters']
+  assert record['adaptive_clipping']['target_quantile'] == 0.7
+  assert 'adaptive_clipping' not in fixed.describe()['hyperparameters']
+  state = adaptive.init(params)
+  for inputs in itertools.islice(adaptive.batches_of(batch), 3):
+    params_out, state = adaptive.step(params, state, inputs)
+  adaptive.finish(state)
+  clip = float(adaptive_clipping.current_clip(state))
+  assert np.isfinite(clip) and clip != pytest.approx(0.05)
+
+
+def test_a_plan_of_physical_batches_adapts_like_the_one_call_plan(data):
+  params, batch = data
+  config = adaptive_clipping.AdaptiveClipping()
+  with pytest.warns(Warning):
+    one_call = _plan(adaptive_clipping=config)
+    split = _plan(adaptive_clipping=config, physical_batch_size=8)
+  states = [plan.init(params) for plan in (one_call, split)]
+  for inputs in itertools.islice(one_call.batches_of(batch), 3):
+    out_one, states[0] = one_call.step(params, states[0], inputs)
+    out_split, states[1] = split.step(params, states[1], inputs)
+  np.testing.assert_allclose(adaptive_clipping.current_clip(states[1]),
+                             adaptive_clipping.current_clip(states[0]),
+                             rtol=1e-5)
+  for a, b in zip(jax.tree_util.tree_leaves(out_split),
+                  jax.tree_util.tree_leaves(out_one)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_plans_offer_each_choice_where_its_accounting_holds():
+  from dpsco_jax import plans  # pylint: disable=g-import-not-at-top
+  common = dict(optimizer=optax.sgd(0.1), num_examples=BATCH, batch_size=16,
+                epochs=1, l2_clip=1.0, delta=1e-5, noise_multiplier=1.0)
+  # Correlated noise: no adaptive clipping (not the accounted mechanism).
+  with pytest.raises(TypeError, match='adaptive_clipping'):
+    plans.dpftrl(loss_fn, adaptive_clipping=adaptive_clipping.
+                 AdaptiveClipping(), **common)
+  plan = plans.dpftrl(loss_fn, automatic_clipping=0.01, **common)
+  assert plan.describe()['hyperparameters']['automatic_clipping'] == 0.01
+  with pytest.raises(ValueError, match='automatic_clipping'):
+    plans.dpsgd(loss_fn, automatic_clipping=-1.0, **common)
+
+
+def test_user_level_statistics_adapt_too(data):
+  params, batch = data
+  users = clipping.UserBatch(
+      jax.tree_util.tree_map(lambda x: x.reshape((16, 4) + x.shape[1:]),
+                             batch), None)
+  tx = estimators.noisy_statistic(
+      clipping.clipped_user_grad_sum(loss_fn, 0.01, clipping_method='vmap'),
+      noise_multiplier=1.0, mechanism=noise.gaussian(50), key=31,
+      normalize_by=16,
+      adaptive_clipping=adaptive_clipping.AdaptiveClipping())
+  update = jax.jit(lambda s: tx.update(None, s, params, batch=users))
+  state = tx.init(params)
+  for _ in range(20):
+    _, state = update(state)
+  # Users' mean gradients are far above 0.01: the clip grows.
+  assert float(state.adaptive.clip) > 0.05
