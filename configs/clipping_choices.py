@@ -29,8 +29,9 @@ def get_config() -> ml_collections.ConfigDict:
   # The grids searched (non-privately for the fixed clip; the learning rate
   # alone for adaptive and automatic clipping; the private random search
   # draws from lr x clip).
-  config.learning_rates = (0.0625, 0.125, 0.25, 0.5, 1.0, 2.0)
-  config.clips = (0.125, 0.25, 0.5, 1.0, 2.0, 4.0)
+  config.learning_rates = (0.03125, 0.0625, 0.125, 0.25, 0.5, 1.0, 2.0, 4.0,
+                           8.0, 16.0, 32.0, 64.0)
+  config.clips = (0.03125, 0.0625, 0.125, 0.25, 0.5, 1.0, 2.0, 4.0)
   # Adaptive clipping (Andrew et al. 2021): initial clip, target quantile,
   # clip learning rate (the paper's defaults: 0.1, median, 0.2); the count
   # noise is 0.05 x the batch size.
@@ -48,5 +49,5 @@ def get_config() -> ml_collections.ConfigDict:
   config.search_mean_trials = 8.0
   config.search_score_noise = 10.0
   # Runs per compiled call of the sweeps.
-  config.max_parallel = 216
+  config.max_parallel = 400
   return config
