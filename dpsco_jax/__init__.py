@@ -41,6 +41,11 @@ The curated public API. Modules, one concern each:
   calibrated transformation chained with your optimizer, the batches it is
   accounted for (checked in every step), the accounting event and the
   ledger, all from one description, and its compiled step (`Plan.step`);
+* `dpsco_jax.plan_config`: the validated configs every plan shares
+  (privacy target, sampling, clipping, devices, noise key), each keyword
+  documented once;
+* `dpsco_jax.accountants`: one accounting interface for plans (calibrate,
+  epsilon at a step, event, ledger) and its implementations;
 * `dpsco_jax.progress`: progress lines on stderr for long work (strategy
   optimization, calibration, compilation); `DPSCO_JAX_PROGRESS=0` silences
   them;
@@ -69,6 +74,7 @@ The curated public API. Modules, one concern each:
   epsilon lower bounds (Clopper-Pearson, one-run) to set beside the claim.
 """
 
+from dpsco_jax import accountants
 from dpsco_jax import accounting
 from dpsco_jax import audit
 from dpsco_jax import batching
@@ -85,6 +91,7 @@ from dpsco_jax import neighboring
 from dpsco_jax import noise
 from dpsco_jax import outlier_removal
 from dpsco_jax import parallel
+from dpsco_jax import plan_config
 from dpsco_jax import plans
 from dpsco_jax import preprocessing
 from dpsco_jax import profiling
@@ -171,6 +178,7 @@ from dpsco_jax.tuning import random_search
 from dpsco_jax.tuning import search_epsilon
 
 __all__ = (
+    'accountants',
     'accounting',
     'audit',
     'batching',
@@ -186,6 +194,7 @@ __all__ = (
     'noise',
     'outlier_removal',
     'parallel',
+    'plan_config',
     'plans',
     'preprocessing',
     'profiling',
