@@ -460,14 +460,16 @@ def _program(plan: Any, metric_fn: Optional[MetricFn], many: bool
   """The jitted whole run of `plan` (vmapped over runs when `many`)."""
   cache_key = (id(plan), metric_fn, many)
   if cache_key not in _PROGRAMS:
-    transformation = plan.transformation
+    # The program holds the transformation, never the plan (so that the
+    # plan, and with it this entry, can be freed).
+    transformation, num_steps = plan.transformation, plan.num_steps
 
     def run(params, state, run_key, batches, data):
       if run_key is not None:
         state = fresh_run_keys(state, run_key)
       (params, state), metrics = scan_steps(
           transformation, params, state, batches,
-          inputs_fn=gathered_inputs(data), num_steps=plan.num_steps,
+          inputs_fn=gathered_inputs(data), num_steps=num_steps,
           metric_fn=metric_fn)
       return RunResult(params, state, metrics)
 
