@@ -43,6 +43,7 @@ from scipy import stats
 
 from dpsco_jax import batching
 from dpsco_jax import checks
+from dpsco_jax import guards
 from dpsco_jax import keys as keys_lib
 from dpsco_jax import noise as noise_lib
 from dpsco_jax.algorithms import nonsmooth
@@ -424,6 +425,53 @@ def non_private(mean_loss: Callable[[PyTree, PyTree], jax.Array],
     return optimizer.update(grads, state, params)
 
   return optax.GradientTransformationExtraArgs(optimizer.init, update_fn)
+
+
+def refusal_metrics(opt_state: PyTree) -> dict[str, jax.Array]:
+  """The run's first refusal as two metrics (traceable), for sweeps.
+
+  A sweep that vmaps whole runs over hyperparameters returns metrics, not
+  states: these two carry the guards' record (`guards.Refusal`) out of the
+  compiled program, and `raise_refusal_metrics` raises it on the host.
+
+  Example:
+    >>> def train_fn(hparams, seed):
+    ...   (params, state), _ = scan_steps(...)
+    ...   return {'accuracy': accuracy(params), **refusal_metrics(state)}
+    >>> result = sweeps.run_sweep(train_fn, grid, seeds)
+    >>> raise_refusal_metrics(result.metrics)
+
+  Args:
+    opt_state: a run's final optimizer state.
+
+  Returns:
+    `{'refusal_check', 'refusal_step'}`: the first record set in the
+    state's order (check 0 and step -1 when none is).
+  """
+  first = guards.no_refusal()
+  for record in guards.refusals_in(opt_state):
+    take = (first.check == 0) & (record.check != 0)
+    first = guards.Refusal(jnp.where(take, record.check, first.check),
+                           jnp.where(take, record.step, first.step))
+  return {'refusal_check': first.check, 'refusal_step': first.step}
+
+
+def raise_refusal_metrics(metrics: Any) -> None:
+  """Raises the refusal `refusal_metrics` carried out of runs, if any.
+
+  Example:
+    >>> raise_refusal_metrics(result.metrics)
+
+  Args:
+    metrics: a mapping holding `refusal_check` and `refusal_step` arrays
+      (any leading axes: grid points, seeds).
+
+  Raises:
+    PrivacyGuardError: a step of one of the runs was refused.
+  """
+  guards.raise_if_refused(guards.Refusal(
+      np.asarray(metrics['refusal_check']),
+      np.asarray(metrics['refusal_step'])))
 
 
 def plan_output(plan: Any) -> Callable[[PyTree, PyTree], PyTree]:

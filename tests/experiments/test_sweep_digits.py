@@ -10,6 +10,7 @@ import pytest
 
 from configs import sweep_digits as sweep_config
 from dpsco_jax import runs as dpsco_runs
+from dpsco_jax import guards
 from experiments import datasets
 from experiments import outputs
 from experiments import sweep_digits
@@ -120,13 +121,15 @@ def test_the_order_check_runs_inside_the_compiled_run(monkeypatch):
   strategy = sweep_digits.mechanism_for(config, schedule)['strategy']
   hparams = {'learning_rate': jnp.float32(0.5), 'clip': jnp.float32(1.0)}
 
-  def final_loss():
+  def final_metrics():
     train_fn = sweep_digits.make_train_fn(
         config, train, test, schedule, noise_multiplier=1.0,
         strategy=strategy)
-    return float(jax.jit(train_fn)(hparams, 0)['train_loss'])
+    return jax.jit(train_fn)(hparams, 0)
 
-  assert np.isfinite(final_loss())
+  accepted = final_metrics()
+  assert np.isfinite(accepted['train_loss'])
+  dpsco_runs.raise_refusal_metrics(accepted)
   scan_steps, b = dpsco_runs.scan_steps, schedule.steps_per_epoch
 
   def reordered(tx, params, state, batches, **kwargs):
@@ -135,4 +138,7 @@ def test_the_order_check_runs_inside_the_compiled_run(monkeypatch):
     return scan_steps(tx, params, state, (ids, mask), **kwargs)
 
   monkeypatch.setattr(dpsco_runs, 'scan_steps', reordered)
-  assert np.isnan(final_loss())
+  refused = final_metrics()
+  assert np.isnan(refused['train_loss'])
+  with pytest.raises(guards.PrivacyGuardError, match='refused at step 6'):
+    dpsco_runs.raise_refusal_metrics(refused)
