@@ -21,7 +21,11 @@ The pieces, for loops of your own:
 * `run_batches`: the batches of runs with given sampler seeds, laid out for
   `vmap` (Poisson batches padded to one size, padding masked out);
 * `run_keys`, `sampler_seeds`, `fresh_run_keys`: run i's noise keys and
-  sampler seed, from one key.
+  sampler seed, from one key;
+* `refusal_metrics`, `raise_refusal_metrics`: the guards' record carried out
+  of runs vmapped inside a sweep, and raised on the host;
+* `non_private`: the non-private reference step, shaped like the private
+  ones.
 
 Example:
   >>> plan = dpsco_jax.plans.dpsgd(loss_fn, optimizer=optax.sgd(0.1),
@@ -50,8 +54,6 @@ from dpsco_jax.algorithms import nonsmooth
 from dpsco_jax.algorithms import srg
 
 PyTree = Any
-# One step's batch: `(indices, mask)`, either None (full batch, no mask).
-StepBatch = tuple[Optional[jax.Array], Optional[jax.Array]]
 InputsFn = Callable[[Optional[jax.Array], Optional[jax.Array]], dict]
 MetricFn = Callable[[PyTree, PyTree], PyTree]
 
@@ -102,7 +104,8 @@ def run_keys(key: Any, count: int) -> jax.Array:
     ValueError: if `key` is None (runs never draw keys silently).
   """
   if key is None:
-    raise ValueError('an audit needs a key (or int seed) for its runs')
+    raise ValueError('runs need a key (or int seed): an audit or a sweep '
+                     'never draws keys silently')
   if isinstance(key, (int, np.integer)):
     key = jax.random.key(int(key))
   count = checks.positive_int(count, 'count')
@@ -130,7 +133,8 @@ def sampler_seeds(key: Any, count: int) -> list[int]:
     ValueError: if `key` is None.
   """
   if key is None:
-    raise ValueError('an audit needs a key (or int seed) for its runs')
+    raise ValueError('runs need a key (or int seed): an audit or a sweep '
+                     'never draws keys silently')
   if isinstance(key, (int, np.integer)):
     words = [int(key) & 0xFFFFFFFF, (int(key) >> 32) & 0xFFFFFFFF]
   else:
