@@ -69,6 +69,7 @@ from dpsco_jax import noise
 from dpsco_jax import physical
 from dpsco_jax import plan_config
 from dpsco_jax import progress
+from dpsco_jax import runs
 from dpsco_jax import smoothing
 from dpsco_jax import strategies
 from dpsco_jax.algorithms import baselines
@@ -470,6 +471,27 @@ class Plan:
     except guards.PrivacyGuardError as error:
       raise self._plan_error(error) from None
     return outputs
+
+  def run(self, params: PyTree, data: PyTree, **options: Any) -> Any:
+    """The whole run as ONE compiled program, guards on (`runs.whole_run`).
+
+    Example:
+      >>> result = plan.run(params, {'x': x, 'y': y})
+      >>> result.params, result.opt_state
+
+    Args:
+      params: the initial params.
+      data: the training set (leading axis `num_examples`).
+      **options: `runs.whole_run`'s keywords (`seed`, `key`, `num_runs`,
+        `metric_fn`).
+
+    Returns:
+      A `runs.RunResult`.
+
+    Raises:
+      PrivacyGuardError: a step was refused.
+    """
+    return runs.whole_run(self, params, data, **options)
 
   @functools.cached_property
   def _logical_step(self) -> physical.LogicalStep:

@@ -68,6 +68,7 @@ from scipy import stats
 
 from dpsco_jax import batching
 from dpsco_jax import plans
+from dpsco_jax import runs
 from experiments import cli
 from experiments import outputs
 from experiments import spine
@@ -215,7 +216,8 @@ def sampler_for_seed(sampler: Any, seed: int) -> Any:
 
 def padded_batches(sampler: Any, seeds: Sequence[int]
                    ) -> Tuple[np.ndarray, np.ndarray]:
-  """Every step's example ids of every seed, padded to one shape, and masks.
+  """Every step's example ids of every seed, padded to one shape, and masks
+  (`dpsco_jax.runs.run_batches`).
 
   A Poisson batch is padded by its sampler to a multiple of
   `pad_to_multiple` (with index 0, mask False); a rare larger batch to a
@@ -236,26 +238,13 @@ def padded_batches(sampler: Any, seeds: Sequence[int]
     `(indices [S, T, P] int32, masks [S, T, P] bool)`; masks all True for
     fixed-size batches.
   """
-  drawn = []
-  for seed in seeds:
-    batches = []
-    for item in sampler_for_seed(sampler, seed).iterate():
-      if isinstance(item, tuple):
-        batches.append((np.asarray(item[0]), np.asarray(item[1], bool)))
-      else:
-        batches.append((np.asarray(item), np.ones(len(item), bool)))
-    drawn.append(batches)
-  width = max(len(ids) for batches in drawn for ids, _ in batches)
-  multiple = getattr(sampler, 'pad_to_multiple', None)
-  if multiple and width % multiple:
-    raise AssertionError(f'padded width {width} is not a multiple of '
-                         f'{multiple}')
-  indices = np.zeros((len(drawn), len(drawn[0]), width), np.int32)
-  masks = np.zeros(indices.shape, bool)
-  for s, batches in enumerate(drawn):
-    for t, (ids, mask) in enumerate(batches):
-      indices[s, t, :len(ids)] = ids
-      masks[s, t, :len(mask)] = mask
+  batches = runs.run_batches(sampler, list(seeds))
+  if isinstance(batches[0], tuple):
+    raise ValueError('batches whose size changes across steps need a loop, '
+                     'not one [S, T, P] array')
+  indices, masks = batches
+  if masks is None:
+    masks = np.ones(indices.shape, bool)
   return indices, masks
 
 
@@ -381,20 +370,14 @@ def make_run(method: str, config: ml_collections.ConfigDict,
                              'plan\'s mechanism and participation')
       tx = plan.transformation
 
-    def body(carry, t):
-      params, state = carry
-      inputs = step_inputs(data.train_x, data.train_y, run.indices[row, t],
-                           run.masks[row, t] if masked else None)
-      if method == 'nonprivate':
-        grads = jax.grad(srg_memf.mean_loss)(params, inputs['batch'])
-        updates, state = tx.update(grads, state, params)
-      else:
-        updates, state = tx.update(None, state, params, **inputs)
-      return (optax.apply_updates(params, updates), state), None
-
-    (params, _), _ = jax.lax.scan(body, (params, tx.init(params)),
-                                  jnp.arange(run.indices.shape[1]))
-    return {'val_accuracy': srg_memf.accuracy(params, data.val_x,
+    if method == 'nonprivate':
+      tx = runs.non_private(srg_memf.mean_loss, tx)
+    masks = run.masks[row] if masked else None
+    (params, state), _ = runs.scan_steps(
+        tx, params, tx.init(params), (run.indices[row], masks),
+        inputs_fn=functools.partial(step_inputs, data.train_x, data.train_y))
+    return {**runs.refusal_metrics(state),
+            'val_accuracy': srg_memf.accuracy(params, data.val_x,
                                               data.val_y),
             'test_accuracy': srg_memf.accuracy(params, data.test_x,
                                                data.test_y)}
@@ -431,7 +414,10 @@ def run_many(method: str, config: ml_collections.ConfigDict,
                 jnp.asarray(indices), jnp.asarray(masks))
   train_fn = make_run(method, config, host_plan, bands, num_classes,
                       masked=isinstance(sampler, _MASKED_SAMPLERS))
-  return sweeps.run_sweep(train_fn, grid, seeds, data=run, name=name)
+  result = sweeps.run_sweep(train_fn, grid, seeds, data=run, name=name)
+  # A step refused by a guard of the plan stops the experiment.
+  runs.raise_refusal_metrics(result.metrics)
+  return result
 
 
 def largest_bands(config: ml_collections.ConfigDict, num_examples: int) -> int:

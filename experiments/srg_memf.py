@@ -28,7 +28,8 @@ split is never looked at before the final runs. Each seed draws its own
 public batch order (fixed across epochs) and its own noise.
 
 All seeds of one setting run as ONE compiled program: the whole training
-run is a `jax.lax.scan` over steps, `jax.vmap`-ed over seeds, with the
+run is a `jax.lax.scan` over steps (`dpsco_jax.runs.scan_steps`, the
+fixed-order guard on), `jax.vmap`-ed over seeds, with the
 data passed as an argument (not baked into the program).
 
     python -m experiments.srg_memf --config=configs/srg_memf_fashion_mnist.py
@@ -57,6 +58,7 @@ from scipy import stats
 
 import dpsco_jax
 from dpsco_jax import accounting
+from dpsco_jax import runs
 from dpsco_jax import strategies
 from experiments import cli
 from experiments import datasets
@@ -204,8 +206,9 @@ def make_run(setup: Setup, decay: float, momentum: float, num_classes: int):
     num_classes: number of classes (static: it shapes the params).
 
   Returns:
-    `run(learning_rate, clip, seed, data) -> (val accuracy, test accuracy)`,
-    traceable (vmap over seeds and hyperparameters, jit once).
+    `run(learning_rate, clip, seed, data) -> (val accuracy, test accuracy,
+    refusal)`, traceable (vmap over seeds and hyperparameters, jit once);
+    `refusal` is the guards' record (`runs.refusal_metrics`).
   """
   k, b, batch_size = setup.num_epochs, setup.steps_per_epoch, setup.batch_size
 
@@ -216,8 +219,9 @@ def make_run(setup: Setup, decay: float, momentum: float, num_classes: int):
     # data, and repeated every epoch (what FixedOrder(k, b) accounts for).
     order = jax.random.permutation(order_key, n)[:b * batch_size].reshape(
         b, batch_size)
+    sgd = optax.sgd(learning_rate, momentum=momentum)
     if setup.algorithm == 'nonprivate':
-      tx = optax.sgd(learning_rate, momentum=momentum)
+      tx = runs.non_private(mean_loss, sgd)
     else:
       common = dict(l2_clip=clip, noise_multiplier=setup.noise_multiplier,
                     strategy=setup.strategy, steps_per_epoch=b,
@@ -226,28 +230,19 @@ def make_run(setup: Setup, decay: float, momentum: float, num_classes: int):
         private = dpsco_jax.dpmemf(example_loss, **common)
       else:
         private = dpsco_jax.dp_srg_memf(example_loss, decay=decay, **common)
-      tx = optax.chain(private, optax.sgd(learning_rate, momentum=momentum))
+      tx = optax.chain(private, sgd)
     params = {'w': jnp.zeros((data.train_x.shape[1], num_classes),
                              jnp.float32),
               'b': jnp.zeros((num_classes,), jnp.float32)}
-
-    def body(carry, step):
-      params, state = carry
-      ids = order[step % b]
-      batch = {'x': data.train_x[ids], 'y': data.train_y[ids]}
-      if setup.algorithm == 'nonprivate':
-        grads = jax.grad(mean_loss)(params, batch)
-        updates, state = tx.update(grads, state, params)
-      else:
-        # The example ids let the fixed-order guard check every epoch.
-        updates, state = tx.update(None, state, params, batch=batch,
-                                   example_ids=ids)
-      return (optax.apply_updates(params, updates), state), None
-
-    (params, _), _ = jax.lax.scan(body, (params, tx.init(params)),
-                                  jnp.arange(k * b))
+    # Step t uses batch t mod b; the example ids let the fixed-order guard
+    # check every epoch.
+    (params, state), _ = runs.scan_steps(
+        tx, params, tx.init(params), (order[jnp.arange(k * b) % b], None),
+        inputs_fn=runs.gathered_inputs({'x': data.train_x,
+                                        'y': data.train_y}))
     return (accuracy(params, data.val_x, data.val_y),
-            accuracy(params, data.test_x, data.test_y))
+            accuracy(params, data.test_x, data.test_y),
+            runs.refusal_metrics(state))
 
   return run
 
@@ -274,10 +269,14 @@ def run_many(setup: Setup, decay: float, momentum: float, num_classes: int,
   run = make_run(setup, decay, momentum, num_classes)
 
   def train_fn(hparams, seed, data):
-    val, test = run(hparams['learning_rate'], hparams['clip'], seed, data)
-    return {'val_accuracy': val, 'test_accuracy': test}
+    val, test, refusal = run(hparams['learning_rate'], hparams['clip'], seed,
+                             data)
+    return {'val_accuracy': val, 'test_accuracy': test, **refusal}
 
-  return sweeps.run_sweep(train_fn, grid, seeds, data=data, name=name)
+  result = sweeps.run_sweep(train_fn, grid, seeds, data=data, name=name)
+  # A step refused by a guard (the fixed-order check) stops the experiment.
+  runs.raise_refusal_metrics(result.metrics)
+  return result
 
 
 def _extend(axis: str, values: List[float], edge: str) -> List[float]:

@@ -4,7 +4,8 @@ Every run trains the quickstart's model (multiclass logistic regression, zero
 init, `optax.sgd(lr, momentum)`) on scikit-learn's digits with DP-MEMF
 (default) or DP-SGD on batches in a fixed public order, repeated every epoch,
 and is accounted as `accounting.FixedOrder(num_epochs, steps_per_epoch)`
-(no amplification). A whole run is one `lax.scan` over its steps, so
+(no amplification). A whole run is one `lax.scan` over its steps
+(`dpsco_jax.runs.scan_steps`), so
 `experiments.sweeps.run_sweep` runs all seeds and grid points as one vmapped
 program per privacy target:
 
@@ -14,9 +15,9 @@ Each seed draws, inside the program, its run's public batch order
 (`jax.random.permutation`, independent of the data) and its noise key, so
 the intervals cover both sources of run-to-run variation. The order is
 fixed for the whole run: step t uses batch `t mod steps_per_epoch` of it,
-which is what the `FixedOrder` accounting assumes; DP-MEMF is built with
-`check_order=False` because the order is built into the scan rather than
-fed by a host pipeline that could reshuffle it.
+which is what the `FixedOrder` accounting assumes, and what DP-MEMF's
+order check verifies at every step from the example ids (a refused step
+would poison the run's metrics with NaN).
 
 The noise multiplier is calibrated once per epsilon on the host (it depends
 on neither the clip nor the learning rate: the noise scales with the clip).
@@ -49,6 +50,7 @@ import optax
 import dpsco_jax
 from dpsco_jax import accounting
 from dpsco_jax import noise
+from dpsco_jax import runs as runs_lib
 from dpsco_jax import strategies
 from experiments import cli
 from experiments import datasets
@@ -142,8 +144,9 @@ def make_train_fn(config: ml_collections.ConfigDict, train_data: Split,
 
   Returns:
     `train_fn(hparams, seed)` with `hparams` = {'learning_rate', 'clip'}
-    scalars, returning 'test_accuracy' and 'train_loss' (final) and
-    'test_accuracy_curve' `[num_steps]` (after each step).
+    scalars, returning 'test_accuracy' and 'train_loss' (final),
+    'test_accuracy_curve' `[num_steps]` (after each step), and the guards'
+    record ('refusal_check', 'refusal_step': `dpsco_jax.runs.refusal_metrics`).
   """
   x_train = jnp.asarray(train_data['x'])
   y_train = jnp.asarray(train_data['y'])
@@ -165,16 +168,15 @@ def make_train_fn(config: ml_collections.ConfigDict, train_data: Split,
     noise_key = jax.random.fold_in(key, 1)
     sgd = optax.sgd(hparams['learning_rate'], momentum=config.momentum)
     if noise_multiplier is None:
-      tx = sgd
+      tx = runs_lib.non_private(models.linear_mean_loss, sgd)
     elif config.algorithm == 'dpmemf':
       tx = optax.chain(
           dpsco_jax.dpmemf(
               models.linear_example_loss, l2_clip=hparams['clip'],
               noise_multiplier=noise_multiplier, strategy=strategy,
               steps_per_epoch=b, key=noise_key,
-              # The fixed order is built into the scan: step t always uses
-              # batch t mod b of `batches`.
-              check_order=False),
+              # The order check runs on the example ids of every step.
+              num_examples=schedule.num_examples),
           sgd)
     else:
       tx = optax.chain(
@@ -184,23 +186,13 @@ def make_train_fn(config: ml_collections.ConfigDict, train_data: Split,
               num_steps=schedule.num_steps, key=noise_key),
           sgd)
     params = models.linear_init(64, 10)
-    state = tx.init(params)
-
-    def step(carry, t):
-      params, state = carry
-      indices = batches[t % b]
-      batch = {'x': x_train[indices], 'y': y_train[indices]}
-      if noise_multiplier is None:
-        grads = jax.grad(models.linear_mean_loss)(params, batch)
-        updates, state = tx.update(grads, state, params)
-      else:
-        updates, state = tx.update(None, state, params, batch=batch)
-      params = optax.apply_updates(params, updates)
-      return (params, state), accuracy(params)
-
-    (params, _), curve = jax.lax.scan(step, (params, state),
-                                      jnp.arange(schedule.num_steps))
-    return {'test_accuracy': curve[-1],
+    # Step t uses batch t mod b of the run's order (FixedOrder(k, b)).
+    step_ids = batches[jnp.arange(schedule.num_steps) % b]
+    (params, state), curve = runs_lib.scan_steps(
+        tx, params, tx.init(params), (step_ids, None),
+        inputs_fn=runs_lib.gathered_inputs(train_all),
+        metric_fn=lambda params, _: accuracy(params))
+    return {**runs_lib.refusal_metrics(state), 'test_accuracy': curve[-1],
             'train_loss': models.linear_mean_loss(params, train_all),
             'test_accuracy_curve': curve}
 
@@ -276,6 +268,8 @@ def run(config: ml_collections.ConfigDict, output_dir: str) -> Dict[str, Any]:
     result = sweeps.run_sweep(train_fn, grid, seeds,
                               max_parallel=config.max_parallel,
                               name=f'{config.algorithm} epsilon={epsilon:g}')
+    # A step refused by a guard (the order check) stops the sweep.
+    runs_lib.raise_refusal_metrics(result.metrics)
     timings.append({'epsilon': epsilon, 'runs': result.num_points *
                     result.num_seeds, 'compile_seconds': result.compile_seconds,
                     'run_seconds': result.run_seconds})

@@ -34,6 +34,8 @@ from scipy import stats
 import dpsco_jax
 from dpsco_jax import accounting
 from dpsco_jax import audit
+from dpsco_jax import batching
+from dpsco_jax import runs
 from dpsco_jax.algorithms import diff2_accounting
 from dpsco_jax.neighboring import NeighboringRelation
 
@@ -579,8 +581,8 @@ def test_audit_plan_poisson_dpsgd_below_its_epsilon_and_a_planted_bug():
 def test_audit_plan_draws_each_runs_own_poisson_batches_and_noise():
   data, _, loss_fn, params = _plan_problem()
   plan = _poisson_plan(loss_fn, noise_multiplier=1.0)
-  indices, masks = audit._run_batches(plan.batches,
-                                      audit._sampler_seeds(0, 400))
+  indices, masks = runs.run_batches(plan.batches,
+                                      runs.sampler_seeds(0, 400))
   assert indices.shape[:2] == masks.shape[:2] == (400, plan.num_steps)
   assert indices.shape[2] % plan.batches.pad_to_multiple == 0
   indices, mask = indices[:, 0], masks[:, 0]
@@ -591,7 +593,7 @@ def test_audit_plan_draws_each_runs_own_poisson_batches_and_noise():
   assert len({tuple(i[m]) for i, m in zip(indices, mask)}) > 390
   # Every noise key of the plan's state is replaced by one of the run's.
   state = plan.transformation.init(params)
-  fresh = audit._fresh_run_keys(state, jax.random.key(3))
+  fresh = runs.fresh_run_keys(state, jax.random.key(3))
   old = jax.tree_util.tree_leaves(state, is_leaf=dpsco_jax.keys.is_typed_key)
   new = jax.tree_util.tree_leaves(fresh, is_leaf=dpsco_jax.keys.is_typed_key)
   changed = [not np.array_equal(jax.random.key_data(a),
@@ -630,6 +632,25 @@ def test_audit_plan_runs_fixed_order_and_full_batch_plans():
   report = audit.audit_plan(gd, params=params, data=data, canary=canary,
                             loss_fn=loss_fn, num_runs=100, key=0)
   assert report.epsilon_lower_bound <= report.claimed_epsilon
+
+
+def test_audit_plan_raises_a_step_its_plan_refuses():
+  # A fixed-order plan whose runs are fed batches reshuffled every epoch:
+  # its order check refuses epoch 2 inside the audit's compiled runs, and
+  # the audit raises the plan's refusal (not a bound on poisoned scores).
+  data, canary, loss_fn, params = _plan_problem()
+  ftrl = dpsco_jax.plans.dpftrl(
+      loss_fn, optimizer=optax.sgd(1.0), num_examples=64, batch_size=16,
+      epochs=2, l2_clip=1.0, noise_multiplier=1.0, delta=DELTA,
+      clipping_method='vmap')
+  reshuffled = dataclasses.replace(ftrl, batches=batching.ShuffledBatches(
+      64, batch_size=16, num_epochs=2, seed=0))
+  zero_out = {'x': np.zeros(4, np.float32), 'y': np.int32(0)}
+  with pytest.raises(dpsco_jax.guards.PrivacyGuardError) as error:
+    audit.audit_plan(reshuffled, params=params, data=data, canary=canary,
+                     loss_fn=loss_fn, num_runs=2, key=0,
+                     replacement=zero_out, progress=False)
+  assert error.value.step == 4
 
 
 # --------------------------------------------- auditing a plan at scale
@@ -705,16 +726,16 @@ def test_audit_plan_scores_do_not_depend_on_chunks_or_padding(monkeypatch):
   # Uneven chunks of 4, and even runs "needing" twice the sampler's padded
   # size: those wait, and run in chunks of their own, padded wider, once
   # there are 4 of them (after the second chunk) and at the end.
-  even_seeds = audit._sampler_seeds(3, 10)[0::2]
-  even_first = [next(audit._reseeded(plan.batches, seed).iterate())[0]
+  even_seeds = runs.sampler_seeds(3, 10)[0::2]
+  even_first = [next(batching.reseeded(plan.batches, seed).iterate())[0]
                 for seed in even_seeds]
-  needed = audit._needed_width
-  monkeypatch.setattr(audit, '_needed_width', lambda batches, multiple: (
+  needed = runs.needed_width
+  monkeypatch.setattr(runs, 'needed_width', lambda batches, multiple: (
       2 if any(np.array_equal(batches[0][0], first) for first in even_first)
       else 1) * needed(batches, multiple))
   widths = []
-  padded_runs = audit._padded_runs
-  monkeypatch.setattr(audit, '_padded_runs', lambda runs, width: (
+  padded_runs = runs.padded_runs
+  monkeypatch.setattr(runs, 'padded_runs', lambda runs, width: (
       widths.append(width), padded_runs(runs, width))[1])
   np.testing.assert_allclose(scores(max_parallel=4), alone, rtol=1e-5)
   pad = plan.batches.pad_to_multiple
