@@ -46,6 +46,8 @@ The curated public API. Modules, one concern each:
   documented once;
 * `dpsco_jax.accountants`: one accounting interface for plans (calibrate,
   epsilon at a step, event, ledger) and its implementations;
+* `dpsco_jax.runs`: a whole run of a plan as one compiled program
+  (`Plan.run`), vmapped over runs, with the guards on;
 * `dpsco_jax.progress`: progress lines on stderr for long work (strategy
   optimization, calibration, compilation); `DPSCO_JAX_PROGRESS=0` silences
   them;
@@ -97,6 +99,7 @@ from dpsco_jax import preprocessing
 from dpsco_jax import profiling
 from dpsco_jax import progress
 from dpsco_jax import rounding
+from dpsco_jax import runs
 from dpsco_jax import smoothing
 from dpsco_jax import strategies
 from dpsco_jax import tuning
@@ -199,6 +202,7 @@ __all__ = (
     'preprocessing',
     'profiling',
     'progress',
+    'runs',
     'smoothing',
     'strategies',
     'tuning',
