@@ -174,10 +174,7 @@ def describe_paths(params, apply, batch) -> str:
   sums = [jax.jit(dpsco_jax.clipped_grad_difference_sum(
       loss, steps.L2_CLIP, clipping_method=method))(batch, *args)
           for method in ('ghost', 'vmap')]
-  ghost, vmap = (np.concatenate([np.ravel(leaf) for leaf in
-                                 jax.tree_util.tree_leaves(s.sum)])
-                 for s in sums)
-  difference = np.max(np.abs(ghost - vmap)) / np.max(np.abs(vmap))
+  difference = steps.max_relative_difference(sums[0].sum, sums[1].sum)
   taken = ', '.join(f'{name} {"ghost" if plan is not None else "vmap"}'
                     for name, plan in paths.items())
   return (f'  paths: {taken}; ghost vs vmap clipped difference sum '
