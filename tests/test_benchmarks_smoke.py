@@ -172,3 +172,26 @@ def test_auto_choice_times_the_three_paths_and_names_the_one_taken():
     assert float(record[key]) > 0
   ghost, vmap = (float(record[k]) for k in ('ghost ms', 'vmap ms'))
   assert record['faster'] == ('ghost' if ghost <= vmap else 'vmap')
+
+
+def test_every_step_of_the_cpu_benchmarks_builds_and_runs():
+  import ghost_step  # pylint: disable=g-import-not-at-top
+  import srg_step  # pylint: disable=g-import-not-at-top
+  models = ghost_step.models
+  rng = np.random.default_rng(0)
+  problem = ghost_step.Problem('tiny MLP', models.mlp_init(rng, [4, 8, 10]),
+                               models.mlp_apply, 6, 1)
+  batch = models.make_batch(rng, 6, input_dim=4)
+  built = ghost_step.make_variants(problem)
+  built.update({f'srg {name}': step for name, step in srg_step.make_variants(
+      problem.apply, ('dpsgd', 'srg', 'srg clip only')).items()})
+  rows, skipped = ghost_step.dpsgd_step.step_rows(built, problem.params,
+                                                  batch)
+  assert skipped == {}
+  times = harness.time_rows(rows, iters=1, warmup=0, rounds=1,
+                            skipped=skipped)
+  assert skipped == {} and set(times) == set(built)
+  assert 'ghost ' in ghost_step.memory_line(
+      {n: rows[n] for n in ('non-private', 'ghost')})
+  assert 'max |diff| / max |sum|' in ghost_step.check_agreement(problem,
+                                                                batch)
