@@ -20,6 +20,7 @@ from dpsco_jax import data as data_lib
 from dpsco_jax import estimators
 from dpsco_jax import keywords
 from dpsco_jax import plans
+from dpsco_jax import samplers
 from dpsco_jax.algorithms import baselines
 from dpsco_jax.algorithms import diff2
 from dpsco_jax.algorithms import mf
@@ -248,7 +249,7 @@ def test_mismatched_rows_say_which_array():
 
 def test_a_remainder_is_announced_once_for_several_plans(monkeypatch):
   # The quick start's three fixed-order runs share n = 1437 and B = 239.
-  monkeypatch.setattr(batching, '_REMAINDERS_ANNOUNCED', set())
+  monkeypatch.setattr(samplers, '_REMAINDERS_ANNOUNCED', set())
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter('always')
     for _ in range(2):
