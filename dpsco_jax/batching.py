@@ -1,38 +1,20 @@
-"""Batch formation that matches the accounting.
+"""Batch formation that matches the accounting, and its in-step checks.
 
 Each sampler yields example indices (host-side NumPy) and names the
-participation pattern its batches really follow, so the epsilon a run reports
-is computed for the batches it actually used:
+participation pattern its batches really follow (`sampler.participation`), so
+the epsilon a run reports is computed for the batches it actually used; each
+guard refuses, inside the training step, a batch that does not follow the
+pattern the accounting claims:
 
-* `FixedOrderBatches` -> `accounting.FixedOrder`: one public order, the same
-  batches in the same order every epoch (DP-FTRL, DP-MF, papers 000/001);
-* `ShuffledBatches` -> `accounting.Shuffled`: a fresh permutation every epoch,
-  no amplification claimed;
-* `PoissonBatches` -> `accounting.PoissonSampling`: every example joins every
-  batch independently with probability q; batches are padded to a multiple
-  of a fixed size with a mask, so only a few shapes are ever compiled;
-* `CyclicPoissonBatches` -> `accounting.CyclicPoissonSampling`: example i
-  in partition i mod b, step t samples partition t mod b with probability
-  q (Amplified BandMF, with a strategy of at most b bands); padded and
-  masked like `PoissonBatches`, checked by `poisson_batch_guard(...,
-  num_partitions=b)`;
-* `AnchoredSinglePass` -> `accounting.single_epoch`: one pass with anchor
-  batches every `period` steps and smaller batches between (paper 004).
+* `dpsco_jax.samplers` (host side): `FixedOrderBatches`, `ShuffledBatches`,
+  `PoissonBatches`, `CyclicPoissonBatches`, `AnchoredSinglePass`,
+  `group_by_user`, `reseeded`; what each pattern claims, and how the
+  samplers resume mid-run, is in that module's docstring;
+* `dpsco_jax.batch_guards` (in the step): `fixed_order_guard`,
+  `shuffled_order_guard`, `poisson_batch_guard`, `participation_guard`.
 
-`fixed_order_guard` checks, inside the training step, that batches really
-come in the fixed order a `FixedOrder` accounting claims: every example in
-one batch of the first epoch, at most once, and the same batches in the same
-order in every later epoch.
-
-Every sampler is deterministic given its seed and can resume mid-run:
-`sampler.iterate(start_step=k)` yields exactly the batches `k, k + 1, ...`
-that iterating from the start would have yielded (what a run restored from a
-checkpoint at step k needs, see `dpsco_jax.checkpoint`), and the epoch
-samplers also give any single batch with `batch_at(step)`.
-
-The samplers live in `dpsco_jax.samplers` (host side) and the guards in
-`dpsco_jax.batch_guards` (inside the step); this module re-exports both, and
-`batching.X` is the name users and the library's own modules write.
+This module re-exports both, and `batching.X` is the name users and the
+library's own modules write.
 """
 
 # pylint: disable=unused-import
