@@ -25,6 +25,8 @@ from dpsco_jax.algorithms import baselines
 from dpsco_jax.algorithms import diff2
 from dpsco_jax.algorithms import mf
 from dpsco_jax.algorithms import nonsmooth
+from dpsco_jax.algorithms import phased_erm
+from dpsco_jax.algorithms import phased_sgd
 from dpsco_jax.algorithms import srg
 from dpsco_jax.algorithms import user_level
 
@@ -107,12 +109,20 @@ def test_an_unknown_keyword_without_a_near_name_lists_the_keywords():
                     num_steps=10, verbose=True)
 
 
+def test_a_builder_is_named_where_users_reach_it():
+  # phased_sgd is defined in algorithms/phased_sgd.py; users reach it as
+  # user_level.phased_sgd, and the message names it so.
+  with pytest.raises(TypeError,
+                     match=r'^user_level\.phased_sgd\(\) got an unexpected'):
+    user_level.phased_sgd(None, None, None, num_group=10)
+
+
 def _builders():
   """Every public builder (or preset) of the plans, algorithms, estimators
   and clipping modules: a public function taking a clip, a noise or a
   privacy target keyword (argument validators aside)."""
   modules = [plans, baselines, diff2, mf, nonsmooth, srg, user_level,
-             estimators, clipping]
+             phased_sgd, phased_erm, estimators, clipping]
   marks = {'l2_clip', 'grad_clip', 'noise_multiplier', 'noise_multipliers',
            'epsilon', 'clipping_method', 'clips'}
   found = {}
