@@ -135,6 +135,28 @@ def _check_ids(ids: jax.Array, keep: jax.Array, seen: jax.Array,
                    seen_before=jnp.any(already), seen=seen)
 
 
+def _fixed_order_messages(where: str, num_examples: int,
+                          steps_per_epoch: int) -> tuple[str, ...]:
+  """The refusals of `fixed_order_guard`: an id out of range, an id twice,
+  an example seen earlier in the first epoch, a batch that changed."""
+  return (
+      f'the batch at {where} holds an example id outside [0, '
+      f'{num_examples}): ids must index the training set of num_examples '
+      f'= {num_examples} examples.',
+      f'the batch at {where} holds the same example id twice: the example '
+      'would count twice in one clipped sum, which FixedOrder accounting '
+      'does not assume (mask padding out with batch_mask).',
+      f'the batch at {where} holds an example that an earlier batch of '
+      'the first epoch already held: FixedOrder accounting assumes every '
+      'example in one batch per epoch, at the same position every epoch. '
+      'Use batching.FixedOrderBatches.',
+      f'the batch at {where} is not the batch at the same position of the '
+      f'first epoch (position = step mod {steps_per_epoch}): FixedOrder '
+      'accounting assumes the same batches in the same order every epoch, '
+      'and a pipeline that reshuffles between epochs invalidates it. Use '
+      'batching.FixedOrderBatches, or account for the run as Shuffled.')
+
+
 def fixed_order_guard(
     steps_per_epoch: int,
     *,
@@ -237,22 +259,7 @@ def fixed_order_guard(
     where = 'a step'
     if not isinstance(changed, jax.core.Tracer):
       where = f'step {int(state.step)}'
-    messages = (
-        f'the batch at {where} holds an example id outside [0, '
-        f'{num_examples}): ids must index the training set of num_examples '
-        f'= {num_examples} examples.',
-        f'the batch at {where} holds the same example id twice: the example '
-        'would count twice in one clipped sum, which FixedOrder accounting '
-        'does not assume (mask padding out with batch_mask).',
-        f'the batch at {where} holds an example that an earlier batch of '
-        'the first epoch already held: FixedOrder accounting assumes every '
-        'example in one batch per epoch, at the same position every epoch. '
-        'Use batching.FixedOrderBatches.',
-        f'the batch at {where} is not the batch at the same position of the '
-        f'first epoch (position = step mod {steps_per_epoch}): FixedOrder '
-        'accounting assumes the same batches in the same order every epoch, '
-        'and a pipeline that reshuffles between epochs invalidates it. Use '
-        'batching.FixedOrderBatches, or account for the run as Shuffled.')
+    messages = _fixed_order_messages(where, num_examples, steps_per_epoch)
     updates, refusal = guards.record(
         list(zip((found.out_of_range, found.repeated, seen_before, changed),
                  messages)), updates, _record_of(state), state.step,
