@@ -269,7 +269,7 @@ def calibrate_noise_multiplier(
       them is (epsilon, delta)-DP.
 
   Returns:
-    The noise multiplier (node/step noise std over one step's sensitivity):
+    The noise multiplier (node/step noise std over one step's sensitivity),
     finite and > 0, and `epsilon_spent` of it (with the releases) under the
     same method is at most `epsilon`.
 
@@ -489,3 +489,14 @@ def subsampled_gaussian_epsilon(noise_multiplier: float, num_steps: int,
             population, sample_size, gaussian), steps)
   with quiet_excluded_orders():
     return float(accountant.compose(event).get_epsilon(delta))
+
+
+__all__ = ('calibrate_noise_multiplier', 'cyclic_poisson_structure',
+           'CyclicPoissonSampling', 'dp_event', 'epsilon_for_gdp',
+           'epsilon_spent', 'FixedOrder', 'GaussianRelease', 'gdp_delta',
+           'laplace_and_gaussian_delta', 'mechanism_sensitivity',
+           'paper_gdp_mu', 'participation_sensitivity', 'PoissonSampling',
+           'quiet_excluded_orders', 'releases_epsilon', 'releases_mu',
+           'Shuffled', 'single_epoch', 'subsampled_gaussian_epsilon',
+           'tree_aggregation_event', 'validate_epsilon_delta', 'zcdp_epsilon',
+           'zcdp_rho')

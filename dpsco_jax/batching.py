@@ -35,3 +35,11 @@ from dpsco_jax.samplers import PoissonBatches
 from dpsco_jax.samplers import RemainderWarning
 from dpsco_jax.samplers import reseeded
 from dpsco_jax.samplers import ShuffledBatches
+
+
+__all__ = ('AnchoredSinglePass', 'batch_fingerprint', 'CyclicPoissonBatches',
+           'EpochGuardState', 'fixed_order_guard', 'FixedOrderBatches',
+           'FixedOrderGuardState', 'group_by_user', 'participation_guard',
+           'poisson_batch_guard', 'poisson_size_bound', 'PoissonBatches',
+           'PoissonGuardState', 'RemainderWarning', 'reseeded',
+           'shuffled_order_guard', 'ShuffledBatches')

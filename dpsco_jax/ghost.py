@@ -741,3 +741,12 @@ def weighted_grad_sum(plan: GhostPlan, params: PyTree, values: LayerValues,
     # A shared leaf (tied weights) sums its uses' gradients.
     sums[tap.leaf] = sums[tap.leaf] + grad.astype(sums[tap.leaf].dtype)
   return jax.tree_util.tree_unflatten(plan.treedef, sums)
+
+
+__all__ = ('analyze', 'clipping_choice', 'ClippingChoice', 'dense_uses_gram',
+           'describe_error', 'difference_terms', 'GhostClippingUnsupported',
+           'GhostPlan', 'gradient_terms', 'layer_values', 'LayerNorms',
+           'LayerRule', 'LayerValues', 'mean_terms',
+           'per_example_gradient_bytes', 'squared_norms',
+           'squared_norms_and_formed', 'Tap', 'TapEstimate',
+           'validate_memory_budget', 'weighted_grad_sum')

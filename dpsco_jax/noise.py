@@ -448,3 +448,9 @@ def noise_buffer_count(mechanism: NoiseMechanism) -> int:
                          jax.random.key(0))
   return int(sum(math.prod(leaf.shape)
                  for leaf in jax.tree_util.tree_leaves(state.buffers)))
+
+
+__all__ = ('check_state', 'gaussian', 'identity_words', 'matrix_factorization',
+           'mechanism_identity', 'noise_buffer_count', 'NoiseMechanism',
+           'NoiseState', 'tree', 'tree_decoder_matrix', 'tree_encoder_matrix',
+           'tree_num_levels', 'validate_strategy')

@@ -81,6 +81,7 @@ class CyclicPoissonSampling:
 
   @property
   def max_participations(self) -> int:
+    """The most steps one partition (so one example) can take part in."""
     return -(-self.num_steps // self.num_partitions)
 
 

@@ -211,6 +211,7 @@ class FixedOrderBatches(_EpochBatches):
 
   @property
   def participation(self) -> accounting.FixedOrder:
+    """The participation pattern these batches are accounted with."""
     return accounting.FixedOrder(self.num_epochs, self.steps_per_epoch)
 
   def _epoch_batches(self, epoch: int) -> np.ndarray:
@@ -241,6 +242,7 @@ class ShuffledBatches(_EpochBatches):
 
   @property
   def participation(self) -> accounting.Shuffled:
+    """The participation pattern these batches are accounted with."""
     return accounting.Shuffled(self.num_epochs, self.steps_per_epoch)
 
   def _epoch_batches(self, epoch: int) -> np.ndarray:
@@ -329,10 +331,12 @@ class PoissonBatches:
 
   @property
   def expected_batch_size(self) -> float:
+    """The expected batch size q n, which the noisy sum is divided by."""
     return self.sampling_probability * self.num_examples
 
   @property
   def participation(self) -> accounting.PoissonSampling:
+    """The participation pattern these batches are accounted with."""
     return accounting.PoissonSampling(self.sampling_probability,
                                       self.num_steps)
 
@@ -471,15 +475,17 @@ class CyclicPoissonBatches:
 
   @property
   def largest_partition(self) -> int:
+    """The size of the largest of the partitions, ceil(n / b)."""
     return -(-self.num_examples // self.num_partitions)
 
   @property
   def expected_batch_size(self) -> float:
-    """q n / b: the mean over steps of the expected batch size."""
+    """The mean over steps of the expected batch size, q n / b."""
     return self.sampling_probability * self.num_examples / self.num_partitions
 
   @property
   def participation(self) -> accounting.CyclicPoissonSampling:
+    """The participation pattern these batches are accounted with."""
     return accounting.CyclicPoissonSampling(
         self.sampling_probability, self.num_steps, self.num_partitions)
 
@@ -585,6 +591,7 @@ class AnchoredSinglePass:
 
   @property
   def participation(self) -> accounting.FixedOrder:
+    """The participation pattern these batches are accounted with."""
     return accounting.single_epoch(self.num_steps)
 
   def batch_at(self, step: int) -> np.ndarray:

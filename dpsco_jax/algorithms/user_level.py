@@ -159,3 +159,14 @@ def user_level_dpsgd(
       mechanism=user_level_dpsgd_mechanism(num_steps), key=key,
       neighboring_relation=neighboring_relation, normalize_by=normalize_by,
       axis_name=axis_name, name='user_level_dpsgd')
+
+
+__all__ = ('ac_sa', 'ac_sa_output', 'ac_sa_stage_lengths',
+           'accelerated_phased_erm', 'accelerated_phased_erm_preset',
+           'AcSaState', 'add_proximal_gradient', 'disjoint_user_blocks',
+           'ErmPhaseRecord', 'outlier_removal_gradient',
+           'OutlierRemovalGradientState', 'phase_groups', 'phase_sizes',
+           'phased_sgd', 'phased_sgd_preset', 'phased_sgd_schedule',
+           'PhasedResult', 'PhaseRecord', 'PhaseSchedule', 'PresetCondition',
+           'smoothed_item_loss', 'user_level_dpsgd',
+           'user_level_dpsgd_mechanism')
