@@ -11,7 +11,7 @@ row's work is also given as a ratio to the non-private step of the same
 Models:
 
 * ``decoder``: the GPT-style decoder of `benchmarks/decoder_step.py`
-  (imported, variant ``default``: vocabulary 16384, width 512, 6 blocks of 8
+  (`models.py`, variant ``default``: vocabulary 16384, width 512, 6 blocks of 8
   heads, T = 256, batch 32 sequences; 35.8M parameters);
 * ``small``: an MLP 64-256-10 on digits-size inputs (8x8 images, 10
   classes; 19,210 parameters), batch 32 and 1,024.
@@ -41,12 +41,9 @@ Usage (from the repository root, with `dpsco_jax` installed or
 
 from __future__ import annotations
 
-import os
-
-# pylint: disable=g-import-not-at-top,wrong-import-position
 import argparse
 import dataclasses
-import platform
+import os
 import sys
 import time
 import warnings
@@ -59,8 +56,10 @@ import numpy as np
 import optax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import decoder_step
-import dpsgd_step
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import harness
+import models
+import steps
 
 import dpsco_jax
 from dpsco_jax import plans
@@ -69,11 +68,7 @@ from dpsco_jax import plans
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree], jax.Array]
 
-L2_CLIP = 1.0
-NOISE_MULTIPLIER = 1.0
 LEARNING_RATE = 1e-4
-# dpsgd's capacity: far more steps than any run takes.
-NUM_STEPS = 2**30
 # The data set a Poisson plan samples from (its size sets the padding).
 POISSON_EXAMPLES = 50_000
 
@@ -127,78 +122,40 @@ def _batched(example: PyTree, rows: int) -> PyTree:
 
 def decoder_model() -> Model:
   """The decoder of `decoder_step.py` (variant 'default'), as shapes."""
-  config = decoder_step.VARIANTS['default']
-  params = jax.eval_shape(lambda k: decoder_step.decoder_init(k, config),
+  config = models.VARIANTS['default']
+  params = jax.eval_shape(lambda k: models.decoder_init(k, config),
                           jax.random.key(0))
-  batch = decoder_step.make_batch(np.random.default_rng(0), config)
+  batch = models.decoder_batch(np.random.default_rng(0), config)
   example = jax.tree_util.tree_map(
       lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), batch)
-  return Model('decoder', decoder_step.sequence_loss_fn(config), params,
+  return Model('decoder', models.sequence_loss_fn(config), params,
                example, (config.batch_size,))
 
 
 def small_model() -> Model:
-  """An MLP 64-256-10 on digits-size inputs (`dpsgd_step`'s layers)."""
-  rng = np.random.default_rng(0)
-  params = {'hidden': dpsgd_step.dense_init(rng, 64, 256),
-            'out': dpsgd_step.dense_init(rng, 256, 10)}
-  loss_fn = dpsgd_step.example_loss_fn(dpsgd_step.mlp_apply)
+  """An MLP 64-256-10 on digits-size inputs (`models.mlp_init`)."""
+  params = models.mlp_init(np.random.default_rng(0), [64, 256, 10])
+  loss_fn = models.example_loss_fn(models.mlp_apply)
   example = {'x': jax.ShapeDtypeStruct((64,), jnp.float32),
              'y': jax.ShapeDtypeStruct((), jnp.int32)}
   return Model('small', loss_fn, _shapes(params), example, (32, 1024))
 
 
-def _apply(tx: optax.GradientTransformation) -> Callable[..., Any]:
-  """`step(params, state, inputs)`: `tx.update` with the inputs, applied."""
-
-  def step(params, state, inputs):
-    updates, state = tx.update(None, state, params, **inputs)
-    return optax.apply_updates(params, updates), state
-
-  return step
-
-
 def non_private(model: Model, batch_size: int):
   """`jax.grad` of the batch-mean loss, then Adam."""
-  batch_loss = jax.vmap(model.loss_fn, in_axes=(None, 0))
-  adam = optax.adam(LEARNING_RATE)
-
-  def step(params, state, batch):
-    grads = jax.grad(lambda p: jnp.mean(batch_loss(p, batch)))(params)
-    updates, state = adam.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  return step, (model.params, jax.eval_shape(adam.init, model.params),
-                _batched(model.example, batch_size)), ''
+  built = steps.non_private(model.loss_fn, optax.adam(LEARNING_RATE))
+  return built.step, (model.params, jax.eval_shape(built.init, model.params),
+                      _batched(model.example, batch_size)), ''
 
 
 def dpsgd(model: Model, batch_size: int, method: str):
   """`dpsco_jax.dpsgd(clipping_method=method)`, then Adam."""
-  tx = optax.chain(
-      dpsco_jax.dpsgd(model.loss_fn, l2_clip=L2_CLIP,
-                      noise_multiplier=NOISE_MULTIPLIER, num_steps=NUM_STEPS,
-                      key=0, clipping_method=method),
-      optax.adam(LEARNING_RATE))
+  built = steps.dpsgd(model.loss_fn, optax.adam(LEARNING_RATE), method)
   batch = _batched(model.example, batch_size)
-  note = ''
-  if method == 'auto':
-    note = f'takes {auto_path(model, batch)}'
-  return _apply(tx), (model.params, jax.eval_shape(tx.init, model.params),
-                      {'batch': batch}), note
-
-
-def auto_path(model: Model, batch: PyTree) -> str:
-  """The path `clipping_method='auto'` takes on `batch` ('ghost'/'vmap')."""
-  statistic = dpsco_jax.clipped_grad_sum(model.loss_fn, L2_CLIP)
-  chosen = []
-
-  def choose(batch, params):   # traced: the analysis sees abstract values
-    choice = statistic.clipping_choice(batch, params)
-    chosen.append('vmap' if choice is None else choice.path)
-    return 0
-
-  jax.eval_shape(choose, batch, model.params)
-  return chosen[0]
+  note = (f'takes {steps.auto_path(model.loss_fn, model.params, batch)}'
+          if method == 'auto' else '')
+  return built.step, (model.params, jax.eval_shape(built.init, model.params),
+                      batch), note
 
 
 def poisson_plan(model: Model, batch_size: int):
@@ -206,7 +163,8 @@ def poisson_plan(model: Model, batch_size: int):
   plan = plans.dpsgd(
       model.loss_fn, optimizer=optax.adam(LEARNING_RATE),
       num_examples=POISSON_EXAMPLES, batch_size=batch_size, epochs=1,
-      l2_clip=L2_CLIP, delta=1e-6, noise_multiplier=NOISE_MULTIPLIER,
+      l2_clip=steps.L2_CLIP, delta=1e-6,
+      noise_multiplier=steps.NOISE_MULTIPLIER,
       sampling='poisson', method='rdp', key=0, seed=0)
   indices, mask = next(iter(plan.batches))
   inputs = {'batch': _batched(model.example, len(indices)),
@@ -219,26 +177,10 @@ def poisson_plan(model: Model, batch_size: int):
 
 def jax_privacy_step(model: Model, batch_size: int, jax_privacy):
   """`jax_privacy.clipped_grad` sum + Gaussian privatizer, / B, Adam."""
-  clipped_sum = jax_privacy.clipped_grad(
-      model.loss_fn, l2_clip_norm=L2_CLIP, batch_argnums=1,
-      keep_batch_dim=False)
-  tx = optax.chain(
-      jax_privacy.noise_addition.gaussian_privatizer(
-          stddev=L2_CLIP * NOISE_MULTIPLIER, prng_key=jax.random.key(0)),
-      optax.scale(1.0 / batch_size),
-      optax.adam(LEARNING_RATE))
-
-  def step(params, state, batch):
-    updates, state = tx.update(clipped_sum(params, batch), state, params)
-    return optax.apply_updates(params, updates), state
-
-  return step, (model.params, jax.eval_shape(tx.init, model.params),
-                _batched(model.example, batch_size)), ''
-
-
-def _reason(err: BaseException) -> str:
-  text = str(err).strip().splitlines()
-  return f'{type(err).__name__}: {text[0][:200] if text else ""}'
+  built = steps.jax_privacy(model.loss_fn, optax.adam(LEARNING_RATE),
+                            batch_size, jax_privacy)
+  return built.step, (model.params, jax.eval_shape(built.init, model.params),
+                      _batched(model.example, batch_size)), ''
 
 
 def cost_rows(model: Model, rows: tuple[str, ...] = ROWS,
@@ -260,7 +202,7 @@ def cost_rows(model: Model, rows: tuple[str, ...] = ROWS,
     `(records, skipped)`: the rows costed, and `{'model B row': reason}` for
     each that could not be.
   """
-  jax_privacy, missing = dpsgd_step.optional_import('jax_privacy')
+  jax_privacy, missing = harness.optional_import('jax_privacy')
   builders = {NON_PRIVATE: non_private, PLAN: poisson_plan,
               JAX_PRIVACY: lambda m, b: jax_privacy_step(m, b, jax_privacy)}
   for method in METHODS:
@@ -280,7 +222,7 @@ def cost_rows(model: Model, rows: tuple[str, ...] = ROWS,
           step, args, note = builders[row](model, batch_size)
           cost = dpsco_jax.compiled_cost(step, *args)
       except Exception as err:  # pylint: disable=broad-except
-        skipped[label] = _reason(err)
+        skipped[label] = harness.reason(err)
         log(f'skipped {label}: {skipped[label]}')
         continue
       records.append(Record(model.name, batch_size, row, cost, note))
@@ -325,20 +267,8 @@ def markdown_table(records: list[Record]) -> str:
   return '\n'.join(lines) + '\n'
 
 
-def header() -> str:
-  """Versions and device, for the report."""
-  versions = [f'jax {jax.__version__}', f'optax {optax.__version__}',
-              f'dpsco_jax {dpsco_jax.__version__}']
-  jax_privacy, _ = dpsgd_step.optional_import('jax_privacy')
-  if jax_privacy is not None:
-    versions.append(
-        f'jax_privacy {getattr(jax_privacy, "__version__", "?")}')
-  return (f'compiled for {jax.devices()[0].device_kind} (backend '
-          f'{jax.default_backend()}), never run; python '
-          f'{platform.python_version()}; ' + ', '.join(versions))
-
-
-def parse_args(argv: list[str]) -> argparse.Namespace:
+def parse_args(argv: list[str]):
+  """Parses command-line flags (`--rows` must keep the non-private row)."""
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--small_only', action='store_true',
                       help='cost the small model only (seconds, not minutes)')
@@ -347,18 +277,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   parser.add_argument('--output', default='',
                       help='also write the markdown report to this path')
   args = parser.parse_args(argv)
-  args.rows = tuple(r for r in args.rows.split(',') if r)
-  unknown = sorted(set(args.rows) - set(ROWS))
-  if unknown or NON_PRIVATE not in args.rows:
-    parser.error(f'unknown rows {unknown}, or no {NON_PRIVATE!r} row (the '
-                 f'denominator); choose from {ROWS}')
+  args.rows = harness.split_choices(parser, args.rows, ROWS, '--rows')
+  if NON_PRIVATE not in args.rows:
+    parser.error(f'no {NON_PRIVATE!r} row (the denominator) in --rows')
   return args
 
 
 def main(argv: list[str]) -> Optional[str]:
   """Costs the rows of every model and prints (and writes) the table."""
   args = parse_args(argv)
-  print(header(), flush=True)
+  header = harness.header_lines('compiled_cost.py', argv)
+  print('\n'.join(header), flush=True)
   models = [small_model()] + ([] if args.small_only else [decoder_model()])
   records, skipped = [], {}
   for model in models:
@@ -367,8 +296,9 @@ def main(argv: list[str]) -> Optional[str]:
     records += got
     skipped.update(missed)
   report = '\n'.join(
-      [f'- {header()}', '- command: python benchmarks/compiled_cost.py ' +
-       ' '.join(argv), '', markdown_table(records)] +
+      [f'- {line}' for line in header] + ['- compiled for the device '
+                                           'above, never run', '',
+                                           markdown_table(records)] +
       [f'- skipped {label}: {reason}' for label, reason in skipped.items()])
   print(report)
   if args.output:

@@ -18,8 +18,8 @@ Usage:
   python benchmarks/mf_noise.py [--rounds 5] [--iters 20] [--skip_optimize]
 """
 
-import argparse
-import statistics
+import os
+import sys
 import time
 
 from absl import logging
@@ -27,8 +27,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import harness
+
 from dpsco_jax import noise
 from dpsco_jax import strategies
+# pylint: enable=g-import-not-at-top,wrong-import-position
 
 NUM_STEPS = 600
 DIMS = (7_850, 30_730)
@@ -67,7 +72,8 @@ def _noise_step(mechanism, dim, start_step):
   return step, state
 
 
-def time_noise(rounds: int, iters: int) -> None:
+def time_noise(rounds: int, iters: int, warmup: int) -> None:
+  """Part 2: noise per step, side by side on `harness.time_rows`."""
   print('\n== noise per step, T = 600 (median over rounds) ==')
   c = strategies.optimize_strategy(strategies.workload(NUM_STEPS), 6)
   banded = strategies.optimize_strategy(strategies.workload(NUM_STEPS), 6,
@@ -81,42 +87,29 @@ def time_noise(rounds: int, iters: int) -> None:
                                NUM_STEPS // 2),
   }
   for dim in DIMS:
-    compiled = {}
+    rows = {}
     for name, (mechanism, start) in variants.items():
       step, state = _noise_step(mechanism, dim, start)
-      out, state = step(state)
-      jax.block_until_ready(out)
-      compiled[name] = [step, state]
-    times = {name: [] for name in variants}
-    names = list(variants)
-    for r in range(rounds):
-      for name in names[r % len(names):] + names[:r % len(names)]:
-        step, state = compiled[name]
-        begin = time.perf_counter()
-        for _ in range(iters):
-          out, state = step(state)
-        jax.block_until_ready(out)
-        times[name].append((time.perf_counter() - begin) / iters)
-        compiled[name][1] = state
-    reference = statistics.median(times['gaussian'])
+      rows[name] = harness.loop_row(name, lambda c, s=step: s(c[1]),
+                                    (None, state))
+    rows, skipped = harness.build_rows({n: (lambda r=r: r)
+                                        for n, r in rows.items()})
+    times = harness.time_rows(rows, iters, warmup, rounds, skipped)
     print(f'd = {dim}')
-    for name in names:
-      median = statistics.median(times[name])
-      print(f'  {name:<22} {1e3 * median:8.3f} ms  x{median / reference:6.1f}'
-            ' of gaussian', flush=True)
+    for record in harness.summarize(times, 'gaussian', ratio_name='ratio'):
+      print(f'  {record["row"]:<22} {record["median ms"]:>8} ms  '
+            f'{record["ratio"]:>7} of gaussian', flush=True)
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--rounds', type=int, default=5)
-  parser.add_argument('--iters', type=int, default=20)
+  parser = harness.timing_parser(__doc__, iters=20, warmup=0, rounds=5)
   parser.add_argument('--skip_optimize', action='store_true')
-  args = parser.parse_args()
+  args = harness.parse_timing(parser, sys.argv[1:])
   logging.set_verbosity(logging.WARNING)
-  print(f'jax {jax.__version__}, devices {jax.devices()}')
+  print('\n'.join(harness.header_lines('mf_noise.py', sys.argv[1:], ())))
   if not args.skip_optimize:
     time_optimization()
-  time_noise(args.rounds, args.iters)
+  time_noise(args.rounds, args.iters, args.warmup)
 
 
 if __name__ == '__main__':

@@ -34,15 +34,20 @@ Usage (from the repository root)::
 
 from __future__ import annotations
 
-import argparse
+import os
 import statistics
-import time
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import harness
+
 from dpsco_jax import smoothing
+# pylint: enable=g-import-not-at-top,wrong-import-position
 
 MODELS = {
     # name: (layer widths, tokens per example; 0 = a flat input)
@@ -104,13 +109,6 @@ def variants(model: str, batch: int, directions: int):
   return out
 
 
-def peak_bytes(fn, args) -> int:
-  """XLA's peak estimate: temporaries + arguments + outputs."""
-  analysis = fn.lower(*args).compile().memory_analysis()
-  return int(analysis.temp_size_in_bytes + analysis.argument_size_in_bytes +
-             analysis.output_size_in_bytes)
-
-
 def run_model(model: str, args) -> None:
   """Prints one model's table."""
   widths, tokens = MODELS[model]
@@ -121,19 +119,15 @@ def run_model(model: str, args) -> None:
         + f' ({num_params:,} parameters), batch {args.batch}, '
         f'm = {args.directions} directions per point')
   fns = variants(model, args.batch, args.directions)
-  memory = {name: peak_bytes(fn, a) for name, (fn, a) in fns.items()}
-  for fn, a in fns.values():  # compile and warm up outside the timing
-    jax.block_until_ready(fn(*a))
-  times = {name: [] for name in fns}
-  names = list(fns)
-  for r in range(args.rounds):
-    for name in names[r % len(names):] + names[:r % len(names)]:
-      fn, a = fns[name]
-      start = time.perf_counter()
-      for _ in range(args.iters):
-        jax.block_until_ready(fn(*a))
-      times[name].append((time.perf_counter() - start) / args.iters)
+  memory = {name: harness.compiled_peak_bytes(fn, *a)
+            for name, (fn, a) in fns.items()}
+  rows, skipped = harness.build_rows({
+      name: (lambda name=name, fn=fn, a=a: harness.loop_row(
+          name, lambda _: fn(*a), None)) for name, (fn, a) in fns.items()})
+  times = harness.time_rows(rows, args.iters, args.warmup, args.rounds,
+                            skipped)
   median = {name: statistics.median(t) for name, t in times.items()}
+  names = list(times)
   base = 'non-private'
   print('\n| statistic | peak memory (MiB) | x non-private | step (ms) | '
         'x non-private |')
@@ -150,15 +144,16 @@ def run_model(model: str, args) -> None:
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser = harness.timing_parser(__doc__, iters=2, warmup=0, rounds=3)
   parser.add_argument('--batch', type=int, default=32)
   parser.add_argument('--directions', type=int, default=8)
-  parser.add_argument('--rounds', type=int, default=3)
-  parser.add_argument('--iters', type=int, default=2)
   parser.add_argument('--models', default=','.join(MODELS))
-  args = parser.parse_args()
-  print(f'jax {jax.__version__}, devices {jax.devices()}')
-  for model in args.models.split(','):
+  args = harness.parse_timing(parser, sys.argv[1:])
+  args.models = harness.split_choices(parser, args.models, tuple(MODELS),
+                                      '--models')
+  print('\n'.join(harness.header_lines('nonsmooth_memory.py', sys.argv[1:],
+                                       ())))
+  for model in args.models:
     run_model(model, args)
 
 

@@ -27,16 +27,21 @@ Usage (from the repository root)::
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import time
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import harness
+
 from dpsco_jax import accounting
 from dpsco_jax import outlier_removal
+# pylint: enable=g-import-not-at-top,wrong-import-position
 
 EPSILON, DELTA = 2.0, 1e-6
 # Point arrays above this are skipped (2 GiB): the K x d points must fit.
@@ -60,19 +65,16 @@ def time_one(size: int, dim: int, rounds: int, iters: int) -> tuple:
   robust = jax.jit(lambda p, k: outlier_removal.private_robust_mean(
       p, calibration, k).value)
   variants = {'clipped mean': clipped, 'outlier removal': robust}
-  key = jax.random.key(0)
-  for fn in variants.values():
-    jax.block_until_ready(fn(points, key))
-  times = {name: [] for name in variants}
-  names = list(variants)
-  for r in range(rounds):
-    for name in names[r % 2:] + names[:r % 2]:
-      start = time.perf_counter()
-      for i in range(iters):
-        out = variants[name](points, jax.random.fold_in(key, i))
-      jax.block_until_ready(out)
-      times[name].append((time.perf_counter() - start) / iters)
-  return tuple(float(np.median(times[name])) for name in names)
+  # The carry counts releases: each draws its noise from a fresh key.
+  rows, skipped = harness.build_rows({
+      name: (lambda name=name, fn=fn: harness.loop_row(
+          name, lambda c: (c[0] + 1, fn(points, jax.random.fold_in(
+              jax.random.key(0), c[0]))), (0, None)))
+      for name, fn in variants.items()})
+  times = harness.time_rows(rows, iters, 0, rounds, skipped)
+  if skipped:
+    raise RuntimeError(f'not timed: {skipped}')
+  return tuple(float(np.median(times[name])) for name in variants)
 
 
 def print_constants() -> None:
@@ -99,17 +101,16 @@ def print_constants() -> None:
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--rounds', type=int, default=5)
-  parser.add_argument('--iters', type=int, default=3)
+  parser = harness.timing_parser(__doc__, iters=3, warmup=0, rounds=5)
   parser.add_argument('--sizes', default='256,1024,4096')
   parser.add_argument('--dims', default='100,10000,100000')
   parser.add_argument('--constants', action='store_true')
-  args = parser.parse_args()
+  args = harness.parse_timing(parser, sys.argv[1:])
   if args.constants:
     print_constants()
     return
-  print(f'jax {jax.__version__}, devices {jax.devices()}')
+  print('\n'.join(harness.header_lines('outlier_removal_step.py',
+                                       sys.argv[1:], ())))
   print('| K | d | clipped mean (ms) | outlier removal (ms) | ratio |')
   print('|---|---|---|---|---|')
   sizes = [int(v) for v in args.sizes.split(',')]

@@ -41,6 +41,7 @@ from scipy import stats
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # pylint: disable=g-import-not-at-top,wrong-import-position
+import dpsco_jax
 from dpsco_jax import physical
 from dpsco_jax import plans
 
@@ -58,14 +59,8 @@ class Cost(NamedTuple):
 
 def program_cost(fn: Callable[..., Any], *args: Any) -> Cost:
   """The compiled cost of `fn` at the shapes of `args` (not executed)."""
-  shapes = jax.tree_util.tree_map(
-      lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jax.typeof(x).dtype)
-      if not isinstance(x, jax.ShapeDtypeStruct) else x, args)
-  analysis = jax.jit(fn).lower(*shapes).compile().cost_analysis()
-  if isinstance(analysis, (list, tuple)):
-    analysis = analysis[0]
-  return Cost(float(analysis.get('flops', 0.0)),
-              float(analysis.get('bytes accessed', 0.0)))
+  cost = dpsco_jax.compiled_cost(fn, *args)
+  return Cost(cost.flops, cost.bytes_accessed)
 
 
 def mlp(input_dim: int, hidden: int):

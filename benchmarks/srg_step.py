@@ -45,7 +45,6 @@ Usage (from the repository root)::
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import warnings
@@ -56,9 +55,14 @@ import numpy as np
 import optax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import dpsgd_step  # pylint: disable=g-import-not-at-top,wrong-import-position
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import dpsgd_step
+import harness
+import models
+import steps
 
-import dpsco_jax  # pylint: disable=g-import-not-at-top,wrong-import-position
+import dpsco_jax
+# pylint: enable=g-import-not-at-top,wrong-import-position
 
 # Capacity of the MEMF strategies (dense, so kept small): more than
 # compile + warm-up + timed steps.
@@ -79,36 +83,25 @@ RATIOS = (
 )
 
 
-def _jitted(tx: optax.GradientTransformationExtraArgs,
-            params) -> dpsgd_step.Variant:
-  @jax.jit
-  def step(params, state, batch):
-    updates, state = tx.update(None, state, params, batch=batch)
-    return optax.apply_updates(params, updates), state
-  return dpsgd_step.Variant(step, tx.init(params))
-
-
 VARIANTS = ('non-private', 'dpsgd', 'srg', 'srg regenerated prefix',
             'accelerated_srgd', 'dpmemf', 'dp_srg_memf', 'dpsgd clip only',
             'srg clip only')
 
 
-def clip_only_variant(model: dpsgd_step.Model,
-                      difference: bool) -> dpsgd_step.Variant:
+def clip_only_variant(apply, difference: bool) -> steps.Step:
   """The clipped sum (default path) over B, then sgd: no noise.
 
   NOT private: it isolates the cost of the clipped statistic (per-example
   gradients for `dpsgd`, differences at x_t and x_{t-1} with SRG's
   coefficients for `srg`) from the noise mechanisms' per-step draws.
   """
-  loss = dpsgd_step.example_loss_fn(model.apply)
+  loss = models.example_loss_fn(apply)
   sgd = optax.sgd(dpsgd_step.LEARNING_RATE)
   if difference:
-    statistic = dpsco_jax.clipped_grad_difference_sum(loss, dpsgd_step.L2_CLIP)
+    statistic = dpsco_jax.clipped_grad_difference_sum(loss, steps.L2_CLIP)
   else:
-    statistic = dpsco_jax.clipped_grad_sum(loss, dpsgd_step.L2_CLIP)
+    statistic = dpsco_jax.clipped_grad_sum(loss, steps.L2_CLIP)
 
-  @jax.jit
   def step(params, state, batch):
     prev, count, sgd_state = state
     args = (params, prev, count + 1.0, count) if difference else (params,)
@@ -118,17 +111,16 @@ def clip_only_variant(model: dpsgd_step.Model,
     return (optax.apply_updates(params, updates),
             (params, count + 1.0, sgd_state))
 
-  return dpsgd_step.Variant(
-      step, (model.params, jnp.float32(0.0), sgd.init(model.params)))
+  return steps.Step(step, lambda params: (params, jnp.float32(0.0),
+                                          sgd.init(params)))
 
 
-def make_variants(model: dpsgd_step.Model,
-                  only: tuple[str, ...] = VARIANTS
-                  ) -> dict[str, dpsgd_step.Variant]:
-  """The variants of the module docstring named in `only`, for `model`."""
-  loss = dpsgd_step.example_loss_fn(model.apply)
-  common = dict(l2_clip=dpsgd_step.L2_CLIP,
-                noise_multiplier=dpsgd_step.NOISE_MULTIPLIER, key=0)
+def make_variants(apply, only: tuple[str, ...] = VARIANTS
+                  ) -> dict[str, steps.Step]:
+  """The variants of the module docstring named in `only`, for `apply`."""
+  loss = models.example_loss_fn(apply)
+  common = dict(l2_clip=steps.L2_CLIP,
+                noise_multiplier=steps.NOISE_MULTIPLIER, key=0)
   sgd = optax.sgd(dpsgd_step.LEARNING_RATE)
   strategy = np.tril(np.ones((NUM_STEPS, NUM_STEPS))) / np.sqrt(NUM_STEPS)
   memf = dict(strategy=strategy, steps_per_epoch=NUM_STEPS,
@@ -155,38 +147,34 @@ def make_variants(model: dpsgd_step.Model,
   }
   variants = {}
   if 'non-private' in only:
-    variants['non-private'] = dpsgd_step.non_private_variant(model)
+    variants['non-private'] = steps.non_private(loss, sgd)
   for name, build in builds.items():
     if name in only:
-      variants[name] = _jitted(build(), model.params)
+      variants[name] = steps.transformation(build())
   for name, difference in (('dpsgd clip only', False),
                            ('srg clip only', True)):
     if name in only:
-      variants[name] = clip_only_variant(model, difference)
+      variants[name] = clip_only_variant(apply, difference)
   return variants
 
 
-def describe_paths(model: dpsgd_step.Model, batch: dpsgd_step.Batch) -> str:
+def describe_paths(params, apply, batch) -> str:
   """Which path the clipped statistics take, and ghost-vs-vmap agreement."""
-  loss = dpsgd_step.example_loss_fn(model.apply)
-  params = model.params
+  loss = models.example_loss_fn(apply)
   # The previous point of a mid-run step: a small step away.
   prev = jax.tree_util.tree_map(lambda p: p * 0.99 + 1e-3, params)
   args = (params, prev, 5.0, 4.0)
   with warnings.catch_warnings():
     warnings.simplefilter('ignore', dpsco_jax.GhostClippingFallbackWarning)
     paths = {
-        'dpsgd': dpsco_jax.clipped_grad_sum(loss, dpsgd_step.L2_CLIP)
+        'dpsgd': dpsco_jax.clipped_grad_sum(loss, steps.L2_CLIP)
                  .ghost_plan(batch, params),
-        'srg': dpsco_jax.clipped_grad_difference_sum(loss, dpsgd_step.L2_CLIP)
+        'srg': dpsco_jax.clipped_grad_difference_sum(loss, steps.L2_CLIP)
                .ghost_plan(batch, *args)}
   sums = [jax.jit(dpsco_jax.clipped_grad_difference_sum(
-      loss, dpsgd_step.L2_CLIP, clipping_method=method))(batch, *args)
+      loss, steps.L2_CLIP, clipping_method=method))(batch, *args)
           for method in ('ghost', 'vmap')]
-  ghost, vmap = (np.concatenate([np.ravel(leaf) for leaf in
-                                 jax.tree_util.tree_leaves(s.sum)])
-                 for s in sums)
-  difference = np.max(np.abs(ghost - vmap)) / np.max(np.abs(vmap))
+  difference = steps.max_relative_difference(sums[0].sum, sums[1].sum)
   taken = ', '.join(f'{name} {"ghost" if plan is not None else "vmap"}'
                     for name, plan in paths.items())
   return (f'  paths: {taken}; ghost vs vmap clipped difference sum '
@@ -194,17 +182,13 @@ def describe_paths(model: dpsgd_step.Model, batch: dpsgd_step.Batch) -> str:
           f'{int(sums[0].num_clipped)} vs {int(sums[1].num_clipped)}')
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-  """`dpsgd_step`'s flags, and `--only`."""
-  parser = argparse.ArgumentParser(add_help=False)
+def parse_args(argv: list[str]):
+  """The harness's timing flags, and `--only`."""
+  parser = harness.timing_parser(__doc__, iters=5, warmup=1, rounds=5)
   parser.add_argument('--only', default=','.join(VARIANTS),
                       help=f'comma-separated subset of {VARIANTS}')
-  known, rest = parser.parse_known_args(argv)
-  args = dpsgd_step.parse_args(rest)
-  args.only = tuple(known.only.split(','))
-  unknown = sorted(set(args.only) - set(VARIANTS))
-  if unknown:
-    raise SystemExit(f'unknown variants {unknown}; choose from {VARIANTS}')
+  args = harness.parse_timing(parser, argv)
+  args.only = harness.split_choices(parser, args.only, VARIANTS, '--only')
   return args
 
 
@@ -220,19 +204,20 @@ def main(argv: list[str]) -> None:
   # The variants reuse a fixed noise key on purpose: these runs only time
   # steps, they release nothing.
   warnings.filterwarnings('ignore', category=dpsco_jax.keys.KeyReuseWarning)
-  dpsgd_step.print_header(dpsco_jax, '', None, 'not measured here', args)
+  print('\n'.join(harness.header_lines('srg_step.py', argv, optional=())))
   print(f'variants {", ".join(args.only)}; steps per round: --iters x '
         f'{scales[0]} (logistic regression), x {scales[1]} (MLP); load '
         f'average {", ".join(f"{x:.2f}" for x in os.getloadavg())}')
   rng = np.random.default_rng(dpsgd_step.DATA_SEED)
-  models = dpsgd_step.make_models(rng)
-  batch = dpsgd_step.make_batch(rng)
-  for model, scale in zip(models, scales):
-    times = dpsgd_step.benchmark(model, make_variants(model, args.only),
-                                 batch, args.iters * scale, args.warmup,
-                                 args.rounds)
-    dpsgd_step.print_results(model, times, RATIOS)
-    print(describe_paths(model, batch))
+  problems = dpsgd_step.make_models(rng)
+  batch = models.make_batch(rng, dpsgd_step.BATCH_SIZE)
+  for (name, (params, apply)), scale in zip(problems.items(), scales):
+    rows, skipped = dpsgd_step.step_rows(make_variants(apply, args.only),
+                                         params, batch)
+    times = harness.time_rows(rows, args.iters * scale, args.warmup,
+                              args.rounds, skipped)
+    harness.print_results(name, times, RATIOS, 'non-private', skipped)
+    print(describe_paths(params, apply, batch))
   print(f'load average at the end '
         f'{", ".join(f"{x:.2f}" for x in os.getloadavg())}')
 

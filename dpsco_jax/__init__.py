@@ -45,6 +45,13 @@ The curated public API. Modules, one concern each:
   calibrated transformation chained with your optimizer, the batches it is
   accounted for (checked in every step), the accounting event and the
   ledger, all from one description, and its compiled step (`Plan.step`);
+* `dpsco_jax.plan_config`: the validated configs every plan shares
+  (privacy target, sampling, clipping, devices, noise key), each keyword
+  documented once;
+* `dpsco_jax.accountants`: one accounting interface for plans (calibrate,
+  epsilon at a step, event, ledger) and its implementations;
+* `dpsco_jax.runs`: a whole run of a plan as one compiled program
+  (`Plan.run`), vmapped over runs, with the guards on;
 * `dpsco_jax.progress`: progress lines on stderr for long work (strategy
   optimization, calibration, compilation); `DPSCO_JAX_PROGRESS=0` silences
   them;
@@ -73,6 +80,7 @@ The curated public API. Modules, one concern each:
   epsilon lower bounds (Clopper-Pearson, one-run) to set beside the claim.
 """
 
+from dpsco_jax import accountants
 from dpsco_jax import accounting
 from dpsco_jax import adaptive_clipping
 from dpsco_jax import audit
@@ -90,11 +98,13 @@ from dpsco_jax import neighboring
 from dpsco_jax import noise
 from dpsco_jax import outlier_removal
 from dpsco_jax import parallel
+from dpsco_jax import plan_config
 from dpsco_jax import plans
 from dpsco_jax import preprocessing
 from dpsco_jax import profiling
 from dpsco_jax import progress
 from dpsco_jax import rounding
+from dpsco_jax import runs
 from dpsco_jax import smoothing
 from dpsco_jax import strategies
 from dpsco_jax import tuning
@@ -177,6 +187,7 @@ from dpsco_jax.tuning import random_search
 from dpsco_jax.tuning import search_epsilon
 
 __all__ = (
+    'accountants',
     'accounting',
     'adaptive_clipping',
     'audit',
@@ -193,10 +204,12 @@ __all__ = (
     'noise',
     'outlier_removal',
     'parallel',
+    'plan_config',
     'plans',
     'preprocessing',
     'profiling',
     'progress',
+    'runs',
     'smoothing',
     'strategies',
     'tuning',

@@ -54,6 +54,18 @@ PyTree = Any
 Relation = neighboring.NeighboringRelation
 
 
+_TARGET_EPSILON_DOC = 'The epsilon asked for, or None when the noise was given.'
+_DELTA_DOC = "The run's delta."
+
+
+def _target_epsilon(accountant: 'Accountant') -> Optional[float]:
+  return accountant.target.target_epsilon
+
+
+def _delta(accountant: 'Accountant') -> float:
+  return float(accountant.target.delta)
+
+
 class Accountant(abc.ABC):
   """What a plan asks of its accounting (see the module docstring).
 
@@ -190,13 +202,19 @@ class GaussianAccountant(Accountant):
                event=accounting.dp_event(mechanism, multiplier, participation,
                                          target.releases))
 
-  noise_multiplier = property(lambda self: self.ledger.noise_multiplier)
-  participation = property(lambda self: self.ledger.participation)
-  epsilon = property(lambda self: self.ledger.planned_epsilon)
-  target_epsilon = property(lambda self: self.target.target_epsilon)
-  delta = property(lambda self: float(self.target.delta))
-  method = property(lambda self: self.target.method)
-  num_steps = property(lambda self: self.ledger.num_steps)
+  noise_multiplier = property(
+      lambda self: self.ledger.noise_multiplier,
+      doc='The calibrated (or given) noise multiplier (the ledger\'s).')
+  participation = property(lambda self: self.ledger.participation,
+                           doc='How the batches are formed.')
+  epsilon = property(lambda self: self.ledger.planned_epsilon,
+                     doc='Spent by the whole run (the ledger\'s plan).')
+  target_epsilon = property(_target_epsilon, doc=_TARGET_EPSILON_DOC)
+  delta = property(_delta, doc=_DELTA_DOC)
+  method = property(lambda self: self.target.method,
+                    doc='The accounting method.')
+  num_steps = property(lambda self: self.ledger.num_steps,
+                       doc='The steps accounted for.')
 
   def epsilon_at(self, step: int) -> float:
     # The ledger checks the step itself and spends the releases from step 0.
@@ -271,8 +289,8 @@ class Diff2Accountant(Accountant):
                noise_multiplier=multipliers, target=target,
                accounting_delta=delta, method=method)
 
-  target_epsilon = property(lambda self: self.target.target_epsilon)
-  delta = property(lambda self: float(self.target.delta))
+  target_epsilon = property(_target_epsilon, doc=_TARGET_EPSILON_DOC)
+  delta = property(_delta, doc=_DELTA_DOC)
 
   def noise_record(self) -> dict[str, float]:
     """The two multipliers by name, e.g. `{'restart': 2.0, 'difference': 3.0}`.
@@ -288,6 +306,7 @@ class Diff2Accountant(Accountant):
 
   @property
   def event(self) -> dp_accounting.DpEvent:
+    """The `dp_accounting` event of the R rounds."""
     return diff2_accounting.diff2_dp_event(self.num_steps, self.period,
                                            self.noise_multiplier)
 

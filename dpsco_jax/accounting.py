@@ -46,465 +46,54 @@ for (`ClippedStatistic.sensitivity(relation)`): the relation's factor is in
 the noise, so the accountant sees a unit-sensitivity mechanism. It must be
 finite and >= 0 under every method (`dpsco_jax.checks.noise_multiplier`);
 0 is a Gaussian mechanism without noise, whose epsilon is `inf`.
+
+The pieces live in their own modules and are re-exported here:
+`dpsco_jax.participation` (the patterns, `GaussianRelease`),
+`dpsco_jax.dp_events` (sensitivities and `dp_event`) and
+`dpsco_jax.closed_forms` (zCDP and GDP); this module computes the epsilon
+spent and calibrates the noise.
 """
 
 import contextlib
-import dataclasses
 import functools
 import logging
 import math
 import warnings
-from typing import Optional, Union
 
 import dp_accounting
-import numpy as np
 from scipy import optimize
-from scipy import stats
 
 from dpsco_jax import checks
 from dpsco_jax import keywords
 from dpsco_jax import neighboring
 from dpsco_jax import noise as noise_lib
+# pylint: disable=unused-import
+from dpsco_jax.closed_forms import _closed_form_epsilon
+from dpsco_jax.closed_forms import _closed_form_multiplier
+from dpsco_jax.closed_forms import epsilon_for_gdp
+from dpsco_jax.closed_forms import gdp_delta
+from dpsco_jax.closed_forms import paper_gdp_mu
+from dpsco_jax.closed_forms import zcdp_epsilon
+from dpsco_jax.closed_forms import zcdp_rho
+from dpsco_jax.dp_events import cyclic_poisson_structure
+from dpsco_jax.dp_events import dp_event
+from dpsco_jax.dp_events import mechanism_sensitivity
+from dpsco_jax.dp_events import participation_sensitivity
+from dpsco_jax.dp_events import tree_aggregation_event
+from dpsco_jax.participation import _releases
+from dpsco_jax.participation import CyclicPoissonSampling
+from dpsco_jax.participation import FixedOrder
+from dpsco_jax.participation import GaussianRelease
+from dpsco_jax.participation import Participation
+from dpsco_jax.participation import PoissonSampling
+from dpsco_jax.participation import releases_mu
+from dpsco_jax.participation import Shuffled
+from dpsco_jax.participation import single_epoch
+from dpsco_jax.participation import validate_epsilon_delta
+# pylint: enable=unused-import
+
 
 METHODS = ('pld', 'rdp', 'zcdp', 'gdp_paper')
-
-
-@dataclasses.dataclass(frozen=True)
-class _Epochs:
-  """Participation over epochs of equally many steps.
-
-  Attributes:
-    num_epochs: k, passes over the data.
-    steps_per_epoch: b, batches per epoch.
-  """
-
-  num_epochs: int
-  steps_per_epoch: int
-
-  @property
-  def num_steps(self) -> int:
-    return self.num_epochs * self.steps_per_epoch
-
-
-@dataclasses.dataclass(frozen=True)
-class FixedOrder(_Epochs):
-  """Batches in a fixed public order, repeated every epoch ((k, b) pattern)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Shuffled(_Epochs):
-  """Each example at most once per epoch, anywhere in the epoch."""
-
-
-@dataclasses.dataclass(frozen=True)
-class PoissonSampling:
-  """Each example joins each batch independently with probability q.
-
-  Attributes:
-    sampling_probability: q in (0, 1].
-    num_steps: number of steps.
-  """
-
-  sampling_probability: float
-  num_steps: int
-
-
-@dataclasses.dataclass(frozen=True)
-class CyclicPoissonSampling:
-  """Cyclic Poisson sampling over fixed partitions (Amplified BandMF).
-
-  Example i belongs to partition `i mod num_partitions`; step t draws each
-  example of partition `t mod num_partitions` independently with
-  probability q. Any two steps one example can take part in are at least b
-  = `num_partitions` apart (b-min-separation), and it takes part in at most
-  `ceil(T / b)` of them, each with probability q (Choquette-Choo et al.
-  2023, "(Amplified) banded matrix factorization").
-
-  Attributes:
-    sampling_probability: q in (0, 1].
-    num_steps: T.
-    num_partitions: b.
-  """
-
-  sampling_probability: float
-  num_steps: int
-  num_partitions: int
-
-  @property
-  def max_participations(self) -> int:
-    """The most steps one partition (so one example) can take part in."""
-    return -(-self.num_steps // self.num_partitions)
-
-
-Participation = Union[FixedOrder, Shuffled, PoissonSampling,
-                      CyclicPoissonSampling]
-
-
-@dataclasses.dataclass(frozen=True)
-class GaussianRelease:
-  """A Gaussian mechanism run once on the training data besides the steps.
-
-  Private preprocessing (`dpsco_jax.preprocessing.dp_standardization`: the
-  features' mean and variance) releases statistics of the same examples
-  the run trains on, so its privacy composes with the run's: every
-  accounting function takes `releases=` and spends them together with the
-  steps (`epsilon_spent`), calibrates the steps' noise to what they leave
-  of the target (`calibrate_noise_multiplier`), and the ledger reports
-  their epsilon from step 0 on.
-
-  A Gaussian mechanism whose noise std is `noise_multiplier` times its l2
-  sensitivity is `GaussianDpEvent(noise_multiplier)`, i.e. mu-GDP with
-  `mu = 1 / noise_multiplier`; several compose to one with
-  `mu^2 = sum 1 / noise_multiplier_i^2` (`releases_mu`).
-
-  Example:
-    >>> release = GaussianRelease('feature mean and variance', 40.0)
-    >>> epsilon_spent(mech, z, participation, 1e-5, releases=[release])
-
-  Attributes:
-    name: what was released, for records.
-    noise_multiplier: the noise std over the release's l2 sensitivity under
-      `neighboring_relation`; finite and > 0.
-    neighboring_relation: the relation its sensitivity was derived for (the
-      value of a `neighboring.NeighboringRelation`); it must be the run's.
-  """
-
-  name: str
-  noise_multiplier: float
-  neighboring_relation: str = neighboring.NeighboringRelation.ADD_OR_REMOVE.value
-
-  def __post_init__(self):
-    value = checks.noise_multiplier(self.noise_multiplier,
-                                    f'noise_multiplier of {self.name!r}')
-    if value == 0.0:
-      raise ValueError(f'the release {self.name!r} has no noise: it is not '
-                       'private (epsilon inf); give it a noise multiplier > 0')
-    object.__setattr__(self, 'noise_multiplier', value)
-    object.__setattr__(self, 'neighboring_relation', neighboring.
-                       NeighboringRelation(self.neighboring_relation).value)
-
-
-def _releases(releases, relation=None) -> tuple:
-  """The releases as a tuple, checked (and against the run's relation)."""
-  releases = tuple(releases or ())
-  for release in releases:
-    if not isinstance(release, GaussianRelease):
-      raise TypeError(f'releases must be GaussianRelease, got {release!r}')
-    if relation is not None and release.neighboring_relation != (
-        neighboring.NeighboringRelation(relation).value):
-      raise ValueError(
-          f'the release {release.name!r} was calibrated for '
-          f'{release.neighboring_relation} neighbours, the run for '
-          f'{neighboring.NeighboringRelation(relation).value}: its sensitivity '
-          'would not be the one accounted; compute it for the run\'s relation')
-  return releases
-
-
-def releases_mu(releases) -> float:
-  """The GDP parameter of the releases together: `sqrt(sum 1 / z_i^2)`.
-
-  Example:
-    >>> releases_mu([GaussianRelease('a', 3.0), GaussianRelease('b', 4.0)])
-    0.4166...
-
-  Args:
-    releases: `GaussianRelease`s.
-
-  Returns:
-    mu (0 for none).
-  """
-  return math.sqrt(sum(release.noise_multiplier ** -2
-                       for release in _releases(releases)))
-
-
-def single_epoch(num_steps: int) -> FixedOrder:
-  """Each example in at most one of `num_steps` steps (one pass).
-
-  Args:
-    num_steps: number of steps.
-
-  Returns:
-    `FixedOrder(1, num_steps)`.
-  """
-  return FixedOrder(num_epochs=1, steps_per_epoch=num_steps)
-
-
-def validate_epsilon_delta(epsilon: Optional[float], delta: float) -> None:
-  """Raises ValueError unless epsilon > 0 (when given) and 0 < delta < 1.
-
-  Args:
-    epsilon: target epsilon, or None when only delta is checked.
-    delta: target delta.
-  """
-  if epsilon is not None and not (float(epsilon) > 0 and
-                                  math.isfinite(float(epsilon))):
-    raise ValueError(f'epsilon must be positive and finite, got {epsilon!r}')
-  if not 0.0 < float(delta) < 1.0:
-    raise ValueError(f'delta must be in (0, 1), got {delta!r}')
-
-
-def _validate_participation(participation: Participation) -> None:
-  if isinstance(participation, (FixedOrder, Shuffled)):
-    checks.positive_int(participation.num_epochs, 'num_epochs')
-    checks.positive_int(participation.steps_per_epoch, 'steps_per_epoch')
-  elif isinstance(participation, (PoissonSampling, CyclicPoissonSampling)):
-    checks.positive_int(participation.num_steps, 'num_steps')
-    if isinstance(participation, CyclicPoissonSampling):
-      checks.positive_int(participation.num_partitions, 'num_partitions')
-    q = float(participation.sampling_probability)
-    if not 0.0 < q <= 1.0:
-      raise ValueError(f'sampling_probability must be in (0, 1], got {q!r}')
-  else:
-    raise ValueError(f'unknown participation pattern {participation!r}')
-
-
-def participation_sensitivity(encoder: np.ndarray,
-                              participation: Participation) -> float:
-  """l2 sensitivity of `x -> C x` when one example changes.
-
-  One example contributes a vector of norm <= 1 (after dividing by the
-  per-step sensitivity) at each step it takes part in. With G = C^T C the
-  squared sensitivity is the largest `sum_{s,t} |G[s, t]|` over the steps
-  s, t one example can share. This is exact when those entries of G can be
-  made non-negative by flipping the signs of the example's contributions:
-  non-negative C (trees, identity, non-negative factorizations), strategies
-  whose Gram is zero between steps an example shares (the orthogonality of
-  `strategies.optimize_strategy`), and any C when an example takes part at
-  most twice. Otherwise it is an upper bound, never an underestimate. For `Shuffled`, the worst step in each pair of epochs is
-  taken, which is exact when G has no cross-epoch entries (e.g. trees
-  restarted every epoch) and an upper bound otherwise.
-
-  Args:
-    encoder: `C`, shape `[rows, num_steps]`.
-    participation: `FixedOrder` or `Shuffled`.
-
-  Returns:
-    The sensitivity in units of one step's sensitivity.
-
-  Raises:
-    ValueError: if the pattern's step count differs from the encoder's.
-  """
-  _validate_participation(participation)
-  if isinstance(participation, (PoissonSampling, CyclicPoissonSampling)):
-    raise ValueError('Poisson sampling has no fixed participation; it is '
-                     'accounted by amplification instead')
-  encoder = np.asarray(encoder, dtype=np.float64)
-  k, b = participation.num_epochs, participation.steps_per_epoch
-  if encoder.shape[1] != k * b:
-    raise ValueError(
-        f'the mechanism covers {encoder.shape[1]} steps but the participation '
-        f'pattern has {k} x {b} = {k * b}')
-  gram = np.abs(encoder.T @ encoder).reshape(k, b, k, b)
-  if isinstance(participation, FixedOrder):
-    # Example in batch j: steps (i*b + j) for every epoch i.
-    per_batch = np.einsum('ijlj->j', gram)
-    return float(np.sqrt(per_batch.max()))
-  worst = gram.max(axis=(1, 3))
-  return float(np.sqrt(worst.sum()))
-
-
-def _encoder_for(mechanism: noise_lib.NoiseMechanism,
-                 participation: Participation) -> np.ndarray:
-  if mechanism.num_steps is None:
-    return np.eye(participation.num_steps)
-  if mechanism.num_steps != participation.num_steps:
-    raise ValueError(
-        f'the mechanism was built for {mechanism.num_steps} steps but the '
-        f'participation pattern has {participation.num_steps}: account for '
-        'exactly the steps the noise allows')
-  return mechanism.encoder_matrix()
-
-
-def _is_iid(mechanism: noise_lib.NoiseMechanism, steps: int) -> bool:
-  if mechanism.num_steps is None or mechanism.name == 'gaussian':
-    return mechanism.release == 'per_step'
-  encoder = mechanism.encoder_matrix()
-  return (mechanism.release == 'per_step' and encoder.shape == (steps, steps)
-          and np.array_equal(encoder, np.eye(steps)))
-
-
-def mechanism_sensitivity(mechanism: noise_lib.NoiseMechanism,
-                          participation: Participation) -> float:
-  """Sensitivity of a whole run of `mechanism` under `participation`.
-
-  Args:
-    mechanism: a noise mechanism.
-    participation: `FixedOrder` or `Shuffled`.
-
-  Returns:
-    The run's l2 sensitivity in units of one step's sensitivity.
-  """
-  _validate_participation(participation)
-  if isinstance(participation, CyclicPoissonSampling):
-    return cyclic_poisson_structure(mechanism, participation)[0]
-  if (not isinstance(participation, PoissonSampling) and
-      participation.num_epochs == 1):
-    # One participation per example: the largest column norm of C, exactly.
-    # Mechanisms that know it spare building C (T x T for a long i.i.d. run).
-    if (mechanism.num_steps is not None and
-        mechanism.num_steps != participation.num_steps):
-      _encoder_for(mechanism, participation)  # raises the mismatch error
-    if mechanism.single_participation_sensitivity is not None:
-      return float(mechanism.single_participation_sensitivity())
-    encoder = np.asarray(_encoder_for(mechanism, participation), np.float64)
-    return float(np.sqrt(np.max(np.sum(encoder ** 2, axis=0))))
-  if (isinstance(participation, FixedOrder) and
-      mechanism.fixed_order_sensitivity is not None and
-      mechanism.num_steps == participation.num_steps):
-    value = mechanism.fixed_order_sensitivity(participation.num_epochs,
-                                              participation.steps_per_epoch)
-    if value is not None:
-      return float(value)
-  return participation_sensitivity(_encoder_for(mechanism, participation),
-                                   participation)
-
-
-def dp_event(mechanism: noise_lib.NoiseMechanism, noise_multiplier: float,
-             participation: Participation, releases=()
-             ) -> dp_accounting.DpEvent:
-  """The `dp_accounting` event of a whole run.
-
-  Args:
-    mechanism: the noise mechanism used by the run.
-    noise_multiplier: node/step noise std over one step's sensitivity.
-    participation: how batches were formed.
-    releases: `GaussianRelease`s of the same data besides the steps.
-
-  Returns:
-    A `dp_accounting.DpEvent`: the steps' event, composed after the
-    releases' `GaussianDpEvent`s when there are any.
-
-  Raises:
-    ValueError: for bad inputs (a negative, NaN or infinite noise
-      multiplier among them), Poisson sampling with correlated noise (its
-      amplification is not accounted here), or cyclic Poisson sampling with
-      an encoder whose columns of one partition overlap
-      (`cyclic_poisson_structure`).
-  """
-  _validate_participation(participation)
-  noise_multiplier = checks.noise_multiplier(noise_multiplier)
-  if isinstance(participation, PoissonSampling):
-    if not _is_iid(mechanism, participation.num_steps):
-      raise ValueError(
-          'Poisson-sampling amplification is only accounted for i.i.d. '
-          f'Gaussian noise, not {mechanism.name}; use FixedOrder or Shuffled')
-    if (mechanism.num_steps is not None and
-        mechanism.num_steps != participation.num_steps):
-      raise ValueError('the mechanism and the participation pattern disagree '
-                       'on the number of steps')
-    event = dp_accounting.SelfComposedDpEvent(
-        dp_accounting.PoissonSampledDpEvent(
-            participation.sampling_probability,
-            dp_accounting.GaussianDpEvent(noise_multiplier)),
-        participation.num_steps)
-  elif isinstance(participation, CyclicPoissonSampling):
-    sensitivity, compositions = cyclic_poisson_structure(mechanism,
-                                                         participation)
-    event = dp_accounting.SelfComposedDpEvent(
-        dp_accounting.PoissonSampledDpEvent(
-            participation.sampling_probability,
-            dp_accounting.GaussianDpEvent(noise_multiplier / sensitivity)),
-        compositions)
-  else:
-    sensitivity = mechanism_sensitivity(mechanism, participation)
-    event = dp_accounting.GaussianDpEvent(noise_multiplier / sensitivity)
-  releases = _releases(releases)
-  if not releases:
-    return event
-  return dp_accounting.ComposedDpEvent(
-      [dp_accounting.GaussianDpEvent(r.noise_multiplier) for r in releases]
-      + [event])
-
-
-@functools.lru_cache(maxsize=8)  # Each entry keeps its mechanism's encoder.
-def cyclic_poisson_structure(mechanism: noise_lib.NoiseMechanism,
-                             participation: CyclicPoissonSampling
-                             ) -> tuple[float, int]:
-  """What the amplified accounting of cyclic Poisson sampling needs.
-
-  Amplified BandMF (Choquette-Choo et al. 2023, restated here): an
-  example of partition j can only contribute at steps
-  `S_j = {j, j + b, ...}`. If the encoder's columns for two distinct steps
-  of `S_j` never share a non-zero row (true for a lower-triangular C with
-  at most b bands), the rows of `C x + z` that depend on the example split
-  into disjoint blocks, one per step of `S_j`; the block of step s is a
-  Gaussian mechanism of sensitivity `||C e_s||` applied to a contribution
-  that is present with probability q, independently across steps (Poisson
-  coins), and the other rows are post-processing of what is common to both
-  neighbours. The release is then the adaptive composition (rows are
-  streamed, later batches may depend on earlier outputs) of at most
-  `|S_j|` Poisson-subsampled Gaussians of noise multiplier
-  `z / max_s ||C e_s||`: the `dp_accounting` event
-  `SelfComposed(PoissonSampled(q, Gaussian(z / s)), m)`, m the largest
-  number of non-zero columns of one partition (`ceil(T / b)` for a whole
-  run; fewer for the prefix of a run, whose later columns are zero). This
-  is DP-SGD's event with the same q for m steps. Valid under add/remove
-  or zero-out neighbours of an example whose partition does not move
-  (plans use zero-out: the data set keeps its size and order).
-
-  Example:
-    >>> cyclic_poisson_structure(noise.matrix_factorization(c),
-    ...                          CyclicPoissonSampling(0.1, 100, 10))
-
-  Args:
-    mechanism: the noise mechanism (its `encoder_matrix()` is read).
-    participation: the cyclic Poisson sampling.
-
-  Returns:
-    `(sensitivity, compositions)`: the largest column norm of C and m.
-
-  Raises:
-    ValueError: if two steps of one partition share a row of C (e.g. more
-      than b bands): the blocks are not disjoint and this accounting does
-      not hold.
-  """
-  _validate_participation(participation)
-  encoder = np.asarray(_encoder_for(mechanism, participation), np.float64)
-  steps, b = participation.num_steps, participation.num_partitions
-  magnitude = np.abs(encoder)
-  overlap = magnitude.T @ magnitude
-  same_partition = np.equal.outer(np.arange(steps) % b, np.arange(steps) % b)
-  np.fill_diagonal(same_partition, False)
-  if np.any(overlap[same_partition] > 0):
-    raise ValueError(
-        f'{mechanism.name}: two steps of one partition (b = {b} apart) share '
-        'a row of the encoder, so their noise is correlated and the '
-        'amplified cyclic-Poisson accounting does not hold. Use a banded '
-        f'strategy with at most {b} bands (optimize_strategy(..., bands=b)).')
-  norms = np.sqrt(np.diag(overlap))
-  used = norms > 0
-  compositions = max(int(np.sum(used[j::b])) for j in range(min(b, steps)))
-  return float(norms.max()), max(compositions, 1)
-
-
-def tree_aggregation_event(noise_multiplier: float, num_steps: int,
-                           restart_every: Optional[int] = None
-                           ) -> dp_accounting.DpEvent:
-  """`dp_accounting`'s own single-epoch tree event (RDP only).
-
-  Each example in at most one step over all trees. Offered as an independent
-  cross-check of `dp_event` for trees (they agree under RDP).
-
-  Args:
-    noise_multiplier: node noise std over one step's sensitivity.
-    num_steps: total steps.
-    restart_every: steps per tree (None: one tree).
-
-  Returns:
-    A `dp_accounting.SingleEpochTreeAggregationDpEvent`.
-
-  Raises:
-    ValueError: for a negative, NaN or infinite noise multiplier (the RDP
-      accountant would report epsilon 0 for NaN) or a bad step count.
-  """
-  noise_multiplier = checks.noise_multiplier(noise_multiplier)
-  num_steps = checks.positive_int(num_steps, 'num_steps')
-  size = restart_every or num_steps
-  counts = [size] * (num_steps // size)
-  if num_steps % size:
-    counts.append(num_steps % size)
-  return dp_accounting.SingleEpochTreeAggregationDpEvent(noise_multiplier,
-                                                         counts)
 
 
 # PLD discretization: the default interval, and its size relative to the
@@ -579,89 +168,6 @@ def _check_method(method: str, participation: Participation) -> None:
       participation, (PoissonSampling, CyclicPoissonSampling)):
     raise ValueError(f"method '{method}' has no Poisson amplification; use "
                      "'pld' or 'rdp'")
-
-
-def zcdp_epsilon(rho: float, delta: float) -> float:
-  """(epsilon, delta) implied by rho-zCDP: `rho + 2 sqrt(rho log(1/delta))`.
-
-  Args:
-    rho: the zCDP parameter.
-    delta: target delta.
-
-  Returns:
-    epsilon.
-  """
-  rho = checks.noise_multiplier(rho, 'rho')  # finite and >= 0
-  validate_epsilon_delta(None, delta)
-  return rho + 2.0 * math.sqrt(rho * math.log(1.0 / delta))
-
-
-def zcdp_rho(epsilon: float, delta: float) -> float:
-  """The rho whose zCDP conversion gives exactly (epsilon, delta).
-
-  Inverts `zcdp_epsilon`: `sqrt(rho) = sqrt(log(1/delta) + eps) -
-  sqrt(log(1/delta))` (paper 001 §2.4: (0.1, 1e-6) -> 1.80304e-4).
-
-  Args:
-    epsilon: target epsilon.
-    delta: target delta.
-
-  Returns:
-    rho.
-  """
-  validate_epsilon_delta(epsilon, delta)
-  log_term = math.log(1.0 / delta)
-  return (math.sqrt(log_term + epsilon) - math.sqrt(log_term)) ** 2
-
-
-def paper_gdp_mu(epsilon: float, delta: float) -> float:
-  """The papers' GDP parameter for (epsilon, delta): `eps / sqrt(2 ln(2.5/delta))`.
-
-  Paper 001 §2.3 / Lemma 4.3 and paper 000 Cor 5.7/5.11: mu-GDP with this mu
-  implies (epsilon, delta/2)-DP.
-
-  Args:
-    epsilon: target epsilon.
-    delta: target delta.
-
-  Returns:
-    mu.
-  """
-  validate_epsilon_delta(epsilon, delta)
-  return epsilon / math.sqrt(2.0 * math.log(2.5 / delta))
-
-
-def gdp_delta(mu: float, epsilon: float) -> float:
-  """Exact delta(epsilon) of mu-GDP (Dong, Roth, Su 2019).
-
-  Args:
-    mu: the GDP parameter.
-    epsilon: the epsilon at which delta is evaluated.
-
-  Returns:
-    `Phi(-eps/mu + mu/2) - e^eps Phi(-eps/mu - mu/2)`.
-
-  Raises:
-    ValueError: if mu is negative, NaN or infinite.
-  """
-  mu = checks.noise_multiplier(mu, 'mu')  # finite and >= 0
-  if mu == 0.0:
-    return 0.0  # 0-GDP is perfect privacy: delta 0 at every epsilon >= 0.
-  return float(stats.norm.cdf(-epsilon / mu + mu / 2) -
-               math.exp(epsilon) * stats.norm.cdf(-epsilon / mu - mu / 2))
-
-
-def _closed_form_epsilon(method: str, sensitivity: float,
-                         noise_multiplier: float, delta: float,
-                         release_mu: float = 0.0) -> float:
-  """epsilon of 'zcdp' or 'gdp_paper' for a run of this sensitivity, with
-  releases of GDP parameter `release_mu` (Gaussians compose: mu^2 add)."""
-  if noise_multiplier == 0:
-    return math.inf
-  mu = math.hypot(sensitivity / noise_multiplier, release_mu)
-  if method == 'zcdp':
-    return zcdp_epsilon(mu ** 2 / 2.0, delta)
-  return mu * math.sqrt(2.0 * math.log(2.5 / delta))
 
 
 @keywords.checked
@@ -788,19 +294,9 @@ def calibrate_noise_multiplier(
         'noise is calibrated as asked.', checks.NoPrivacyWarning,
         stacklevel=2)
   if method in ('zcdp', 'gdp_paper'):
-    sensitivity = mechanism_sensitivity(mechanism, participation)
-    mu = (math.sqrt(2.0 * zcdp_rho(epsilon, delta)) if method == 'zcdp'
-          else paper_gdp_mu(epsilon, delta))
-    # The steps get the rest of the Gaussian budget: mu^2 = mu_s^2 + mu_r^2.
-    release_mu = releases_mu(releases)
-    value = sensitivity / math.sqrt(mu ** 2 - release_mu ** 2)
-    # The closed form inverts `epsilon_spent` exactly on paper, but rounding
-    # can leave the multiplier an ulp too small (epsilon 2 + 2e-15 for a
-    # target of 2): step up until the guarantee holds, as below.
-    while _closed_form_epsilon(method, sensitivity, value, delta,
-                               release_mu) > epsilon:
-      value = math.nextafter(value, math.inf)
-    return value
+    return _closed_form_multiplier(
+        method, mechanism_sensitivity(mechanism, participation), epsilon,
+        delta, releases_mu(releases))
 
   @functools.lru_cache(maxsize=None)
   def gap(z: float) -> float:
@@ -810,47 +306,65 @@ def calibrate_noise_multiplier(
 
   # Bracket with the cheap RDP accountant first: PLD at a tiny multiplier
   # (huge epsilon) needs enormous memory, and RDP's multiplier is an upper
-  # bound for PLD's. Without amplification the closed form is a good start.
-  if method == 'rdp':
-    upper = 1.0
-    if not isinstance(participation,
-                      (PoissonSampling, CyclicPoissonSampling)):
-      with warnings.catch_warnings():  # Announced once, by the outer call.
-        warnings.simplefilter('ignore', checks.NoPrivacyWarning)
-        # Without the releases: only a start (the doubling below ends it).
-        upper = calibrate_noise_multiplier(mechanism, participation, epsilon,
-                                           delta, method='gdp_paper')
-    while gap(upper) > 0:
-      upper *= 2.0
-    lower = upper / 2.0
-    while lower > 1e-6 and gap(lower) <= 0:
-      lower /= 2.0
-  else:
-    with warnings.catch_warnings():  # Announced once, by the outer call.
-      warnings.simplefilter('ignore', checks.NoPrivacyWarning)
-      try:
-        upper = calibrate_noise_multiplier(
-            mechanism, participation, epsilon, delta, method='rdp',
-            neighboring_relation=neighboring_relation, releases=releases)
-      except ValueError:
-        if not releases:
-          raise
-        # The releases leave PLD some budget but RDP none: start without
-        # them (a multiplier too small, doubled below).
-        upper = calibrate_noise_multiplier(
-            mechanism, participation, epsilon, delta, method='rdp',
-            neighboring_relation=neighboring_relation)
-    while gap(upper) > 0:
-      upper *= 2.0
-    lower = upper / 2.0
-    while gap(lower) <= 0:
-      lower /= 2.0
+  # bound for PLD's.
+  start = _calibration_start(mechanism, participation, epsilon, delta,
+                             method, neighboring_relation, releases)
+  lower, upper = _bracket(gap, start,
+                          lowest=1e-6 if method == 'rdp' else -math.inf)
   value = optimize.brentq(gap, lower, upper, xtol=1e-6 * upper)
   # Brent's method may stop on either side of the target; step up until the
   # guarantee holds so the returned multiplier is never weaker than asked.
   while gap(value) > 0:
     value *= 1.0 + 1e-6
   return float(value)
+
+
+def _calibration_start(mechanism: noise_lib.NoiseMechanism,
+                       participation: Participation, epsilon: float,
+                       delta: float, method: str,
+                       neighboring_relation: neighboring.NeighboringRelation,
+                       releases: tuple) -> float:
+  """A first noise multiplier for the search of `calibrate_noise_multiplier`.
+
+  Under 'rdp' the closed form (without amplification) is a good start, and
+  1 otherwise; under 'pld' the RDP multiplier, an upper bound of PLD's.
+  Warnings of a nominal epsilon are announced once, by the outer call.
+  """
+  with warnings.catch_warnings():
+    warnings.simplefilter('ignore', checks.NoPrivacyWarning)
+    if method == 'rdp':
+      if isinstance(participation, (PoissonSampling, CyclicPoissonSampling)):
+        return 1.0
+      # Without the releases: only a start (the doubling in `_bracket` ends
+      # it).
+      return calibrate_noise_multiplier(mechanism, participation, epsilon,
+                                        delta, method='gdp_paper')
+    try:
+      return calibrate_noise_multiplier(
+          mechanism, participation, epsilon, delta, method='rdp',
+          neighboring_relation=neighboring_relation, releases=releases)
+    except ValueError:
+      if not releases:
+        raise
+      # The releases leave PLD some budget but RDP none: start without them
+      # (a multiplier too small, doubled in `_bracket`).
+      return calibrate_noise_multiplier(
+          mechanism, participation, epsilon, delta, method='rdp',
+          neighboring_relation=neighboring_relation)
+
+
+def _bracket(gap, upper: float, lowest: float) -> tuple[float, float]:
+  """`(lower, upper)` with `gap(upper) <= 0 < gap(lower)`, from a start.
+
+  Doubles `upper` until its run is private enough, then halves from
+  `upper / 2` until one is not (or `lower` is no longer above `lowest`).
+  """
+  while gap(upper) > 0:
+    upper *= 2.0
+  lower = upper / 2.0
+  while lower > lowest and gap(lower) <= 0:
+    lower /= 2.0
+  return lower, upper
 
 
 def releases_epsilon(releases, delta: float, *, method: str = 'pld'
@@ -885,30 +399,6 @@ def releases_epsilon(releases, delta: float, *, method: str = 'pld'
                 else dp_accounting.rdp.RdpAccountant())
   with quiet_excluded_orders():
     return float(accountant.compose(event).get_epsilon(delta))
-
-
-def epsilon_for_gdp(mu: float, delta: float) -> float:
-  """The smallest epsilon with mu-GDP => (epsilon, delta)-DP (exact).
-
-  Args:
-    mu: the GDP parameter.
-    delta: target delta.
-
-  Returns:
-    epsilon.
-
-  Raises:
-    ValueError: if mu is negative, NaN or infinite, or delta is bad.
-  """
-  checks.noise_multiplier(mu, 'mu')
-  validate_epsilon_delta(None, delta)
-  if gdp_delta(mu, 0.0) <= delta:
-    return 0.0
-  upper = 1.0
-  while gdp_delta(mu, upper) > delta:
-    upper *= 2.0
-  return float(optimize.brentq(lambda e: gdp_delta(mu, e) - delta, 0.0, upper,
-                               xtol=1e-12))
 
 
 def laplace_and_gaussian_delta(laplace_multiplier: float,
@@ -999,3 +489,14 @@ def subsampled_gaussian_epsilon(noise_multiplier: float, num_steps: int,
             population, sample_size, gaussian), steps)
   with quiet_excluded_orders():
     return float(accountant.compose(event).get_epsilon(delta))
+
+
+__all__ = ('calibrate_noise_multiplier', 'cyclic_poisson_structure',
+           'CyclicPoissonSampling', 'dp_event', 'epsilon_for_gdp',
+           'epsilon_spent', 'FixedOrder', 'GaussianRelease', 'gdp_delta',
+           'laplace_and_gaussian_delta', 'mechanism_sensitivity',
+           'paper_gdp_mu', 'participation_sensitivity', 'PoissonSampling',
+           'quiet_excluded_orders', 'releases_epsilon', 'releases_mu',
+           'Shuffled', 'single_epoch', 'subsampled_gaussian_epsilon',
+           'tree_aggregation_event', 'validate_epsilon_delta', 'zcdp_epsilon',
+           'zcdp_rho')

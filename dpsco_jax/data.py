@@ -727,6 +727,91 @@ def _refuse(problems: Sequence[str]) -> None:
                    f'columns; fix them all, then load again:\n{items}')
 
 
+def _table_arguments(features, target, task: str, *, allow_predictive,
+                     positive_class, target_bound, test_fraction
+                     ) -> tuple[list, list]:
+  """`load_table`'s arguments checked: `(features, allowed predictive)`."""
+  if task not in TASKS:
+    raise ValueError(f'task must be one of {TASKS}, got {task!r}')
+  if not isinstance(target, str) or not target:
+    raise ValueError(f'target must be a column name, got {target!r}')
+  features = _names(features, 'features')
+  if target in features:
+    raise ValueError(
+        f'the target {target!r} is among the features: a model would read the '
+        'answer from its input; take it out of features')
+  allowed = _names(allow_predictive, 'allow_predictive', allow_empty=True)
+  strangers = [c for c in allowed if c not in features]
+  if strangers:
+    raise ValueError(f'allow_predictive names {strangers}, which are not '
+                     f'among the features {features}')
+  if task == 'classification' and target_bound is not None:
+    raise ValueError('target_bound scales a regression target; task is '
+                     "'classification'")
+  if task == 'regression' and positive_class is not None:
+    raise ValueError("positive_class= picks a class; task is 'regression'")
+  if target_bound is not None and not float(target_bound) > 0.0:
+    raise ValueError(f'target_bound must be > 0, got {target_bound!r}')
+  if not 0.0 <= float(test_fraction) < 1.0:
+    raise ValueError(f'test_fraction must be in [0, 1), got {test_fraction!r}')
+  return features, allowed
+
+
+def _feature_numbers(features, column, where) -> tuple[list, dict]:
+  """Each feature's numbers, or the problem with it (an identifier-like
+  column, a cell that is not a number): `(problems, parsed)`."""
+  problems, parsed = [], {}
+  for name in features:
+    reason = identifier_reason(name, column(name))
+    if reason:
+      problems.append(
+          f'feature {name!r} looks like a row identifier ({reason}): a model '
+          'can memorize identifiers and they say nothing about new rows; '
+          'leave it out of features')
+      continue
+    numbers, problem = _numbers(column(name), name, where)
+    if problem:
+      problems.append(problem)
+    else:
+      parsed[name] = numbers
+  return problems, parsed
+
+
+def _leaks(parsed: dict, allowed, y: np.ndarray, train_rows: np.ndarray,
+           target: str, task: str, classes) -> list[str]:
+  """The features that predict the target on the training rows, unless
+  `allow_predictive` confirms them: one problem per leak."""
+  problems = []
+  checked = [c for c in parsed if c not in allowed]
+  if checked:
+    found = predictive_columns(
+        np.stack([parsed[c][train_rows] for c in checked], axis=1),
+        y[train_rows], checked, task, classes=classes)
+    for leak in found:
+      alone = len(leak.columns) == 1
+      listed = ', '.join(map(repr, leak.columns))
+      problems.append(
+          f"feature{'' if alone else 's'} {listed} predict"
+          f"{'s' if alone else ''} the target {target!r} "
+          f"{'alone' if alone else 'together'}: {leak.evidence}. A column "
+          'recorded from the target (or at the same time) leaks it: leave '
+          f"{'it' if alone else 'them'} out of features, or, if known "
+          'before the target is, confirm with allow_predictive='
+          f'{tuple(leak.columns)!r}')
+  return problems
+
+
+def _warn_clipped(clipped: list[str]) -> None:
+  """Warns of the values the public bounds clipped, with counts per column."""
+  if clipped:
+    warnings.warn(
+        'the public bounds clipped values (each is trained on at the bound): '
+        + '; '.join(clipped) + '. If the bounds are wrong, set public ones '
+        'that cover the range (not read off the data: that would release '
+        'it outside the accounting).', ClippedValuesWarning,
+        stacklevel=3)
+
+
 def load_table(
     source: Any,
     *,
@@ -834,48 +919,16 @@ def load_table(
     ClippedValuesWarning: when public bounds (or `target_bound`) clip
       values, with the count per column.
   """
-  if task not in TASKS:
-    raise ValueError(f'task must be one of {TASKS}, got {task!r}')
-  if not isinstance(target, str) or not target:
-    raise ValueError(f'target must be a column name, got {target!r}')
-  features = _names(features, 'features')
-  if target in features:
-    raise ValueError(
-        f'the target {target!r} is among the features: a model would read the '
-        'answer from its input; take it out of features')
-  allowed = _names(allow_predictive, 'allow_predictive', allow_empty=True)
-  strangers = [c for c in allowed if c not in features]
-  if strangers:
-    raise ValueError(f'allow_predictive names {strangers}, which are not '
-                     f'among the features {features}')
-  if task == 'classification' and target_bound is not None:
-    raise ValueError('target_bound scales a regression target; task is '
-                     "'classification'")
-  if task == 'regression' and positive_class is not None:
-    raise ValueError("positive_class= picks a class; task is 'regression'")
-  if target_bound is not None and not float(target_bound) > 0.0:
-    raise ValueError(f'target_bound must be > 0, got {target_bound!r}')
-  if not 0.0 <= float(test_fraction) < 1.0:
-    raise ValueError(f'test_fraction must be in [0, 1), got {test_fraction!r}')
+  features, allowed = _table_arguments(
+      features, target, task, allow_predictive=allow_predictive,
+      positive_class=positive_class, target_bound=target_bound,
+      test_fraction=test_fraction)
   names, column, where, label = _columns(source)
   missing = [c for c in [*features, target] if c not in names]
   if missing:
     raise ValueError(f'{label} has no column(s) {missing}; its columns are '
                      f'{names}')
-  problems, parsed = [], {}
-  for name in features:
-    reason = identifier_reason(name, column(name))
-    if reason:
-      problems.append(
-          f'feature {name!r} looks like a row identifier ({reason}): a model '
-          'can memorize identifiers and they say nothing about new rows; '
-          'leave it out of features')
-      continue
-    numbers, problem = _numbers(column(name), name, where)
-    if problem:
-      problems.append(problem)
-    else:
-      parsed[name] = numbers
+  problems, parsed = _feature_numbers(features, column, where)
   if task == 'classification':
     y, classes, problem = _labels(column(target), target, where,
                                   positive_class)
@@ -891,22 +944,7 @@ def load_table(
   if problem:
     problems.append(problem)
   else:
-    checked = [c for c in parsed if c not in allowed]
-    if checked:
-      found = predictive_columns(
-          np.stack([parsed[c][train_rows] for c in checked], axis=1),
-          y[train_rows], checked, task, classes=classes)
-      for leak in found:
-        alone = len(leak.columns) == 1
-        listed = ', '.join(map(repr, leak.columns))
-        problems.append(
-            f"feature{'' if alone else 's'} {listed} predict"
-            f"{'s' if alone else ''} the target {target!r} "
-            f"{'alone' if alone else 'together'}: {leak.evidence}. A column "
-            'recorded from the target (or at the same time) leaks it: leave '
-            f"{'it' if alone else 'them'} out of features, or, if known "
-            'before the target is, confirm with allow_predictive='
-            f'{tuple(leak.columns)!r}')
+    problems += _leaks(parsed, allowed, y, train_rows, target, task, classes)
   _refuse(problems)
   x = np.stack([parsed[c] for c in features], axis=1)
   if classes is not None:
@@ -929,13 +967,7 @@ def load_table(
   if standardization is not None:
     clipped = _clipped_counts(x, standardization.lower, standardization.upper,
                               features) + clipped
-  if clipped:
-    warnings.warn(
-        'the public bounds clipped values (each is trained on at the bound): '
-        + '; '.join(clipped) + '. If the bounds are wrong, set public ones '
-        'that cover the range (not read off the data: that would release '
-        'it outside the accounting).', ClippedValuesWarning,
-        stacklevel=2)
+  _warn_clipped(clipped)
   scaled = (x.astype(np.float32) if standardization is None else
             standardization.apply(x))
   split = lambda rows: {'x': scaled[rows], 'y': y[rows]}

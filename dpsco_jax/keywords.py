@@ -137,7 +137,8 @@ def _check_values(where: str, kwargs: Mapping[str, Any],
 
 
 def checked(fn: Optional[F] = None, *,
-            renamed: Optional[Mapping[str, str]] = None) -> Any:
+            renamed: Optional[Mapping[str, str]] = None,
+            home: Optional[str] = None) -> Any:
   """Wraps a public function: old keyword spellings and "did you mean".
 
   Use it bare (`@checked`) or with the renamed keywords
@@ -159,6 +160,9 @@ def checked(fn: Optional[F] = None, *,
     fn: the function (or a class's `__init__`).
     renamed: old keyword -> new keyword, accepted with a
       `DeprecationWarning` until `REMOVED_IN`.
+    home: the module users reach the function through, as the messages
+      name it (`'user_level'` for `user_level.phased_sgd()`); default: the
+      module that defines it.
 
   Returns:
     The wrapped function (or, without `fn`, the decorator).
@@ -170,13 +174,13 @@ def checked(fn: Optional[F] = None, *,
       to a function that also takes `clipping_method=`.
   """
   if fn is None:
-    return lambda f: checked(f, renamed=renamed)
+    return lambda f: checked(f, renamed=renamed, home=home)
   renamed = dict(renamed or {})
   accepted, takes_any = _accepted(fn)
   name = fn.__qualname__
   if name.endswith('.__init__'):
     name = name[:-len('.__init__')]
-  module = fn.__module__.rsplit('.', 1)[-1]
+  module = home or fn.__module__.rsplit('.', 1)[-1]
   where = f'{name}()' if module in ('dpsco_jax', '__main__') else (
       f'{module}.{name}()')
 

@@ -89,6 +89,11 @@ Relation = neighboring.NeighboringRelation
 SAMPLINGS = plan_config.SAMPLINGS
 
 
+def _accounted(name: str, doc: str) -> property:
+  """A `Plan` attribute its accountant answers."""
+  return property(lambda self: getattr(self.accountant, name), doc=doc)
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """Everything a private run needs, derived from one description.
@@ -148,15 +153,23 @@ class Plan:
       default=(), repr=False)
 
   # What the accountant says of the run, read as before.
-  noise_multiplier = property(lambda self: self.accountant.noise_multiplier)
-  participation = property(lambda self: self.accountant.participation)
-  event = property(lambda self: self.accountant.event)
-  ledger = property(lambda self: self.accountant.ledger)
-  epsilon = property(lambda self: self.accountant.epsilon)
-  target_epsilon = property(lambda self: self.accountant.target_epsilon)
-  delta = property(lambda self: self.accountant.delta)
-  method = property(lambda self: self.accountant.method)
-  num_steps = property(lambda self: self.accountant.num_steps)
+  noise_multiplier = _accounted(
+      'noise_multiplier', 'The calibrated (or given) noise multiplier; for '
+      'DIFF2, its `Diff2NoiseMultipliers`.')
+  participation = _accounted(
+      'participation', 'How the sampler forms batches (None for DIFF2).')
+  event = _accounted('event', 'The `dp_accounting` event of the whole run.')
+  ledger = _accounted(
+      'ledger', "The run's `PrivacyLedger` (None for DIFF2).")
+  epsilon = _accounted(
+      'epsilon', 'The epsilon the whole run spends (at most '
+      '`target_epsilon`).')
+  target_epsilon = _accounted(
+      'target_epsilon', 'The epsilon asked for, or None when the noise was '
+      'given.')
+  delta = _accounted('delta', "The run's delta.")
+  method = _accounted('method', 'The accounting method.')
+  num_steps = _accounted('num_steps', 'The steps (rounds) of the run.')
 
   # The repr's fields, as before the accountant held them. Not the
   # sampler (its seed decides the batches) nor the key.
@@ -1260,8 +1273,8 @@ def accelerated_dp_srgd(
     beta: the scaling beta.
     radius: the l2-ball radius R, or None.
     gradient: 'srg' (Algorithm 1) or 'independent' (Theorem 5.13 ablation).
-    num_examples, batch_size (B), seed: the one pass in a public order
-      (`Sampling`).
+    num_examples, batch_size, seed: the one pass (B = batch_size) in a
+      public order (`Sampling`).
     l2_clip: clip norm of each per-example difference; with
       microbatch_size, clipping_method and physical_batch_size (the clipped
       differences at the query point x_t, the params, and at x_{t-1}, the

@@ -21,7 +21,11 @@ The pieces, for loops of your own:
 * `run_batches`: the batches of runs with given sampler seeds, laid out for
   `vmap` (Poisson batches padded to one size, padding masked out);
 * `run_keys`, `sampler_seeds`, `fresh_run_keys`: run i's noise keys and
-  sampler seed, from one key.
+  sampler seed, from one key;
+* `refusal_metrics`, `raise_refusal_metrics`: the guards' record carried out
+  of runs vmapped inside a sweep, and raised on the host;
+* `non_private`: the non-private reference step, shaped like the private
+  ones.
 
 Example:
   >>> plan = dpsco_jax.plans.dpsgd(loss_fn, optimizer=optax.sgd(0.1),
@@ -43,14 +47,13 @@ from scipy import stats
 
 from dpsco_jax import batching
 from dpsco_jax import checks
+from dpsco_jax import guards
 from dpsco_jax import keys as keys_lib
 from dpsco_jax import noise as noise_lib
 from dpsco_jax.algorithms import nonsmooth
 from dpsco_jax.algorithms import srg
 
 PyTree = Any
-# One step's batch: `(indices, mask)`, either None (full batch, no mask).
-StepBatch = tuple[Optional[jax.Array], Optional[jax.Array]]
 InputsFn = Callable[[Optional[jax.Array], Optional[jax.Array]], dict]
 MetricFn = Callable[[PyTree, PyTree], PyTree]
 
@@ -101,7 +104,8 @@ def run_keys(key: Any, count: int) -> jax.Array:
     ValueError: if `key` is None (runs never draw keys silently).
   """
   if key is None:
-    raise ValueError('an audit needs a key (or int seed) for its runs')
+    raise ValueError('runs need a key (or int seed): an audit or a sweep '
+                     'never draws keys silently')
   if isinstance(key, (int, np.integer)):
     key = jax.random.key(int(key))
   count = checks.positive_int(count, 'count')
@@ -129,7 +133,8 @@ def sampler_seeds(key: Any, count: int) -> list[int]:
     ValueError: if `key` is None.
   """
   if key is None:
-    raise ValueError('an audit needs a key (or int seed) for its runs')
+    raise ValueError('runs need a key (or int seed): an audit or a sweep '
+                     'never draws keys silently')
   if isinstance(key, (int, np.integer)):
     words = [int(key) & 0xFFFFFFFF, (int(key) >> 32) & 0xFFFFFFFF]
   else:
@@ -426,6 +431,53 @@ def non_private(mean_loss: Callable[[PyTree, PyTree], jax.Array],
   return optax.GradientTransformationExtraArgs(optimizer.init, update_fn)
 
 
+def refusal_metrics(opt_state: PyTree) -> dict[str, jax.Array]:
+  """The run's first refusal as two metrics (traceable), for sweeps.
+
+  A sweep that vmaps whole runs over hyperparameters returns metrics, not
+  states: these two carry the guards' record (`guards.Refusal`) out of the
+  compiled program, and `raise_refusal_metrics` raises it on the host.
+
+  Example:
+    >>> def train_fn(hparams, seed):
+    ...   (params, state), _ = scan_steps(...)
+    ...   return {'accuracy': accuracy(params), **refusal_metrics(state)}
+    >>> result = sweeps.run_sweep(train_fn, grid, seeds)
+    >>> raise_refusal_metrics(result.metrics)
+
+  Args:
+    opt_state: a run's final optimizer state.
+
+  Returns:
+    `{'refusal_check', 'refusal_step'}`: the first record set in the
+    state's order (check 0 and step -1 when none is).
+  """
+  first = guards.no_refusal()
+  for record in guards.refusals_in(opt_state):
+    take = (first.check == 0) & (record.check != 0)
+    first = guards.Refusal(jnp.where(take, record.check, first.check),
+                           jnp.where(take, record.step, first.step))
+  return {'refusal_check': first.check, 'refusal_step': first.step}
+
+
+def raise_refusal_metrics(metrics: Any) -> None:
+  """Raises the refusal `refusal_metrics` carried out of runs, if any.
+
+  Example:
+    >>> raise_refusal_metrics(result.metrics)
+
+  Args:
+    metrics: a mapping holding `refusal_check` and `refusal_step` arrays
+      (any leading axes: grid points, seeds).
+
+  Raises:
+    PrivacyGuardError: a step of one of the runs was refused.
+  """
+  guards.raise_if_refused(guards.Refusal(
+      np.asarray(metrics['refusal_check']),
+      np.asarray(metrics['refusal_step'])))
+
+
 def plan_output(plan: Any) -> Callable[[PyTree, PyTree], PyTree]:
   """What a plan's family releases as its model after the last step.
 
@@ -460,14 +512,16 @@ def _program(plan: Any, metric_fn: Optional[MetricFn], many: bool
   """The jitted whole run of `plan` (vmapped over runs when `many`)."""
   cache_key = (id(plan), metric_fn, many)
   if cache_key not in _PROGRAMS:
-    transformation = plan.transformation
+    # The program holds the transformation, never the plan (so that the
+    # plan, and with it this entry, can be freed).
+    transformation, num_steps = plan.transformation, plan.num_steps
 
     def run(params, state, run_key, batches, data):
       if run_key is not None:
         state = fresh_run_keys(state, run_key)
       (params, state), metrics = scan_steps(
           transformation, params, state, batches,
-          inputs_fn=gathered_inputs(data), num_steps=plan.num_steps,
+          inputs_fn=gathered_inputs(data), num_steps=num_steps,
           metric_fn=metric_fn)
       return RunResult(params, state, metrics)
 

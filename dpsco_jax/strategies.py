@@ -24,7 +24,7 @@ import math
 import os
 import tempfile
 import time
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from absl import logging
 import numpy as np
@@ -657,6 +657,57 @@ def default_cache_dir() -> str:
   return os.path.join(cache_root(), 'strategies')
 
 
+def _cached_strategy(path: str, num_epochs: int,
+                     bands: Optional[int]) -> Optional[np.ndarray]:
+  """The strategy cached at `path` when it is readable and feasible."""
+  if not os.path.exists(path):
+    return None
+  try:
+    cached = np.load(path)
+  except (OSError, ValueError):
+    cached = None
+  if cached is not None and _is_feasible(cached, num_epochs, bands):
+    return cached
+  logging.warning('ignoring an unreadable or infeasible cached strategy '
+                  'at %s', path)
+  return None
+
+
+def _lbfgs_progress(stack: contextlib.ExitStack, progress: Any, what: str,
+                    max_iterations: int) -> Callable[[int, float], None]:
+  """The L-BFGS callback `optimize_strategy`'s `progress=` asks for."""
+  if progress is None or isinstance(progress, bool):
+    report = stack.enter_context(progress_lib.task(what, progress=progress))
+
+    def callback(iteration: int, loss: float) -> None:
+      report(f'L-BFGS iteration {iteration} (at most {max_iterations}), '
+             f'loss {loss:.6g}')
+
+    return callback
+  if callable(progress):
+    return progress
+  raise TypeError('progress must be None, a bool or a callable, got '
+                  f'{progress!r}')
+
+
+def _strategy_of_gram(gram: np.ndarray, mask: np.ndarray, num_epochs: int,
+                      bands: Optional[int]) -> np.ndarray:
+  """The strategy of an optimized Gram, of sensitivity 1 under
+  `FixedOrder(k, T / k)`."""
+  num_steps = gram.shape[0]
+  steps_per_epoch = num_steps // num_epochs
+  # Remove the round-off drift of the linear constraints before factoring.
+  gram = np.where(mask, (gram + gram.T) / 2, 0.0)
+  diagonal = np.diag(gram).reshape(num_epochs, steps_per_epoch)
+  np.fill_diagonal(gram, (diagonal / diagonal.sum(axis=0)).ravel())
+  strategy = strategy_from_gram(gram)
+  if bands is not None:
+    strategy = np.where(_band_mask(num_steps, bands), strategy, 0.0)
+  strategy /= accounting.participation_sensitivity(
+      strategy, accounting.FixedOrder(num_epochs, steps_per_epoch))
+  return strategy
+
+
 def optimize_strategy(
     workload_matrix: np.ndarray,
     num_epochs: int = 1,
@@ -746,15 +797,9 @@ def optimize_strategy(
   if cache_dir:
     path = _cache_path(cache_dir, (_CACHE_VERSION, workload_matrix, num_epochs,
                                    bands, max_iterations, tolerance))
-    if os.path.exists(path):
-      try:
-        cached = np.load(path)
-      except (OSError, ValueError):
-        cached = None
-      if cached is not None and _is_feasible(cached, num_epochs, bands):
-        return cached
-      logging.warning('ignoring an unreadable or infeasible cached strategy '
-                      'at %s', path)
+    cached = _cached_strategy(path, num_epochs, bands)
+    if cached is not None:
+      return cached
 
   mask = orthogonality_mask(num_steps, num_epochs)
   if bands is not None:
@@ -769,19 +814,7 @@ def optimize_strategy(
           f'{num_epochs}, bands={bands}'
           + ('; cached for the next run)' if path else ')'))
   with contextlib.ExitStack() as stack:
-    if progress is None or isinstance(progress, bool):
-      report = stack.enter_context(
-          progress_lib.task(what, progress=progress))
-
-      def callback(iteration: int, loss: float) -> None:
-        report(f'L-BFGS iteration {iteration} (at most {max_iterations}), '
-               f'loss {loss:.6g}')
-
-    elif callable(progress):
-      callback = progress
-    else:
-      raise TypeError('progress must be None, a bool or a callable, got '
-                      f'{progress!r}')
+    callback = _lbfgs_progress(stack, progress, what, max_iterations)
     # One BLAS thread: the Cholesky solves of a few hundred rows run about
     # 2x faster than with two threads on a 2-core CPU
     # (benchmarks/mf_noise.py), and far faster when other jobs share them.
@@ -790,16 +823,8 @@ def optimize_strategy(
     optimum, iterations = _lbfgs(objective, objective.to_vector(start),
                                  max_iterations=max_iterations,
                                  tolerance=tolerance, progress=callback)
-  gram = objective.to_matrix(optimum)
-  # Remove the round-off drift of the linear constraints before factoring.
-  gram = np.where(mask, (gram + gram.T) / 2, 0.0)
-  diagonal = np.diag(gram).reshape(num_epochs, steps_per_epoch)
-  np.fill_diagonal(gram, (diagonal / diagonal.sum(axis=0)).ravel())
-  strategy = strategy_from_gram(gram)
-  if bands is not None:
-    strategy = np.where(_band_mask(num_steps, bands), strategy, 0.0)
-  strategy /= accounting.participation_sensitivity(
-      strategy, accounting.FixedOrder(num_epochs, steps_per_epoch))
+  strategy = _strategy_of_gram(objective.to_matrix(optimum), mask,
+                              num_epochs, bands)
   logging.info('optimized a %dx%d strategy (k=%d, bands=%s) in %d L-BFGS '
                'iterations, %.1f s', num_steps, num_steps, num_epochs, bands,
                iterations, time.perf_counter() - start_time)

@@ -373,10 +373,11 @@ def make_run(method: str, config: ml_collections.ConfigDict,
     if method == 'nonprivate':
       tx = runs.non_private(srg_memf.mean_loss, tx)
     masks = run.masks[row] if masked else None
-    (params, _), _ = runs.scan_steps(
+    (params, state), _ = runs.scan_steps(
         tx, params, tx.init(params), (run.indices[row], masks),
         inputs_fn=functools.partial(step_inputs, data.train_x, data.train_y))
-    return {'val_accuracy': srg_memf.accuracy(params, data.val_x,
+    return {**runs.refusal_metrics(state),
+            'val_accuracy': srg_memf.accuracy(params, data.val_x,
                                               data.val_y),
             'test_accuracy': srg_memf.accuracy(params, data.test_x,
                                                data.test_y)}
@@ -413,7 +414,10 @@ def run_many(method: str, config: ml_collections.ConfigDict,
                 jnp.asarray(indices), jnp.asarray(masks))
   train_fn = make_run(method, config, host_plan, bands, num_classes,
                       masked=isinstance(sampler, _MASKED_SAMPLERS))
-  return sweeps.run_sweep(train_fn, grid, seeds, data=run, name=name)
+  result = sweeps.run_sweep(train_fn, grid, seeds, data=run, name=name)
+  # A step refused by a guard of the plan stops the experiment.
+  runs.raise_refusal_metrics(result.metrics)
+  return result
 
 
 def largest_bands(config: ml_collections.ConfigDict, num_examples: int) -> int:

@@ -88,6 +88,7 @@ from scipy import stats
 from configs import single_epoch_synthetic as default_config
 from dpsco_jax import accounting
 from dpsco_jax import noise
+from dpsco_jax import runs as runs_lib
 from dpsco_jax.algorithms import baselines
 from dpsco_jax.algorithms import srg
 from experiments import cli
@@ -234,7 +235,7 @@ def train(method: str, loss: Callable[..., jax.Array], x: jax.Array,
   """One single-pass run as a `lax.scan`; returns the output w.
 
   Batch t is examples `[t B, (t + 1) B)` of the data (fixed public order,
-  each example used once).
+  each example used once), stepped by `dpsco_jax.runs.scan_steps`.
 
   Example:
     >>> w = train('dpsgd', problem.loss, x, y, batch_size=10, num_steps=100,
@@ -261,18 +262,12 @@ def train(method: str, loss: Callable[..., jax.Array], x: jax.Array,
                       multiplier=multiplier, hyper=hyper, clip=clip,
                       radius=radius, key=key)
   params = jnp.zeros(x.shape[1], x.dtype)
-  dim = x.shape[1]
-
-  def step(carry, t):
-    params, state = carry
-    start = t * batch_size
-    batch = {'x': jax.lax.dynamic_slice(x, (start, 0), (batch_size, dim)),
-             'y': jax.lax.dynamic_slice(y, (start,), (batch_size,))}
-    updates, state = tx.update(None, state, params, batch=batch)
-    return (optax.apply_updates(params, updates), state), None
-
-  (params, state), _ = jax.lax.scan(step, (params, tx.init(params)),
-                                    jnp.arange(num_steps))
+  # Step t's batch: examples [t B, (t + 1) B).
+  step_ids = jnp.arange(num_steps * batch_size).reshape(num_steps,
+                                                          batch_size)
+  (params, state), _ = runs_lib.scan_steps(
+      tx, params, tx.init(params), (step_ids, None),
+      inputs_fn=runs_lib.gathered_inputs({'x': x, 'y': y}))
   return output(method, params, state)
 
 

@@ -206,8 +206,9 @@ def make_run(setup: Setup, decay: float, momentum: float, num_classes: int):
     num_classes: number of classes (static: it shapes the params).
 
   Returns:
-    `run(learning_rate, clip, seed, data) -> (val accuracy, test accuracy)`,
-    traceable (vmap over seeds and hyperparameters, jit once).
+    `run(learning_rate, clip, seed, data) -> (val accuracy, test accuracy,
+    refusal)`, traceable (vmap over seeds and hyperparameters, jit once);
+    `refusal` is the guards' record (`runs.refusal_metrics`).
   """
   k, b, batch_size = setup.num_epochs, setup.steps_per_epoch, setup.batch_size
 
@@ -235,12 +236,13 @@ def make_run(setup: Setup, decay: float, momentum: float, num_classes: int):
               'b': jnp.zeros((num_classes,), jnp.float32)}
     # Step t uses batch t mod b; the example ids let the fixed-order guard
     # check every epoch.
-    (params, _), _ = runs.scan_steps(
+    (params, state), _ = runs.scan_steps(
         tx, params, tx.init(params), (order[jnp.arange(k * b) % b], None),
         inputs_fn=runs.gathered_inputs({'x': data.train_x,
                                         'y': data.train_y}))
     return (accuracy(params, data.val_x, data.val_y),
-            accuracy(params, data.test_x, data.test_y))
+            accuracy(params, data.test_x, data.test_y),
+            runs.refusal_metrics(state))
 
   return run
 
@@ -267,10 +269,14 @@ def run_many(setup: Setup, decay: float, momentum: float, num_classes: int,
   run = make_run(setup, decay, momentum, num_classes)
 
   def train_fn(hparams, seed, data):
-    val, test = run(hparams['learning_rate'], hparams['clip'], seed, data)
-    return {'val_accuracy': val, 'test_accuracy': test}
+    val, test, refusal = run(hparams['learning_rate'], hparams['clip'], seed,
+                             data)
+    return {'val_accuracy': val, 'test_accuracy': test, **refusal}
 
-  return sweeps.run_sweep(train_fn, grid, seeds, data=data, name=name)
+  result = sweeps.run_sweep(train_fn, grid, seeds, data=data, name=name)
+  # A step refused by a guard (the fixed-order check) stops the experiment.
+  runs.raise_refusal_metrics(result.metrics)
+  return result
 
 
 def _extend(axis: str, values: List[float], edge: str) -> List[float]:

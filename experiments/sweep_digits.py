@@ -50,7 +50,7 @@ import optax
 import dpsco_jax
 from dpsco_jax import accounting
 from dpsco_jax import noise
-from dpsco_jax import runs
+from dpsco_jax import runs as runs_lib
 from dpsco_jax import strategies
 from experiments import cli
 from experiments import datasets
@@ -144,8 +144,9 @@ def make_train_fn(config: ml_collections.ConfigDict, train_data: Split,
 
   Returns:
     `train_fn(hparams, seed)` with `hparams` = {'learning_rate', 'clip'}
-    scalars, returning 'test_accuracy' and 'train_loss' (final) and
-    'test_accuracy_curve' `[num_steps]` (after each step).
+    scalars, returning 'test_accuracy' and 'train_loss' (final),
+    'test_accuracy_curve' `[num_steps]` (after each step), and the guards'
+    record ('refusal_check', 'refusal_step': `dpsco_jax.runs.refusal_metrics`).
   """
   x_train = jnp.asarray(train_data['x'])
   y_train = jnp.asarray(train_data['y'])
@@ -167,7 +168,7 @@ def make_train_fn(config: ml_collections.ConfigDict, train_data: Split,
     noise_key = jax.random.fold_in(key, 1)
     sgd = optax.sgd(hparams['learning_rate'], momentum=config.momentum)
     if noise_multiplier is None:
-      tx = runs.non_private(models.linear_mean_loss, sgd)
+      tx = runs_lib.non_private(models.linear_mean_loss, sgd)
     elif config.algorithm == 'dpmemf':
       tx = optax.chain(
           dpsco_jax.dpmemf(
@@ -187,12 +188,11 @@ def make_train_fn(config: ml_collections.ConfigDict, train_data: Split,
     params = models.linear_init(64, 10)
     # Step t uses batch t mod b of the run's order (FixedOrder(k, b)).
     step_ids = batches[jnp.arange(schedule.num_steps) % b]
-    (params, state), curve = runs.scan_steps(
+    (params, state), curve = runs_lib.scan_steps(
         tx, params, tx.init(params), (step_ids, None),
-        inputs_fn=runs.gathered_inputs(train_all),
+        inputs_fn=runs_lib.gathered_inputs(train_all),
         metric_fn=lambda params, _: accuracy(params))
-    del state
-    return {'test_accuracy': curve[-1],
+    return {**runs_lib.refusal_metrics(state), 'test_accuracy': curve[-1],
             'train_loss': models.linear_mean_loss(params, train_all),
             'test_accuracy_curve': curve}
 
@@ -268,6 +268,8 @@ def run(config: ml_collections.ConfigDict, output_dir: str) -> Dict[str, Any]:
     result = sweeps.run_sweep(train_fn, grid, seeds,
                               max_parallel=config.max_parallel,
                               name=f'{config.algorithm} epsilon={epsilon:g}')
+    # A step refused by a guard (the order check) stops the sweep.
+    runs_lib.raise_refusal_metrics(result.metrics)
     timings.append({'epsilon': epsilon, 'runs': result.num_points *
                     result.num_seeds, 'compile_seconds': result.compile_seconds,
                     'run_seconds': result.run_seconds})

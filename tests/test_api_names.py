@@ -20,10 +20,13 @@ from dpsco_jax import data as data_lib
 from dpsco_jax import estimators
 from dpsco_jax import keywords
 from dpsco_jax import plans
+from dpsco_jax import samplers
 from dpsco_jax.algorithms import baselines
 from dpsco_jax.algorithms import diff2
 from dpsco_jax.algorithms import mf
 from dpsco_jax.algorithms import nonsmooth
+from dpsco_jax.algorithms import phased_erm
+from dpsco_jax.algorithms import phased_sgd
 from dpsco_jax.algorithms import srg
 from dpsco_jax.algorithms import user_level
 
@@ -106,12 +109,20 @@ def test_an_unknown_keyword_without_a_near_name_lists_the_keywords():
                     num_steps=10, verbose=True)
 
 
+def test_a_builder_is_named_where_users_reach_it():
+  # phased_sgd is defined in algorithms/phased_sgd.py; users reach it as
+  # user_level.phased_sgd, and the message names it so.
+  with pytest.raises(TypeError,
+                     match=r'^user_level\.phased_sgd\(\) got an unexpected'):
+    user_level.phased_sgd(None, None, None, num_group=10)
+
+
 def _builders():
   """Every public builder (or preset) of the plans, algorithms, estimators
   and clipping modules: a public function taking a clip, a noise or a
   privacy target keyword (argument validators aside)."""
   modules = [plans, baselines, diff2, mf, nonsmooth, srg, user_level,
-             estimators, clipping]
+             phased_sgd, phased_erm, estimators, clipping]
   marks = {'l2_clip', 'grad_clip', 'noise_multiplier', 'noise_multipliers',
            'epsilon', 'clipping_method', 'clips'}
   found = {}
@@ -248,7 +259,7 @@ def test_mismatched_rows_say_which_array():
 
 def test_a_remainder_is_announced_once_for_several_plans(monkeypatch):
   # The quick start's three fixed-order runs share n = 1437 and B = 239.
-  monkeypatch.setattr(batching, '_REMAINDERS_ANNOUNCED', set())
+  monkeypatch.setattr(samplers, '_REMAINDERS_ANNOUNCED', set())
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter('always')
     for _ in range(2):

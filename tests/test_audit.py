@@ -634,6 +634,25 @@ def test_audit_plan_runs_fixed_order_and_full_batch_plans():
   assert report.epsilon_lower_bound <= report.claimed_epsilon
 
 
+def test_audit_plan_raises_a_step_its_plan_refuses():
+  # A fixed-order plan whose runs are fed batches reshuffled every epoch:
+  # its order check refuses epoch 2 inside the audit's compiled runs, and
+  # the audit raises the plan's refusal (not a bound on poisoned scores).
+  data, canary, loss_fn, params = _plan_problem()
+  ftrl = dpsco_jax.plans.dpftrl(
+      loss_fn, optimizer=optax.sgd(1.0), num_examples=64, batch_size=16,
+      epochs=2, l2_clip=1.0, noise_multiplier=1.0, delta=DELTA,
+      clipping_method='vmap')
+  reshuffled = dataclasses.replace(ftrl, batches=batching.ShuffledBatches(
+      64, batch_size=16, num_epochs=2, seed=0))
+  zero_out = {'x': np.zeros(4, np.float32), 'y': np.int32(0)}
+  with pytest.raises(dpsco_jax.guards.PrivacyGuardError) as error:
+    audit.audit_plan(reshuffled, params=params, data=data, canary=canary,
+                     loss_fn=loss_fn, num_runs=2, key=0,
+                     replacement=zero_out, progress=False)
+  assert error.value.step == 4
+
+
 # --------------------------------------------- auditing a plan at scale
 
 

@@ -22,6 +22,7 @@ from dpsco_jax import ghost
 
 sys.path.insert(0, os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'benchmarks'))
+import auto_choice  # pylint: disable=g-import-not-at-top,wrong-import-position
 import decoder_step  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 DECODER = decoder_step.VARIANTS['default']
@@ -119,3 +120,18 @@ def test_a_bad_budget_is_a_clear_error(budget):
   loss_fn, _, _ = _long_narrow()
   with pytest.raises(ValueError, match='memory_budget'):
     clipping.clipped_grad_sum(loss_fn, 1.0, memory_budget=budget)
+
+
+# The four shapes of `benchmarks/auto_choice.py`, where the ghost step
+# measured faster than the vmap step on the CPU (benchmarks/README.md,
+# "auto_choice.py"): 'auto' must take ghost there by its estimates alone.
+@pytest.mark.parametrize('name', ['mlp', 'cnn', 'transformer', 'embedding'])
+def test_auto_takes_the_faster_path_measured_on_the_cpu(name):
+  problem = auto_choice.PROBLEMS[name]
+  rng = np.random.default_rng(0)
+  params = jax.eval_shape(lambda: problem.params(rng))
+  batch = jax.eval_shape(lambda: problem.batch(rng, problem.batch_size))
+  loss_fn = auto_choice.models.example_loss_fn(problem.apply)
+  choice = _choice(loss_fn, params, batch, memory_budget=None)
+  assert (choice.path, choice.reason) == ('ghost', 'cost'), (
+      choice.ghost, choice.vmap)

@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 import dpsco_jax
 from dpsco_jax import accounting
 from dpsco_jax import batching
+from dpsco_jax import samplers
 
 
 def test_fixed_order_repeats_the_same_batches_every_epoch():
@@ -236,8 +237,9 @@ def test_guard_needs_the_training_set_size():
 
 
 def test_a_dropped_remainder_is_announced(monkeypatch):
-  # Once per process for each sampler kind and sizes: start afresh.
-  monkeypatch.setattr(batching, '_REMAINDERS_ANNOUNCED', set())
+  # Once per process for each sampler kind and sizes (a set the samplers'
+  # module keeps): start afresh.
+  monkeypatch.setattr(samplers, '_REMAINDERS_ANNOUNCED', set())
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter('always')
     exact = batching.FixedOrderBatches(1000, 100)

@@ -1,9 +1,11 @@
-"""Smoke tests of `benchmarks/decoder_step.py`: its model and one private step.
+"""Smoke tests of the benchmarks, at tiny sizes: the decoder, the harness,
+the 'auto' timing.
 
-No timing is asserted: speed belongs in the benchmark's own output.
+No timing is asserted: speed belongs in the benchmarks' own output.
 """
 
 import csv
+import json
 import os
 import sys
 
@@ -66,14 +68,17 @@ def test_one_tiny_private_step_runs_and_is_reported(tmp_path):
   times = decoder_step.time_rows(rows, iters=1, warmup=0, rounds=2,
                                  skipped=skipped)
   assert skipped == {} and all(len(ts) == 2 for ts in times.values())
-  peaks = {name: rows[name].peak_bytes() for name in times}
-  assert all(peak > 0 for peak in peaks.values())
+  # Each peak compiles its step once more: one row's is enough here (the
+  # compile-only test reads both rows').
+  peaks = {'jax non-private': rows['jax non-private'].peak_bytes()}
+  assert peaks['jax non-private'] > 0
   records = decoder_step.table_records(times, peaks, {})
   assert [r['time / non-private'] for r in records][0] == '1.00x'
+  assert [r['memory / non-private'] for r in records] == ['1.00x', 'n/a']
   path = tmp_path / 'decoder.md'
-  csv_path = decoder_step.write_outputs(
-      str(path), decoder_step.render_markdown(['h'], records, {}, []),
-      records)
+  csv_path = decoder_step.harness.write_report(
+      str(path), decoder_step.harness.render_markdown(
+          'decoder_step', ['h'], records, {}), records)
   with open(csv_path, encoding='utf-8') as f:
     assert [r['row'] for r in csv.DictReader(f)] == list(times)
   assert '| dpsgd vmap |' in path.read_text()
@@ -95,7 +100,7 @@ def test_missing_frameworks_skip_their_rows_with_a_reason():
   rows, skipped = decoder_step.build_rows(TINY, names)
   assert set(rows) | set(skipped) == set(names)
   assert not set(rows) & set(skipped)
-  torch_module, _ = decoder_step.dpsgd_step.optional_import('torch')
+  torch_module, _ = decoder_step.harness.optional_import('torch')
   if torch_module is None:
     assert rows == {} and all(reason.startswith('torch not installed')
                               for reason in skipped.values())
@@ -112,3 +117,84 @@ def test_compile_only_reports_memory_without_running():
   assert peaks['dpsgd vmap'] > peaks['jax non-private'] > 0
   with pytest.raises(RuntimeError, match='shapes only'):
     rows['dpsgd vmap'].run(1)
+
+
+# ------------------------------------------------------- the shared harness
+
+harness = decoder_step.harness
+
+
+def test_harness_rotates_the_order_and_reports_medians(tmp_path):
+  calls = []
+  durations = {'a': [1.0, 3.0, 2.0], 'b': [4.0, 4.0, 5.0]}
+
+  def fake_row(name):
+    def run(n):
+      calls.append((name, n))
+    return harness.Row(name, run)
+
+  rows = {'a': fake_row('a'), 'b': fake_row('b')}
+  times = harness.time_rows(rows, iters=2, warmup=1, rounds=3, skipped={})
+  # Warm-up once each, then rounds in a rotating order.
+  assert calls == [('a', 1), ('b', 1), ('a', 2), ('b', 2), ('b', 2),
+                   ('a', 2), ('a', 2), ('b', 2)]
+  assert set(times) == {'a', 'b'} and all(len(t) == 3 for t in times.values())
+  records = harness.summarize(durations, baseline='a', peaks={'a': 2**20,
+                                                               'b': 2**21})
+  assert [r['median ms'] for r in records] == ['2000.000', '4000.000']
+  assert [r['time / non-private'] for r in records] == ['1.00x', '2.00x']
+  assert records[1]['memory / non-private'] == '2.00x'
+  assert harness.fastest(durations, ('a', 'b')) == 'a'
+  path = tmp_path / 'r.md'
+  harness.write_report(str(path), harness.render_markdown(
+      't', ['h'], records, {'c': 'why'}), records, ['h'])
+  with open(tmp_path / 'r.json', encoding='utf-8') as f:
+    assert json.load(f)['rows'] == records
+  assert '- skipped c: why' in path.read_text()
+
+
+def test_the_flags_are_checked_alike():
+  parser = harness.timing_parser('doc', iters=3, warmup=1, rounds=5)
+  assert harness.parse_timing(parser, []).iters == 3
+  for bad in (['--iters', '0'], ['--warmup', '-1']):
+    with pytest.raises(SystemExit):
+      harness.parse_timing(parser, bad)
+  with pytest.raises(SystemExit):
+    decoder_step.parse_args(['--rows', 'nope'])
+
+
+def test_auto_choice_times_the_three_paths_and_names_the_one_taken():
+  import auto_choice  # pylint: disable=g-import-not-at-top
+  records = auto_choice.main(['--only', 'mlp', '--batch_scale', '0.02',
+                              '--iters', '1', '--rounds', '2',
+                              '--warmup', '0'])
+  (record,) = records
+  assert record['B'] == '5' and record['auto took'] == 'ghost'
+  assert record['faster'] in ('ghost', 'vmap')
+  for key in ('ghost ms', 'vmap ms', 'auto ms'):
+    assert float(record[key]) > 0
+  ghost, vmap = (float(record[k]) for k in ('ghost ms', 'vmap ms'))
+  assert record['faster'] == ('ghost' if ghost <= vmap else 'vmap')
+
+
+def test_every_step_of_the_cpu_benchmarks_builds_and_runs():
+  import ghost_step  # pylint: disable=g-import-not-at-top
+  import srg_step  # pylint: disable=g-import-not-at-top
+  models = ghost_step.models
+  rng = np.random.default_rng(0)
+  problem = ghost_step.Problem('tiny MLP', models.mlp_init(rng, [4, 8, 10]),
+                               models.mlp_apply, 6, 1)
+  batch = models.make_batch(rng, 6, input_dim=4)
+  built = ghost_step.make_variants(problem)
+  built.update({f'srg {name}': step for name, step in srg_step.make_variants(
+      problem.apply, ('dpsgd', 'srg', 'srg clip only')).items()})
+  rows, skipped = ghost_step.dpsgd_step.step_rows(built, problem.params,
+                                                  batch)
+  assert skipped == {}
+  times = harness.time_rows(rows, iters=1, warmup=0, rounds=1,
+                            skipped=skipped)
+  assert skipped == {} and set(times) == set(built)
+  assert 'ghost ' in ghost_step.memory_line(
+      {n: rows[n] for n in ('non-private', 'ghost')})
+  assert 'max |diff| / max |sum|' in ghost_step.check_agreement(problem,
+                                                                batch)

@@ -47,8 +47,9 @@ def test_the_table_gives_each_ratio_to_the_non_private_step(records):
 
 
 def test_auto_reports_the_path_it_takes():
-  assert compiled_cost.auto_path(
-      SMALL, compiled_cost._batched(SMALL.example, 32)) == 'ghost'  # pylint: disable=protected-access
+  batch = compiled_cost._batched(SMALL.example, 32)  # pylint: disable=protected-access
+  assert compiled_cost.steps.auto_path(SMALL.loss_fn, SMALL.params,
+                                       batch) == 'ghost'
 
 
 def test_flags_need_the_non_private_row():

@@ -101,6 +101,19 @@ def test_whole_run_equals_the_plans_step_loop(kind):
                          jax.tree_util.tree_leaves(params)[0])
 
 
+def test_a_full_batch_plan_runs_all_its_rounds_on_all_the_data():
+  data, params = _problem()
+  plan = dpsco_jax.plans.dp_gd(
+      loss_fn, learning_rate=0.5, num_rounds=3, grad_clip=1.0,
+      num_examples=N, noise_multiplier=1.0, delta=1e-5, key=4,
+      clipping_method='vmap')
+  want, opt_state = params, plan.init(params)
+  for _ in range(plan.num_steps):
+    want, opt_state = plan.step(want, opt_state, {'batch': data})
+  plan.finish(opt_state)
+  _assert_close(plan.run(params, data).params, want)
+
+
 def test_run_i_of_many_is_the_run_with_its_seed_and_key_alone():
   data, params = _problem()
   plan = _plan('poisson')

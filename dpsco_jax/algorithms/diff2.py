@@ -68,6 +68,7 @@ References:
   Proposition 4.1 (accounting), Proposition E.2 (BVR accounting).
 """
 
+import functools
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
@@ -573,6 +574,91 @@ def _zeros_like_f32(params: PyTree) -> PyTree:
           jnp.result_type(p), jnp.float32)), params)
 
 
+class _LocalRound(NamedTuple):
+  """What every local step of one round of Algorithm 4 reads.
+
+  Attributes:
+    batch: the client's local data.
+    mask: `[rows]` bool, its real rows.
+    size: rows, real and padding.
+    round_key: the round's sampling key (one fold per local step).
+    local_batch_size: b, rows per local step.
+    statistic: the clipped gradient-difference sum of a minibatch.
+    mechanism: the local steps' noise mechanism.
+    stddev: the local noise std.
+    learning_rate: the step size.
+    k_hat: Algorithm 1's output step with `output='random_iterate'`, else
+      None.
+  """
+
+  batch: PyTree
+  mask: jax.Array
+  size: int
+  round_key: jax.Array
+  local_batch_size: int
+  statistic: Any
+  mechanism: Any
+  stddev: Any
+  learning_rate: float
+  k_hat: Any
+
+
+def _local_step(local: _LocalRound, carry: tuple, k: jax.Array
+                ) -> tuple[tuple, None]:
+  """Local step k of Algorithm 4: `v_k = private difference + v_{k-1}`.
+
+  `carry` is `(x_{k-1}, x_{k-2}, v_{k-1}, displacement, noise state,
+  output)`; a `lax.scan` body.
+  """
+  x_cur, x_prev, v_prev, displacement, noise_state, x_out = carry
+  # x_cur is x_{k-1}: the output when k = k_hat (kept in round t_hat).
+  if local.k_hat is not None:
+    x_out = jax.tree_util.tree_map(
+        lambda a, b: jnp.where(k == local.k_hat, a, b), x_cur, x_out)
+  movement, inverse = _movement(x_cur, x_prev)
+  # b uniform real rows without replacement: the b smallest of i.i.d.
+  # uniforms, padding rows pushed past every real row.
+  scores = jax.random.uniform(jax.random.fold_in(local.round_key, k),
+                              (local.size,))
+  _, rows = jax.lax.top_k(-jnp.where(local.mask, scores, 2.0),
+                          local.local_batch_size)
+  minibatch = jax.tree_util.tree_map(lambda x: x[rows], local.batch)
+  clipped = local.statistic(minibatch, x_cur, x_prev, inverse, inverse)
+  # One client adds this noise: no aggregation, axis_name=None.
+  private, noise_state = estimators.privatize_sum(
+      clipped, noise_state, local.mechanism, local.stddev,
+      normalize_by=float(local.local_batch_size))
+  v_k = jax.tree_util.tree_map(lambda a, b: movement * a + b, private,
+                               v_prev)
+  step_update = jax.tree_util.tree_map(lambda g: -local.learning_rate * g,
+                                       v_k)
+  x_next = jax.tree_util.tree_map(jnp.add, x_cur, step_update)
+  displacement = jax.tree_util.tree_map(jnp.add, displacement, step_update)
+  return (x_next, x_cur, v_k, displacement, noise_state, x_out), None
+
+
+def _kept_output(kept: Optional[RandomIterateState], params: PyTree,
+                 x_out: PyTree) -> Optional[RandomIterateState]:
+  """Algorithm 1's output after this round (None without the option)."""
+  if kept is None:
+    return None
+  here = kept.count == kept.selected
+  iterate = jax.tree_util.tree_map(
+      lambda x, p, old: jnp.where(here, x.astype(p.dtype), old), x_out,
+      params, kept.iterate)
+  return RandomIterateState(kept.count + 1, kept.selected, iterate)
+
+
+def _from_active_client(tree: PyTree, count: jax.Array,
+                        axis_name: str) -> PyTree:
+  """The value of round `count`'s active client (`(count + 1) mod C`), on
+  every client."""
+  active = (count + 1) % parallel.axis_size(axis_name)
+  is_active = jax.lax.axis_index(axis_name) == active
+  return parallel.psum(jax.tree_util.tree_map(
+      lambda u: jnp.where(is_active, u, jnp.zeros_like(u)), tree), axis_name)
+
+
 @keywords.checked
 def diff2_estimator(
     loss_fn: LossFn,
@@ -1046,22 +1132,12 @@ def diff2_bvr_local_sgd(
     return Diff2BvrState(server=server.init(params), local_noise=local_noise,
                          sampling_key=sampling_key, output=kept)
 
-  def keep(state, params, x_out):
-    """Algorithm 1's output after this round (None without the option)."""
-    if not keep_output:
-      return None
-    kept = state.output
-    here = kept.count == kept.selected
-    iterate = jax.tree_util.tree_map(
-        lambda x, p, old: jnp.where(here, x.astype(p.dtype), old), x_out,
-        params, kept.iterate)
-    return RandomIterateState(kept.count + 1, kept.selected, iterate)
-
   def update_fn(updates, state, params=None, *, batch=None, batch_mask=None,
                 **extra_args):
     del extra_args
     estimators.check_first_in_chain(updates, 'diff2_bvr_local_sgd')
     checks.state_type(state, Diff2BvrState, 'diff2_bvr_local_sgd')
+    kept = state.output if keep_output else None
     count = state.server.count
     v, server_state = server.update(None, state.server, params, batch=batch,
                                     batch_mask=batch_mask)
@@ -1072,7 +1148,7 @@ def diff2_bvr_local_sgd(
     first = jax.tree_util.tree_map(lambda g: -learning_rate * g, v)
     if not num_local:   # K = 1: k_hat = 1, the output is x_t itself
       return estimators.cast_like(first, params), state._replace(
-          server=server_state, output=keep(state, params, params))
+          server=server_state, output=_kept_output(kept, params, params))
     local_size = _local_size(batch, batch_mask)
     smallest = jax.lax.pmin(local_size, axis_name) if axis_name else local_size
     size = clipping.batch_size_of(batch)
@@ -1086,45 +1162,20 @@ def diff2_bvr_local_sgd(
     first = parallel.per_device(first, axis_name)
     v = parallel.per_device(v, axis_name)
 
-    def step(carry, k):
-      x_cur, x_prev, v_prev, displacement, noise_state, x_out = carry
-      # x_cur is x_{k-1}: the output when k = k_hat (kept in round t_hat).
-      if keep_output:
-        x_out = jax.tree_util.tree_map(
-            lambda a, b: jnp.where(k == k_hat, a, b), x_cur, x_out)
-      movement, inverse = _movement(x_cur, x_prev)
-      # b uniform real rows without replacement: the b smallest of i.i.d.
-      # uniforms, padding rows pushed past every real row.
-      scores = jax.random.uniform(jax.random.fold_in(round_key, k), (size,))
-      _, rows = jax.lax.top_k(-jnp.where(mask, scores, 2.0), local_batch_size)
-      minibatch = jax.tree_util.tree_map(lambda x: x[rows], batch)
-      clipped = local_statistic(minibatch, x_cur, x_prev, inverse, inverse)
-      # One client adds this noise: no aggregation, axis_name=None.
-      private, noise_state = estimators.privatize_sum(
-          clipped, noise_state, local_mechanism, local_stddev,
-          normalize_by=float(local_batch_size))
-      v_k = jax.tree_util.tree_map(lambda a, b: movement * a + b, private,
-                                   v_prev)
-      step_update = jax.tree_util.tree_map(lambda g: -learning_rate * g, v_k)
-      x_next = jax.tree_util.tree_map(jnp.add, x_cur, step_update)
-      displacement = jax.tree_util.tree_map(jnp.add, displacement,
-                                            step_update)
-      return (x_next, x_cur, v_k, displacement, noise_state, x_out), None
+    step = functools.partial(_local_step, _LocalRound(
+        batch=batch, mask=mask, size=size, round_key=round_key,
+        local_batch_size=local_batch_size, statistic=local_statistic,
+        mechanism=local_mechanism, stddev=local_stddev,
+        learning_rate=learning_rate, k_hat=k_hat if keep_output else None))
 
     carry = (x_first, x_start, v, first, state.local_noise, x_start)
     (_, _, _, displacement, local_noise, x_out), _ = jax.lax.scan(
         step, carry, jnp.arange(2, num_local + 2))
-    if axis_name is None:
-      total = displacement
-    else:
-      active = (count + 1) % parallel.axis_size(axis_name)
-      is_active = jax.lax.axis_index(axis_name) == active
-      from_active = lambda tree: parallel.psum(jax.tree_util.tree_map(
-          lambda u: jnp.where(is_active, u, jnp.zeros_like(u)), tree),
-                                               axis_name)
-      total = from_active(displacement)
+    total = displacement
+    if axis_name is not None:
+      total = _from_active_client(displacement, count, axis_name)
       if keep_output:
-        x_out = from_active(x_out)
+        x_out = _from_active_client(x_out, count, axis_name)
     total, refusal = guards.record(
         [(smallest < local_batch_size, _SMALL_CLIENT_MESSAGE, 'batch')],
         total, server_state.noise.refusal, count)
@@ -1132,6 +1183,7 @@ def diff2_bvr_local_sgd(
         noise=server_state.noise._replace(refusal=refusal))
     return estimators.cast_like(total, params), Diff2BvrState(
         server=server_state, local_noise=local_noise,
-        sampling_key=state.sampling_key, output=keep(state, params, x_out))
+        sampling_key=state.sampling_key,
+        output=_kept_output(kept, params, x_out))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

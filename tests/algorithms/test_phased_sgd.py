@@ -17,6 +17,7 @@ import pytest
 
 from dpsco_jax import clipping
 from dpsco_jax import outlier_removal
+from dpsco_jax.algorithms import phased_sgd as phased
 from dpsco_jax.algorithms import srg
 from dpsco_jax.algorithms import user_level as ul
 
@@ -64,7 +65,7 @@ def test_group_sgd_is_one_pass_projected_sgd_with_average_iterate():
   mask = np.ones((2, 5), bool)
   mask[1, 2] = False
   start = jnp.array([0.5, -0.5, 0.2])
-  got = ul._group_average_iterates(_loss, start, items, mask, 0.7, 0.6)
+  got = phased._group_average_iterates(_loss, start, items, mask, 0.7, 0.6)
   for group in range(2):
     point, total = np.array(start), np.zeros(D)
     for t in range(5):
@@ -108,7 +109,7 @@ def test_without_noise_and_a_huge_tau_it_is_the_plain_phased_average(
                                           users.items[name].shape[2:]),
         shuffle.reshape(shuffle.shape + (1,) * (users.items[name].ndim - 2)),
         axis=1) for name in ('x', 'y')}
-    averages = ul._group_average_iterates(
+    averages = phased._group_average_iterates(
         _loss, point, items, np.ones((GROUPS, steps), bool), rate, 2.0)
     point = srg.project_l2_ball(jnp.mean(averages, axis=0), 2.0)
   np.testing.assert_allclose(out.params, point, rtol=1e-4, atol=1e-6)

@@ -93,7 +93,9 @@ def test_scanned_run_equals_the_library_steps_one_by_one():
   setup = srg_memf.make_setup('srg_true', config, num_train, decay)
   run = jax.jit(srg_memf.make_run(setup, decay, config.momentum, 10))
   seed, lr, clip = 3, 0.5, 1.0
-  val, test = run(jnp.float32(lr), jnp.float32(clip), jnp.int32(seed), data)
+  val, test, refusal = run(jnp.float32(lr), jnp.float32(clip),
+                           jnp.int32(seed), data)
+  assert int(refusal['refusal_check']) == 0
 
   # The same run written as a host loop of `tx.update` calls.
   order_key, noise_key = jax.random.split(jax.random.key(seed))

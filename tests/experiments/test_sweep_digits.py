@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 from configs import sweep_digits as sweep_config
+from dpsco_jax import runs as dpsco_runs
+from dpsco_jax import guards
 from experiments import datasets
 from experiments import outputs
 from experiments import sweep_digits
@@ -107,3 +109,36 @@ def test_bad_configs_are_refused(tmp_path):
   config.epsilon = 3.0
   with pytest.raises(ValueError, match='epsilons'):
     sweep_digits.run(config, str(tmp_path))
+
+
+def test_the_order_check_runs_inside_the_compiled_run(monkeypatch):
+  # Epoch 2 fed in another order than epoch 1: DP-MEMF's order check
+  # refuses it inside the compiled run, and the run's outputs are poisoned.
+  config = _tiny_config()
+  config.num_epochs = 2
+  train, test = datasets.load_digits()
+  schedule = sweep_digits.Schedule(len(train['y']), config.batch_size, 2)
+  strategy = sweep_digits.mechanism_for(config, schedule)['strategy']
+  hparams = {'learning_rate': jnp.float32(0.5), 'clip': jnp.float32(1.0)}
+
+  def final_metrics():
+    train_fn = sweep_digits.make_train_fn(
+        config, train, test, schedule, noise_multiplier=1.0,
+        strategy=strategy)
+    return jax.jit(train_fn)(hparams, 0)
+
+  accepted = final_metrics()
+  assert np.isfinite(accepted['train_loss'])
+  dpsco_runs.raise_refusal_metrics(accepted)
+  scan_steps, b = dpsco_runs.scan_steps, schedule.steps_per_epoch
+
+  def reordered(tx, params, state, batches, **kwargs):
+    ids, mask = batches
+    ids = ids.at[b:].set(jnp.roll(ids[b:], 1, axis=0))
+    return scan_steps(tx, params, state, (ids, mask), **kwargs)
+
+  monkeypatch.setattr(dpsco_runs, 'scan_steps', reordered)
+  refused = final_metrics()
+  assert np.isnan(refused['train_loss'])
+  with pytest.raises(guards.PrivacyGuardError, match='refused at step 6'):
+    dpsco_runs.raise_refusal_metrics(refused)
