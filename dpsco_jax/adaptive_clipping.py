@@ -277,7 +277,8 @@ def next_clip(clip: jax.Array, fraction: jax.Array,
     config: the adaptive clipping.
 
   Returns:
-    C_{t+1} (positive whatever the noise: an exponential), float32.
+    The next step's clip C_{t+1}, positive whatever the noise (an
+    exponential), in float32.
   """
   step = -config.learning_rate * (fraction - config.target_quantile)
   return (clip * jnp.exp(step)).astype(jnp.float32)
