@@ -3,7 +3,11 @@
 The curated public API. Modules, one concern each:
 
 * `dpsco_jax.clipping`: clipped per-example / per-difference / per-user sums
-  and the sensitivity they guarantee;
+  and the sensitivity they guarantee (automatic clipping, Bu et al. 2023,
+  as `automatic_clipping=`);
+* `dpsco_jax.adaptive_clipping`: the clip following a private quantile of
+  the norms (Andrew et al. 2021), sum and count one Gaussian mechanism of
+  the accounted noise multiplier;
 * `dpsco_jax.ghost`: ghost-norm clipping, the per-example clipped gradient
   sum without per-example gradients (the default path of `clipped_grad_sum`
   when the loss qualifies);
@@ -78,6 +82,7 @@ The curated public API. Modules, one concern each:
 
 from dpsco_jax import accountants
 from dpsco_jax import accounting
+from dpsco_jax import adaptive_clipping
 from dpsco_jax import audit
 from dpsco_jax import batching
 from dpsco_jax import blt
@@ -106,6 +111,7 @@ from dpsco_jax import tuning
 from dpsco_jax.algorithms import nonsmooth
 from dpsco_jax.algorithms import user_level
 from dpsco_jax.accounting import calibrate_noise_multiplier
+from dpsco_jax.adaptive_clipping import AdaptiveClipping
 from dpsco_jax.accounting import epsilon_spent
 from dpsco_jax.accounting import FixedOrder
 from dpsco_jax.accounting import GaussianRelease
@@ -183,6 +189,7 @@ from dpsco_jax.tuning import search_epsilon
 __all__ = (
     'accountants',
     'accounting',
+    'adaptive_clipping',
     'audit',
     'batching',
     'checkpoint',
@@ -208,6 +215,7 @@ __all__ = (
     'tuning',
     'nonsmooth',
     'user_level',
+    'AdaptiveClipping',
     'calibrate_noise_multiplier',
     'epsilon_spent',
     'FixedOrder',

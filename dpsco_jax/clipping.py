@@ -198,7 +198,8 @@ def _squared_norms_in_clip_units(contributions: PyTree,
 
 
 def _clip_factors(squared: jax.Array, mask: jax.Array,
-                  sum_shrink: float = 1.0):
+                  sum_shrink: float = 1.0,
+                  stability: Optional[Any] = None):
   """Clip factors and counters from per-row squared norms in clip units.
 
   Args:
@@ -206,11 +207,15 @@ def _clip_factors(squared: jax.Array, mask: jax.Array,
     mask: the rows that count.
     sum_shrink: the factor the clip is shrunk by so that the rounding of
       the batch sum stays within the sensitivity (`_sum_layout`).
+    stability: None for clipping; for automatic clipping (Bu et al. 2023)
+      the stability constant in clip units, `r / C`: every row is scaled
+      by `C / (||g|| + r)`.
 
   Returns:
     `(used, factors, counters)`: the rows that contribute (unmasked, finite
-    norm), their factors `min(1, C / ||g||)` (0 elsewhere) and a partial
-    `ClippedSum` holding the counters.
+    norm), their factors `min(1, C / ||g||)`, or `C / (||g|| + r)` with
+    `stability` (0 elsewhere), and a partial `ClippedSum` holding the
+    counters.
   """
   # NaN/Inf anywhere in a row makes its squared norm non-finite, and so does a
   # norm beyond ~1e19 clip norms in float32: such rows are dropped (zero),
@@ -221,8 +226,19 @@ def _clip_factors(squared: jax.Array, mask: jax.Array,
   # margins); 1 - 8u more covers the rounding of rsqrt (a few ulp on any
   # backend) and of the scaled row itself.
   shrink = (1.0 - 8.0 * rounding.unit_roundoff(squared.dtype)) * sum_shrink
-  factors = jnp.where(
-      used, jnp.minimum(1.0, shrink * jax.lax.rsqrt(squared)), 0.0)
+  if stability is None:
+    scale = jnp.minimum(1.0, shrink * jax.lax.rsqrt(squared))
+  else:
+    # ||g|| / C <= sqrt(squared), so the row's norm after scaling is at
+    # most sqrt(squared) / (sqrt(squared) + r / C) < 1 clip norm: the same
+    # sensitivity as clipping, whatever r >= 0 (the margin of `shrink`
+    # covers the rounding of the sqrt, the sum and the quotient).
+    # With r = 0 (normalization) a zero row still divides by a positive
+    # number: `squared` carries the underflow floor of
+    # `rounding.upper_bound` (4 n tiny), so its factor is finite and the
+    # row stays zero.
+    scale = shrink / (jnp.sqrt(squared) + stability)
+  factors = jnp.where(used, scale, 0.0)
   counters = ClippedSum(
       sum=None,
       count=jnp.sum(mask, dtype=jnp.int32),
@@ -319,7 +335,8 @@ def effective_clip(l2_clip: float, batch_size: int,
 
 
 def _clip_and_sum_rows(contributions: PyTree, mask: jax.Array,
-                       l2_clip: float, sum_shrink: float = 1.0) -> ClippedSum:
+                       l2_clip: float, sum_shrink: float = 1.0,
+                       stability: Optional[Any] = None) -> ClippedSum:
   """Clips each row of `contributions` (leading axis) and sums the rows.
 
   The rows are summed by `rounding.weighted_row_sum`: elementwise products
@@ -328,7 +345,8 @@ def _clip_and_sum_rows(contributions: PyTree, mask: jax.Array,
   accumulation order, and its rounding is the bound `sum_shrink` pays for.
   """
   squared = _squared_norms_in_clip_units(contributions, l2_clip)
-  used, factors, counters = _clip_factors(squared, mask, sum_shrink)
+  used, factors, counters = _clip_factors(squared, mask, sum_shrink,
+                                          stability)
 
   def weighted_sum(leaf):
     leaf = leaf.astype(_accumulation_dtype(leaf.dtype))
@@ -426,7 +444,8 @@ USER_FORM = GhostForm(
 def _ghost_clip_and_sum_rows(plan: ghost.GhostPlan, form: GhostForm,
                              rows: PyTree, args: tuple[Any, ...],
                              mask: jax.Array, l2_clip: float,
-                             sum_shrink: float = 1.0) -> ClippedSum:
+                             sum_shrink: float = 1.0,
+                             stability: Optional[Any] = None) -> ClippedSum:
   """`_clip_and_sum_rows` of the units' gradients, from ghost norms.
 
   No per-unit gradient is formed: norms come from layer inputs and output
@@ -437,7 +456,8 @@ def _ghost_clip_and_sum_rows(plan: ghost.GhostPlan, form: GhostForm,
   values = form.terms(plan, rows, *args)
   squared, formed = ghost.squared_norms_and_formed(
       plan, params, values, 1.0 / l2_clip, mask.shape[0])
-  used, factors, counters = _clip_factors(squared, mask, sum_shrink)
+  used, factors, counters = _clip_factors(squared, mask, sum_shrink,
+                                          stability)
   # Where a rule formed the per-unit gradients, the sum releases those very
   # arrays (measured in clip units: `formed_scale` restores the units).
   return counters._replace(
@@ -507,6 +527,43 @@ def _sum_in_blocks(
                                                    compensation))
 
 
+def validate_stability(automatic_clipping: Optional[float]
+                       ) -> Optional[float]:
+  """The stability constant r of automatic clipping, checked (None: clip).
+
+  Example:
+    >>> validate_stability(0.01)
+    0.01
+
+  Args:
+    automatic_clipping: None, or r >= 0 (finite).
+
+  Returns:
+    `float(r)`, or None.
+
+  Raises:
+    ValueError: for a negative, NaN or infinite r.
+  """
+  if automatic_clipping is None:
+    return None
+  try:
+    value = float(automatic_clipping)
+  except (TypeError, ValueError) as e:
+    raise ValueError('automatic_clipping must be None or the stability '
+                     f'constant r >= 0, got {automatic_clipping!r}') from e
+  if not 0.0 <= value < float('inf'):
+    raise ValueError('automatic_clipping must be None or a finite stability '
+                     f'constant r >= 0, got {automatic_clipping!r}')
+  return value
+
+
+def _stability_in_clip_units(automatic_clipping: Optional[float],
+                             l2_clip: Any) -> Optional[Any]:
+  """r / C, the stability constant in the units norms are measured in."""
+  r = validate_stability(automatic_clipping)
+  return None if r is None else r / l2_clip
+
+
 @keywords.checked
 def clipped_sum(
     contribution_fn: Callable[..., PyTree],
@@ -516,6 +573,7 @@ def clipped_sum(
     mask: Optional[jax.Array] = None,
     microbatch_size: Optional[int] = None,
     min_ndim: int = 1,
+    automatic_clipping: Optional[float] = None,
 ) -> ClippedSum:
   """Sums `contribution_fn(unit, *args)` over the units of `batch`, clipped.
 
@@ -532,20 +590,27 @@ def clipped_sum(
     microbatch_size: if set, at most this many contributions are evaluated at
       once (the batch is padded with masked rows to a multiple of it).
     min_ndim: fewest dimensions each batch leaf must have.
+    automatic_clipping: None (clip each contribution to `l2_clip`), or the
+      stability constant r >= 0 of automatic clipping (Bu et al. 2023):
+      each contribution g is scaled to `l2_clip * g / (||g|| + r)`
+      (`ClippedStatistic.automatic_clipping`).
 
   Returns:
     A `ClippedSum`.
 
   Raises:
-    ValueError: for a bad clip norm, batch, mask or microbatch size.
+    ValueError: for a bad clip norm, batch, mask, microbatch size or
+      stability constant.
   """
   l2_clip = validate_clip(l2_clip)
+  stability = _stability_in_clip_units(automatic_clipping, l2_clip)
   size = batch_size_of(batch, min_ndim)
   mask = _validated_mask(mask, size)
 
   def block(rows, rows_mask, sum_shrink):
     contributions = jax.vmap(lambda unit: contribution_fn(unit, *args))(rows)
-    return _clip_and_sum_rows(contributions, rows_mask, l2_clip, sum_shrink)
+    return _clip_and_sum_rows(contributions, rows_mask, l2_clip, sum_shrink,
+                              stability)
 
   return _sum_in_blocks(block, batch, mask, microbatch_size)
 
@@ -628,6 +693,19 @@ class ClippedStatistic:
       `microbatch_size`); above it the ghost path is taken whatever the
       cost estimates say. Default `ghost.DEFAULT_MEMORY_BUDGET` (1 GiB);
       None: the estimates alone decide.
+    automatic_clipping: None (default: each contribution g is clipped,
+      `g min(1, C / ||g||)`), or the stability constant r >= 0 of automatic
+      clipping (Bu et al., NeurIPS 2023, AUTO-S; r = 0 is their AUTO-V):
+      each contribution is scaled to `C g / (||g|| + r)`, C = `l2_clip`.
+      Its norm is below C whatever g, so the sensitivity is the clipping's,
+      `C * factor(relation)`; with C the learning rate's scale (Bu et al.
+      Thm 1: `C` only rescales the step), no clip norm needs tuning. Every
+      path takes it (vmap, ghost, microbatches, devices).
+
+  Calling it with `l2_clip=` (a traced scalar allowed) clips to that norm
+  instead of `l2_clip` for this call: the adaptive clip of
+  `dpsco_jax.adaptive_clipping`, held in the estimator's state. The noise
+  must then be scaled by `sensitivity(relation, l2_clip=...)`.
   """
 
   contribution_fn: Callable[..., PyTree]
@@ -639,6 +717,7 @@ class ClippedStatistic:
   clipping_method: str = 'vmap'
   ghost_form: GhostForm = GRADIENT_FORM
   memory_budget: Optional[int] = ghost.DEFAULT_MEMORY_BUDGET
+  automatic_clipping: Optional[float] = None
   # Fallback reasons already announced by this statistic (once each).
   _announced: set = dataclasses.field(
       default_factory=set, init=False, repr=False, compare=False, hash=False)
@@ -692,6 +771,8 @@ class ClippedStatistic:
           self.microbatch_size, 'microbatch_size'))
     object.__setattr__(self, 'memory_budget',
                        ghost.validate_memory_budget(self.memory_budget))
+    object.__setattr__(self, 'automatic_clipping',
+                       validate_stability(self.automatic_clipping))
     for built in _RECORDERS:
       built.append(self)
     if self.clipping_method not in METHODS:
@@ -816,13 +897,16 @@ class ClippedStatistic:
           'of losses.')
 
   def __call__(self, batch: PyTree, *args: Any,
-               mask: Optional[jax.Array] = None) -> ClippedSum:
+               mask: Optional[jax.Array] = None,
+               l2_clip: Optional[Any] = None) -> ClippedSum:
     self.check_loss(batch, *args)
+    clip = self.l2_clip if l2_clip is None else validate_clip(l2_clip)
     if self.clipping_method == 'vmap':
       self._paths.add('vmap')
       return clipped_sum(
-          self.contribution_fn, batch, *args, l2_clip=self.l2_clip, mask=mask,
-          microbatch_size=self.microbatch_size, min_ndim=self.min_ndim)
+          self.contribution_fn, batch, *args, l2_clip=clip, mask=mask,
+          microbatch_size=self.microbatch_size, min_ndim=self.min_ndim,
+          automatic_clipping=self.automatic_clipping)
     size = batch_size_of(batch, self.min_ndim)
     mask = _validated_mask(mask, size)
     plan = self.ghost_plan(batch, *args)
@@ -832,16 +916,18 @@ class ClippedStatistic:
     if plan is None:
       self._paths.add('vmap')
       return clipped_sum(
-          self.contribution_fn, batch, *args, l2_clip=self.l2_clip, mask=mask,
-          microbatch_size=self.microbatch_size, min_ndim=self.min_ndim)
+          self.contribution_fn, batch, *args, l2_clip=clip, mask=mask,
+          microbatch_size=self.microbatch_size, min_ndim=self.min_ndim,
+          automatic_clipping=self.automatic_clipping)
     self._paths.add('ghost')
+    stability = _stability_in_clip_units(self.automatic_clipping, clip)
     # The same clip as the vmap path (the paths agree); but the ghost sum is
     # a matrix product whose accumulation order and precision are the
     # backend's, which `sum_shrink` does not bound (docs/sharp_edges.md).
     return _sum_in_blocks(
         lambda rows, rows_mask, sum_shrink: _ghost_clip_and_sum_rows(
-            plan, self.ghost_form, rows, args, rows_mask, self.l2_clip,
-            sum_shrink),
+            plan, self.ghost_form, rows, args, rows_mask, clip,
+            sum_shrink, stability),
         batch, mask, self.microbatch_size)
 
   def _choice(self, plan: ghost.GhostPlan, batch: PyTree,
@@ -887,19 +973,28 @@ class ClippedStatistic:
       self,
       relation: neighboring.NeighboringRelation = (
           neighboring.NeighboringRelation.ADD_OR_REMOVE),
-  ) -> float:
+      l2_clip: Optional[Any] = None,
+  ) -> Any:
     """The l2 sensitivity of the clipped sum when one unit changes.
 
     It is the same on every path: each unit's contribution is clipped to
-    `l2_clip` (or dropped) whichever way its norm was computed.
+    `l2_clip` (or dropped) whichever way its norm was computed; automatic
+    clipping scales each below it.
+
+    Example:
+      >>> clipped_grad_sum(loss_fn, 2.0).sensitivity()
+      2.0
 
     Args:
       relation: the neighbouring relation (replace-one doubles it).
+      l2_clip: the clip of a call made with `l2_clip=` (default: the
+        statistic's).
 
     Returns:
-      `l2_clip * factor(relation)`.
+      `l2_clip * factor(relation)` (traced when `l2_clip` is).
     """
-    return self.l2_clip * neighboring.sensitivity_factor(relation)
+    clip = self.l2_clip if l2_clip is None else l2_clip
+    return clip * neighboring.sensitivity_factor(relation)
 
 
 # `ClippedStatistic(method=...)` keeps working until 0.3.0, warned.
@@ -915,6 +1010,7 @@ def clipped_grad_sum(
     microbatch_size: Optional[int] = None,
     clipping_method: str = 'auto',
     memory_budget: Optional[int] = ghost.DEFAULT_MEMORY_BUDGET,
+    automatic_clipping: Optional[float] = None,
 ) -> ClippedStatistic:
   """Sum of per-example gradients, each clipped to global l2 norm `l2_clip`.
 
@@ -945,6 +1041,9 @@ def clipped_grad_sum(
     memory_budget: bytes the per-example gradients of the vmap path may
       take before `'auto'` takes the ghost path whatever its estimates
       (`ClippedStatistic.memory_budget`; default 1 GiB, None: no budget).
+    automatic_clipping: None (default: clip), or the stability constant r
+      of automatic clipping: each contribution scaled to
+      `l2_clip * g / (||g|| + r)` (`ClippedStatistic.automatic_clipping`).
 
   Returns:
     A `ClippedStatistic` called as `stat(batch, params, mask=None)`.
@@ -960,7 +1059,7 @@ def clipped_grad_sum(
       contribution_fn=lambda example, params: grad_fn(params, example),
       l2_clip=l2_clip, microbatch_size=microbatch_size, loss_fn=loss_fn,
       clipping_method=clipping_method,
-      memory_budget=memory_budget)
+      memory_budget=memory_budget, automatic_clipping=automatic_clipping)
 
 
 @keywords.checked(renamed=_RENAMED)
@@ -971,6 +1070,7 @@ def clipped_grad_difference_sum(
     microbatch_size: Optional[int] = None,
     clipping_method: str = 'auto',
     memory_budget: Optional[int] = ghost.DEFAULT_MEMORY_BUDGET,
+    automatic_clipping: Optional[float] = None,
 ) -> ClippedStatistic:
   """Sum of per-example gradient differences, each difference clipped.
 
@@ -1004,6 +1104,9 @@ def clipped_grad_difference_sum(
     memory_budget: bytes the per-example gradients of the vmap path may
       take before `'auto'` takes the ghost path whatever its estimates
       (`ClippedStatistic.memory_budget`; default 1 GiB, None: no budget).
+    automatic_clipping: None (default: clip), or the stability constant r
+      of automatic clipping: each contribution scaled to
+      `l2_clip * g / (||g|| + r)` (`ClippedStatistic.automatic_clipping`).
 
   Returns:
     A `ClippedStatistic` called as
@@ -1027,7 +1130,7 @@ def clipped_grad_difference_sum(
       contribution_fn=difference, l2_clip=l2_clip,
       microbatch_size=microbatch_size, loss_fn=loss_fn,
       clipping_method=clipping_method, ghost_form=DIFFERENCE_FORM,
-      memory_budget=memory_budget)
+      memory_budget=memory_budget, automatic_clipping=automatic_clipping)
 
 
 class UserBatch(NamedTuple):
@@ -1088,6 +1191,7 @@ def clipped_user_grad_sum(
     microbatch_size: Optional[int] = None,
     clipping_method: str = 'auto',
     memory_budget: Optional[int] = ghost.DEFAULT_MEMORY_BUDGET,
+    automatic_clipping: Optional[float] = None,
 ) -> ClippedStatistic:
   """Sum over users of the clipped gradient of each user's mean loss.
 
@@ -1116,6 +1220,9 @@ def clipped_user_grad_sum(
     memory_budget: bytes the per-example gradients of the vmap path may
       take before `'auto'` takes the ghost path whatever its estimates
       (`ClippedStatistic.memory_budget`; default 1 GiB, None: no budget).
+    automatic_clipping: None (default: clip), or the stability constant r
+      of automatic clipping: each contribution scaled to
+      `l2_clip * g / (||g|| + r)` (`ClippedStatistic.automatic_clipping`).
 
   Returns:
     A `ClippedStatistic` called as `stat(batch, params, mask=None)`, where
@@ -1132,4 +1239,4 @@ def clipped_user_grad_sum(
       contribution_fn=user_mean_gradient(loss_fn), l2_clip=l2_clip,
       microbatch_size=microbatch_size, unit='user', min_ndim=2,
       loss_fn=loss_fn, clipping_method=clipping_method, ghost_form=USER_FORM,
-      memory_budget=memory_budget)
+      memory_budget=memory_budget, automatic_clipping=automatic_clipping)

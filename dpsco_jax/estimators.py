@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from dpsco_jax import adaptive_clipping as adaptive_lib
 from dpsco_jax import checks
 from dpsco_jax import clipping
 from dpsco_jax import guards
@@ -42,9 +43,13 @@ class NoisyGradientState(NamedTuple):
       It holds no data, but the key and buffers determine the noise: keep it
       secret (checkpoint it privately, never log or release it), or anyone
       could subtract the noise from the released outputs.
+    adaptive: with adaptive clipping, the clip of the next step and the
+      count noise's key (`adaptive_clipping.AdaptiveClipState`); None
+      otherwise.
   """
 
   noise: noise_lib.NoiseState
+  adaptive: Optional[Any] = None
 
 
 as_key = keys.as_key
@@ -307,6 +312,8 @@ def noisy_gradient(
     microbatch_size: Optional[int] = None,
     clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
+    adaptive_clipping: Optional[Any] = None,
+    automatic_clipping: Optional[float] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Noisy clipped mean gradient: the estimator behind DP-SGD and DP-FTRL.
 
@@ -348,6 +355,12 @@ def noisy_gradient(
       else per-example gradients, announced once), 'ghost' or 'vmap'
       (`dpsco_jax.clipping`).
     axis_name: the `pmap`/`shard_map` axis name when run on several devices.
+    adaptive_clipping: None, or an `adaptive_clipping.AdaptiveClipping`:
+      `l2_clip` is then the initial clip, and the clip follows a private
+      quantile of the gradient norms (see `noisy_statistic`).
+    automatic_clipping: None, or the stability constant r of automatic
+      clipping: each gradient scaled to `l2_clip * g / (||g|| + r)` (Bu et
+      al. 2023; `clipping.ClippedStatistic.automatic_clipping`).
 
   Returns:
     An `optax.GradientTransformationExtraArgs`; call
@@ -356,11 +369,13 @@ def noisy_gradient(
   """
   statistic = clipping.clipped_grad_sum(
       loss_fn, l2_clip, microbatch_size=microbatch_size,
-      clipping_method=clipping_method)
+      clipping_method=clipping_method,
+      automatic_clipping=automatic_clipping)
   return noisy_statistic(
       statistic, noise_multiplier=noise_multiplier, mechanism=mechanism,
       key=key, neighboring_relation=neighboring_relation,
-      normalize_by=normalize_by, axis_name=axis_name)
+      normalize_by=normalize_by, axis_name=axis_name,
+      adaptive_clipping=adaptive_clipping)
 
 
 @keywords.checked
@@ -375,6 +390,7 @@ def noisy_statistic(
     normalize_by: Optional[float] = None,
     axis_name: Optional[str] = None,
     name: str = 'noisy_gradient',
+    adaptive_clipping: Optional[Any] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Any clipped statistic of the params, summed, noised once, normalized.
 
@@ -400,13 +416,23 @@ def noisy_statistic(
       by; required with a padding mask.
     axis_name: the device axis name.
     name: the transformation's name in messages and key bookkeeping.
+    adaptive_clipping: None (the statistic's fixed clip), or an
+      `adaptive_clipping.AdaptiveClipping`: the statistic's `l2_clip` is
+      the initial clip, the clip of each step is in the state and follows
+      a private quantile of the norms (Andrew et al. 2021, Algorithm 1),
+      and `noise_multiplier` is the TOTAL multiplier of the sum and the
+      count (the sum gets `adaptive_clipping.sum_noise_multiplier` of it),
+      so the accounting of `noise_multiplier` is unchanged. Needs
+      `normalize_by` and `noise.gaussian` noise.
 
   Returns:
     An `optax.GradientTransformationExtraArgs`; call
     `update(None, state, params, batch=batch, batch_mask=None)`, or
     `update(None, state, params, clipped_sum=clipped)` with the statistic
     already summed over a logical batch's physical batches
-    (`dpsco_jax.physical`; needs `normalize_by`).
+    (`dpsco_jax.physical`; needs `normalize_by`; with adaptive clipping,
+    each physical batch clipped at the state's clip,
+    `adaptive_clipping.current_clip(state)`).
   """
   noise_multiplier = validate_noise_multiplier(
       noise_multiplier, f'{name}({mechanism.name})')
@@ -416,12 +442,24 @@ def noisy_statistic(
         f'{mechanism.name} has no capacity (num_steps=None): a private '
         'estimator must refuse the steps past the ones its noise was '
         'calibrated for; build the mechanism with num_steps')
+  adaptive = adaptive_lib.checked_config(
+      adaptive_clipping, noise_multiplier=noise_multiplier,
+      mechanism=mechanism, batch_size=normalize_by,
+      relation=neighboring_relation)
   key = keys.noise_key(key, f'{name}({mechanism.name})')
+  count_key = None
+  if adaptive is not None:
+    # Two streams from one key: the sum's noise never shares a draw with
+    # the count's.
+    key, count_key = jax.random.split(as_key(key))
   validate_normalize_by(normalize_by)
 
   def init_fn(params):
     check_params(params)
-    return NoisyGradientState(noise=mechanism.init(params, key))
+    return NoisyGradientState(
+        noise=mechanism.init(params, key),
+        adaptive=(None if adaptive is None else
+                  adaptive_lib.init(statistic.l2_clip, count_key)))
 
   def update_fn(updates, state, params=None, *, batch=None, batch_mask=None,
                 clipped_sum=None, **extra_args):
@@ -429,6 +467,7 @@ def noisy_statistic(
     check_first_in_chain(updates, name)
     checks.state_type(state, NoisyGradientState, name)
     check_params(params)
+    clip = None if adaptive is None else state.adaptive.clip
     if clipped_sum is not None:
       # Accumulated over physical batches (`dpsco_jax.physical`).
       divisor = accumulated_batch_size(normalize_by, name)
@@ -436,10 +475,23 @@ def noisy_statistic(
     else:
       divisor = public_batch_size(batch, batch_mask, normalize_by, axis_name)
       clipped = statistic(batch, parallel.per_device(params, axis_name),
-                          mask=batch_mask)
+                          mask=batch_mask, l2_clip=clip)
+    if adaptive is None:
+      private, noise_state = privatize_sum(
+          clipped, state.noise, mechanism, stddev, normalize_by=divisor,
+          axis_name=axis_name)
+      return cast_like(private, params), NoisyGradientState(noise=noise_state)
+    config, count_stddev, sum_multiplier = adaptive
     private, noise_state = privatize_sum(
-        clipped, state.noise, mechanism, stddev, normalize_by=divisor,
+        clipped, state.noise, mechanism,
+        sum_multiplier * statistic.sensitivity(neighboring_relation, clip),
+        normalize_by=divisor, axis_name=axis_name)
+    fraction, adaptive_state = adaptive_lib.unclipped_fraction(
+        clipped, state.adaptive, stddev=count_stddev, batch_size=divisor,
         axis_name=axis_name)
-    return cast_like(private, params), NoisyGradientState(noise=noise_state)
+    new_clip = adaptive_lib.poisoned(
+        adaptive_lib.next_clip(clip, fraction, config), noise_state.refusal)
+    return cast_like(private, params), NoisyGradientState(
+        noise=noise_state, adaptive=adaptive_state._replace(clip=new_clip))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -95,9 +95,20 @@ def per_device(tree: PyTree, axis_name: Optional[str]) -> PyTree:
 
 
 def _is_manual_axis(x: Any, axis_name: str) -> bool:
-  """Whether `axis_name` is a pmap / shard_map (manual) axis of `x`'s trace."""
+  """Whether `axis_name` is a pmap / shard_map (manual) axis of `x`'s trace.
+
+  Asks the trace's mesh as well as `x`'s type: a value closed over by the
+  mapped function (params a user's step captures instead of taking them as
+  an argument) has no mesh in its type, yet differentiating with respect to
+  it inside `shard_map` sums the gradient over the devices all the same.
+  """
   mesh = getattr(getattr(jax.typeof(x), 'sharding', None), 'mesh', None)
-  return axis_name in getattr(mesh, 'manual_axes', ())
+  if axis_name in getattr(mesh, 'manual_axes', ()):
+    return True
+  get_abstract_mesh = getattr(jax.sharding, 'get_abstract_mesh', None)
+  if get_abstract_mesh is None:
+    return False
+  return axis_name in getattr(get_abstract_mesh(), 'manual_axes', ())
 
 
 def axis_size(axis_name: Optional[str]) -> int:

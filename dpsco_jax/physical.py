@@ -69,6 +69,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from dpsco_jax import adaptive_clipping
 from dpsco_jax import batching
 from dpsco_jax import checks
 from dpsco_jax import clipping
@@ -569,8 +570,9 @@ class LogicalStep:
 
   def _start(self, opt_state, params, template) -> Accumulation:
     args = self._arguments(opt_state, params)
+    clip = adaptive_clipping.current_clip(opt_state)
     shapes = jax.eval_shape(
-        lambda: self.form.statistic(template, *args))
+        lambda: self.form.statistic(template, *args, l2_clip=clip))
     return Accumulation(
         clipped=jax.tree_util.tree_map(
             lambda s: jnp.zeros(s.shape, s.dtype), shapes),
@@ -580,8 +582,10 @@ class LogicalStep:
                   physical: PhysicalBatch) -> Accumulation:
     args = self._arguments(opt_state, params)
     self._traced_sizes.add(np.shape(physical.batch_mask)[0])
-    clipped = self.form.statistic(physical.batch, *args,
-                                  mask=physical.batch_mask)
+    # With adaptive clipping, at the clip the one-call step would use.
+    clipped = self.form.statistic(
+        physical.batch, *args, mask=physical.batch_mask,
+        l2_clip=adaptive_clipping.current_clip(opt_state))
     fingerprint = accumulation.fingerprint
     if physical.example_ids is not None:
       fingerprint = fingerprint + batching.batch_fingerprint(

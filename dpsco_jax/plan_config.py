@@ -27,6 +27,7 @@ import secrets
 from typing import Any, Mapping, Optional, Sequence, Union
 
 from dpsco_jax import accounting
+from dpsco_jax import adaptive_clipping as adaptive_lib
 from dpsco_jax import batching
 from dpsco_jax import checks
 from dpsco_jax import clipping
@@ -249,18 +250,65 @@ class Clipping:
       size, and logical batches larger than memory; for the SRG plans the
       clipped differences at the query point x_t (the params) and at
       x_{t-1} (the state's). None (default): one call per batch only.
+    automatic_clipping: None (default: clip to `l2_clip`), or the stability
+      constant r >= 0 of automatic clipping (Bu et al., NeurIPS 2023): each
+      contribution g is scaled to `l2_clip * g / (||g|| + r)`, no clip to
+      tune (`l2_clip` only rescales the step), the same sensitivity
+      (`clipping.ClippedStatistic.automatic_clipping`). Offered by the
+      plans of DP-SGD, DP-FTRL, DP-MEMF and user-level DP-SGD.
+    adaptive_clipping: None (default: a fixed clip), or an
+      `adaptive_clipping.AdaptiveClipping`: `l2_clip` is the initial clip,
+      which then follows a private quantile of the norms (Andrew et al.,
+      NeurIPS 2021); the count it needs is noised from the same privacy
+      budget (one Gaussian mechanism of the calibrated multiplier, the
+      sum's share larger), so the plan's epsilon is unchanged. Needs noise
+      independent across steps: offered by the plans of DP-SGD and
+      user-level DP-SGD.
   """
 
   l2_clip: Optional[float] = None
   microbatch_size: Optional[int] = None
   clipping_method: str = 'auto'
   physical_batch_size: Optional[int] = None
+  automatic_clipping: Optional[float] = None
+  adaptive_clipping: Optional[Any] = None
+
+  def __post_init__(self):
+    object.__setattr__(self, 'automatic_clipping', clipping.validate_stability(
+        self.automatic_clipping))
+    if self.adaptive_clipping is not None:
+      object.__setattr__(self, 'adaptive_clipping', adaptive_lib.validate(
+          self.adaptive_clipping))
 
   @property
   def statistic_keywords(self) -> dict[str, Any]:
     """The keywords every private estimator takes from this config."""
-    return dict(microbatch_size=self.microbatch_size,
-                clipping_method=self.clipping_method)
+    keywords = dict(microbatch_size=self.microbatch_size,
+                    clipping_method=self.clipping_method)
+    if self.automatic_clipping is not None:
+      keywords['automatic_clipping'] = self.automatic_clipping
+    return keywords
+
+  @property
+  def estimator_keywords(self) -> dict[str, Any]:
+    """`statistic_keywords`, and `adaptive_clipping` when set (for the
+    estimators that hold the clip: `estimators.noisy_gradient` and
+    `noisy_statistic`)."""
+    keywords = self.statistic_keywords
+    if self.adaptive_clipping is not None:
+      keywords['adaptive_clipping'] = self.adaptive_clipping
+    return keywords
+
+  @property
+  def hyperparameters(self) -> dict[str, Any]:
+    """The clipping choices for a plan's run record (only those set, so
+    that a plan without them describes itself as before)."""
+    record = {}
+    if self.automatic_clipping is not None:
+      record['automatic_clipping'] = self.automatic_clipping
+    if self.adaptive_clipping is not None:
+      record['adaptive_clipping'] = dict(self.adaptive_clipping._asdict())
+    return record
 
   def form(self, statistic: clipping.ClippedStatistic,
            devices: 'Devices') -> Optional[physical.PhysicalForm]:

@@ -56,6 +56,7 @@ import optax
 
 from dpsco_jax import accountants
 from dpsco_jax import accounting
+from dpsco_jax import adaptive_clipping as adaptive_lib
 from dpsco_jax import batching
 from dpsco_jax import blt
 from dpsco_jax import checks
@@ -692,7 +693,8 @@ def _batched_plan(family: Family, sampler: Sampler,
       'sampling': type(sampler).__name__,
       'batch_size': plan_config.normalize_by(sampler),
       'l2_clip': clip.l2_clip, **family.hyperparameters,
-      'physical_batch_size': clip.physical_batch_size})
+      'physical_batch_size': clip.physical_batch_size,
+      **clip.hyperparameters})
   return build(family, accountant, sampler=sampler,
                num_examples=sampler.num_examples, devices=devices)
 
@@ -717,7 +719,7 @@ def _noisy_gradient_family(
           loss_fn, l2_clip=clip.l2_clip, noise_multiplier=z,
           mechanism=mechanism, key=noise_key.key,
           neighboring_relation=relation, normalize_by=divisor,
-          axis_name=devices.axis_name, **clip.statistic_keywords),
+          axis_name=devices.axis_name, **clip.estimator_keywords),
       output=(optimizer,), hyperparameters=hyperparameters,
       physical_form=clip.gradient_form(loss_fn, devices))
 
@@ -744,6 +746,8 @@ def dpsgd(
     clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
     physical_batch_size: Optional[int] = None,
+    automatic_clipping: Optional[float] = None,
+    adaptive_clipping: Optional[adaptive_lib.AdaptiveClipping] = None,
 ) -> Plan:
   """A DP-SGD run (`dpsco_jax.dpsgd`), calibrated to (epsilon, delta).
 
@@ -770,8 +774,8 @@ def dpsgd(
     loss_fn: `loss_fn(params, example) -> scalar` for ONE example.
     optimizer: the optax optimizer the private gradient feeds.
     num_examples, batch_size, epochs, sampling, seed: `Sampling`.
-    l2_clip, microbatch_size, clipping_method, physical_batch_size:
-      `Clipping`.
+    l2_clip, microbatch_size, clipping_method, physical_batch_size,
+      automatic_clipping, adaptive_clipping: `Clipping`.
     delta, epsilon, noise_multiplier, method, releases: `PrivacyTarget`.
     neighboring_relation: `PrivacyTarget`; default add/remove under Poisson
       sampling, zero-out for 'shuffled' and 'fixed' (what their accounting
@@ -827,6 +831,7 @@ def dpftrl(
     clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
     physical_batch_size: Optional[int] = None,
+    automatic_clipping: Optional[float] = None,
 ) -> Plan:
   """A DP-FTRL run (`dpsco_jax.dpftrl`, tree noise), calibrated.
 
@@ -855,8 +860,9 @@ def dpftrl(
     neighboring_relation: default zero-out, what a fixed or shuffled
       order's accounting assumes (same sensitivity as add/remove, which is
       refused here).
-    l2_clip, microbatch_size, clipping_method, physical_batch_size:
-      `Clipping`.
+    l2_clip, microbatch_size, clipping_method, physical_batch_size,
+      automatic_clipping: `Clipping` (adaptive clipping needs noise
+      independent across steps: `dpsgd`).
     key, axis_name: `NoiseKey`, `Devices`.
 
   Returns:
@@ -1084,6 +1090,7 @@ def dpmemf(
     clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
     physical_batch_size: Optional[int] = None,
+    automatic_clipping: Optional[float] = None,
 ) -> Plan:
   """A DP-MEMF run (paper 001 Algorithm 2), calibrated.
 
@@ -1134,8 +1141,9 @@ def dpmemf(
       batch order's accounting assumes it (same sensitivity as add/remove);
       with delta, epsilon, noise_multiplier, method, releases:
       `PrivacyTarget`.
-    l2_clip, microbatch_size, clipping_method, physical_batch_size:
-      `Clipping`.
+    l2_clip, microbatch_size, clipping_method, physical_batch_size,
+      automatic_clipping: `Clipping` (adaptive clipping needs noise
+      independent across steps: `dpsgd`).
     key, axis_name: `NoiseKey`, `Devices`.
 
   Returns:
@@ -1574,6 +1582,8 @@ def user_level_dpsgd(
     clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
     physical_batch_size: Optional[int] = None,
+    automatic_clipping: Optional[float] = None,
+    adaptive_clipping: Optional[adaptive_lib.AdaptiveClipping] = None,
 ) -> Plan:
   """A user-level DP-SGD run (`algorithms.user_level`), calibrated per USER.
 
@@ -1599,8 +1609,10 @@ def user_level_dpsgd(
     users_per_batch: the expected number of users per batch
       (`Sampling.batch_size`; with epochs and seed, Poisson over users).
     l2_clip: clip norm of each user's mean gradient (`Clipping`, with
-      microbatch_size (users processed at once), clipping_method and
-      physical_batch_size (users per physical batch)).
+      microbatch_size (users processed at once), clipping_method,
+      physical_batch_size (users per physical batch), automatic_clipping
+      and adaptive_clipping (the clip follows a private quantile of the
+      users' norms)).
     delta: target delta (per user); with epsilon, noise_multiplier and
       method ('pld' or 'rdp'): `PrivacyTarget`.
     neighboring_relation: add/remove one user (replace-one is not accounted
@@ -1627,7 +1639,7 @@ def user_level_dpsgd(
           statistic(), noise_multiplier=z, mechanism=mechanism,
           key=noise_key.key, neighboring_relation=neighboring_relation,
           normalize_by=divisor, axis_name=axis_name,
-          name='user_level_dpsgd'),
+          name='user_level_dpsgd', adaptive_clipping=adaptive_clipping),
       output=(optimizer,),
       hyperparameters={'epochs': epochs, 'privacy_unit': 'user'},
       physical_form=(None if physical_batch_size is None else

@@ -324,9 +324,9 @@ def _check_batch(batch: Any) -> None:
 class _SmoothedStatistic(clipping.ClippedStatistic):
   """A `ClippedStatistic` whose batch must be a `SmoothingBatch`."""
 
-  def __call__(self, batch, *args, mask=None):
+  def __call__(self, batch, *args, mask=None, l2_clip=None):
     _check_batch(batch)
-    return super().__call__(batch, *args, mask=mask)
+    return super().__call__(batch, *args, mask=mask, l2_clip=l2_clip)
 
 
 def clipped_smoothed_grad_sum(
@@ -503,8 +503,8 @@ def clipped_smoothed_step_sum(
 
   return _SmoothedStatistic(
       contribution_fn=contribution, l2_clip=l2_clip,
-      microbatch_size=microbatch_size, loss_fn=loss_fn, method='vmap',
-      ghost_form=SMOOTHED_FORM)
+      microbatch_size=microbatch_size, loss_fn=loss_fn,
+      clipping_method='vmap', ghost_form=SMOOTHED_FORM)
 
 
 # ------------------------------------------------------------ constants

@@ -79,6 +79,8 @@ def dpsgd(
     microbatch_size: Optional[int] = None,
     clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
+    adaptive_clipping: Optional[Any] = None,
+    automatic_clipping: Optional[float] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """DP-SGD's private gradient: clipped per-example sum plus i.i.d. noise.
 
@@ -113,6 +115,11 @@ def dpsgd(
       else per-example gradients, announced once), 'ghost' or 'vmap'
       (`dpsco_jax.clipping`).
     axis_name: the `pmap`/`shard_map` axis name on several devices.
+    adaptive_clipping: None, or an `adaptive_clipping.AdaptiveClipping`
+      (`l2_clip` is the initial clip; Andrew et al. 2021; needs
+      `normalize_by`). `noise_multiplier` stays the accounted total.
+    automatic_clipping: None, or the stability constant r of automatic
+      clipping (Bu et al. 2023).
 
   Returns:
     An `optax.GradientTransformationExtraArgs`; call
@@ -129,7 +136,9 @@ def dpsgd(
       key=key,
       neighboring_relation=neighboring_relation, normalize_by=normalize_by,
       microbatch_size=microbatch_size,
-      clipping_method=clipping_method, axis_name=axis_name)
+      clipping_method=clipping_method, axis_name=axis_name,
+      adaptive_clipping=adaptive_clipping,
+      automatic_clipping=automatic_clipping)
 
 
 @keywords.checked

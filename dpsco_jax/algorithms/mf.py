@@ -83,6 +83,7 @@ def dpmemf(
     microbatch_size: Optional[int] = None,
     clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
+    automatic_clipping: Optional[float] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """DP-MEMF's private gradient (paper 001 Algorithm 2, corrected).
 
@@ -136,6 +137,9 @@ def dpmemf(
       else per-example gradients, announced once), 'ghost' or 'vmap'
       (`dpsco_jax.clipping`).
     axis_name: the `pmap`/`shard_map` axis name on several devices.
+    automatic_clipping: None, or the stability constant r of automatic
+      clipping (Bu et al. 2023): each gradient scaled to
+      `l2_clip * g / (||g|| + r)`, the same sensitivity.
 
   Returns:
     An `optax.GradientTransformationExtraArgs`; call
@@ -151,8 +155,8 @@ def dpmemf(
       loss_fn, l2_clip=l2_clip, noise_multiplier=noise_multiplier,
       mechanism=mechanism, key=key, neighboring_relation=neighboring_relation,
       normalize_by=normalize_by, microbatch_size=microbatch_size,
-                                 clipping_method=clipping_method,
-      axis_name=axis_name)
+      clipping_method=clipping_method, axis_name=axis_name,
+      automatic_clipping=automatic_clipping)
   return with_order_check(estimator, steps_per_epoch, check_order, axis_name,
                           num_examples)
 

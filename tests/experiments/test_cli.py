@@ -22,6 +22,7 @@ EXPERIMENTS = {
     'user_level_synthetic': 'configs/user_level_synthetic.py',
     'user_level_grouped': 'configs/user_level_grouped.py',
     'correlated_noise': 'configs/correlated_noise_digits.py',
+    'clipping_choices': 'configs/clipping_choices.py',
 }
 CONFIGS = sorted(str(p.relative_to(REPO))
                  for p in (REPO / 'configs').glob('*.py')
