@@ -89,7 +89,8 @@ def test_help_of_every_experiment_lists_its_fields():
       parts[0::3], parts[1::3], parts[2::3])}
   assert list(helps) == list(EXPERIMENTS), done.stdout
   for name, (code, output) in helps.items():
-    assert code in ('0', '1') and '--config:' in output, output  # absl exits 1 after --help
+    # absl exits with 1 after --help.
+    assert code in ('0', '1') and '--config:' in output, output
     help_text = ' '.join(output.split())
     for field in cli.config_fields(str(REPO / EXPERIMENTS[name])):
       assert f'{field.name} = ' in help_text, (name, field.name)
