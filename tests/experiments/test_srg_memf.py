@@ -51,19 +51,7 @@ def test_end_to_end_writes_the_table(tmp_path):
   assert 'pick on a grid edge' in text
 
 
-def test_a_pick_on_a_grid_edge_is_flagged(tmp_path):
-  config = tiny_config()
-  config.learning_rates = (0.25, 0.5)   # two values: any pick is an edge
-  config.algorithms = ('srg_true',)
-  config.num_seeds = 2
-  config.grid_extensions = 0
-  (result,) = srg_memf.run(config, str(tmp_path))
-  assert result['grid_edge'] in ('learning_rate lower',
-                                 'learning_rate upper')
-  assert result['grid_edge'] in (tmp_path / 'results.md').read_text()
-
-
-def test_an_edge_pick_extends_its_axis_and_final_runs_use_all_training_data(
+def test_an_edge_pick_is_extended_or_flagged_and_final_runs_use_all_data(
     tmp_path):
   config = tiny_config()
   config.learning_rates = (0.25, 0.5)
@@ -79,10 +67,15 @@ def test_an_edge_pick_extends_its_axis_and_final_runs_use_all_training_data(
   train, _ = srg_memf.datasets.load(config.dataset,
                                     **dict(config.data_kwargs))
   assert result['num_train_final'] == len(train['y'])
+  # Without an extension, two values make any pick an edge: the result and
+  # the table flag it.
   config.final_on_full_train = False
   config.grid_extensions = 0
   (result,) = srg_memf.run(config, str(tmp_path / 'part'))
   assert result['num_train_final'] == len(train['y']) - config.validation_size
+  assert result['grid_edge'] in ('learning_rate lower',
+                                 'learning_rate upper')
+  assert result['grid_edge'] in (tmp_path / 'part' / 'results.md').read_text()
 
 
 def test_scanned_run_equals_the_library_steps_one_by_one():
