@@ -1660,6 +1660,7 @@ def diff2_gd(
     axis_name: Optional[str] = None,
     output: str = 'last',
     output_key: estimators.KeyLike = None,
+    physical_batch_size: Optional[int] = None,
 ) -> Plan:
   """A DIFF2-GD run across clients (paper 003 Algorithms 1 and 3), calibrated.
 
@@ -1701,9 +1702,18 @@ def diff2_gd(
       `x_{t_hat}` (`algorithms.diff2.random_output_iterate`, first in the
       chain; read it with `algorithms.diff2.selected_iterate(state)`).
     output_key: key or seed of t_hat (None: fresh).
+    physical_batch_size: run each round's local data as physical batches
+      of at most this many examples, noised once (`Plan.step`,
+      `dpsco_jax.physical`); one client only (no `axis_name`). None
+      (default): one call per round.
 
   Returns:
     A `Plan` (no sampler, no ledger: see `Plan`).
+
+  Raises:
+    ValueError: `physical_batch_size` with `axis_name` (each client's data
+      is its own logical batch, with its own size n_p; the physical step
+      splits one logical batch over the devices).
   """
   _target(epsilon, noise_multipliers, delta, num_examples)
   num_rounds = checks.positive_int(num_rounds, 'num_rounds')
@@ -1724,6 +1734,14 @@ def diff2_gd(
         clipping_method=clipping_method, axis_name=axis_name)
   spent = lambda rounds: diff2_accounting.epsilon_spent(
       rounds, restart_interval, z, delta, method=method)
+  physical_form = None
+  if physical_batch_size is not None:
+    physical_form = physical.client_form(diff2.diff2_physical_form(
+        loss_fn, grad_clip=grad_clip, diff_clip_factor=diff_clip_factor,
+        restart_interval=restart_interval,
+        physical_batch_size=physical_batch_size,
+        microbatch_size=microbatch_size, clipping_method=clipping_method,
+        state_of=lambda opt_state: opt_state[len(selector)]), axis_name)
   return Plan(
       algorithm='diff2_gd' if restart_interval > 1 else 'dp_gd',
       transformation=optax.chain(*selector, private,
@@ -1740,7 +1758,9 @@ def diff2_gd(
                        'restart_interval': restart_interval,
                        'grad_clip': grad_clip,
                        'diff_clip_factor': diff_clip_factor,
-                       'output': output},
+                       'output': output,
+                       'physical_batch_size': physical_batch_size},
+      physical_form=physical_form,
       _epsilon_of_prefix=spent, _statistics=tuple(statistics))
 
 
@@ -1760,6 +1780,7 @@ def dp_gd(
     microbatch_size: Optional[int] = None,
     clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
+    physical_batch_size: Optional[int] = None,
 ) -> Plan:
   """A DP-GD run across clients (paper 003's baseline: DIFF2 with T = 1).
 
@@ -1784,6 +1805,8 @@ def dp_gd(
       else per-example gradients, announced once), 'ghost' or 'vmap'
       (`dpsco_jax.clipping`).
     axis_name: the client axis.
+    physical_batch_size: run each round's data as physical batches of at
+      most this many examples, noised once (as in `diff2_gd`).
 
   Returns:
     A `Plan`.
@@ -1795,8 +1818,8 @@ def dp_gd(
       noise_multipliers=(None if noise_multiplier is None else
                          diff2.Diff2NoiseMultipliers(noise_multiplier, 0.0)),
       method=method, key=key, microbatch_size=microbatch_size,
-                              clipping_method=clipping_method,
-      axis_name=axis_name)
+      clipping_method=clipping_method, axis_name=axis_name,
+      physical_batch_size=physical_batch_size)
 
 
 @keywords.checked
@@ -1945,6 +1968,14 @@ def _o2nc_learning_rate(learning_rate: Union[float, str], scale: float, *,
   return float(learning_rate)
 
 
+# Why the nonsmooth oracles' steps cannot be cut into physical batches.
+_NONSMOOTH_UNSPLITTABLE = (
+    'its statistic is not a sum over examples alone: each example\'s random '
+    'smoothing directions are drawn from its row in the step\'s batch, and '
+    'the step\'s kind (anchor or difference), its divisor and its size '
+    'check are read from the batch\'s static size')
+
+
 @keywords.checked
 def nonsmooth_single_pass(
     loss_fn: LossFn,
@@ -1975,6 +2006,7 @@ def nonsmooth_single_pass(
     reset_delta_each_block: bool = False,
     microbatch_size: Optional[int] = None,
     axis_name: Optional[str] = None,
+    physical_batch_size: Optional[int] = None,
 ) -> Plan:
   """A single-pass private O2NC run (paper 004 Algorithm 2 with 3 or 5).
 
@@ -2040,10 +2072,14 @@ def nonsmooth_single_pass(
     reset_delta_each_block: see `nonsmooth.o2nc`.
     microbatch_size: optional cap on examples estimated at once.
     axis_name: the device axis on several devices.
+    physical_batch_size: refused (ValueError) unless None: the oracle's
+      statistic cannot be split (docs/physical_batches.md).
 
   Returns:
     A `Plan`.
   """
+  physical.refuse_unsplittable(physical_batch_size, 'nonsmooth_single_pass',
+                               _NONSMOOTH_UNSPLITTABLE)
   _target(epsilon, noise_multiplier, delta, num_examples)
   relation = Relation(neighboring_relation)
   sampler = batching.AnchoredSinglePass(
@@ -2150,6 +2186,7 @@ def nonsmooth_multi_pass(
     reset_delta_each_block: bool = False,
     microbatch_size: Optional[int] = None,
     axis_name: Optional[str] = None,
+    physical_batch_size: Optional[int] = None,
 ) -> Plan:
   """A multi-pass private O2NC run on the empirical loss (paper 004 Alg. 2 + 4).
 
@@ -2183,10 +2220,14 @@ def nonsmooth_multi_pass(
     epsilon: target epsilon (or give `noise_multipliers`).
     noise_multipliers: `Diff2NoiseMultipliers(z_1, z_2)` (or `epsilon`).
     budget_split: u > 1.
+    physical_batch_size: refused (ValueError) unless None, as in
+      `nonsmooth_single_pass`.
 
   Returns:
     A `Plan` (no sampler: pass the whole data set every step).
   """
+  physical.refuse_unsplittable(physical_batch_size, 'nonsmooth_multi_pass',
+                               _NONSMOOTH_UNSPLITTABLE)
   _target(epsilon, noise_multipliers, delta, num_examples)
   steps = checks.positive_int(num_steps, 'num_steps')
   period = checks.positive_int(period, 'period')
