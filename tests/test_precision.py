@@ -20,7 +20,10 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 import numpy as np
+import pytest
+from scipy import linalg
 
+from dpsco_jax import accounting
 from dpsco_jax import blt
 from dpsco_jax import clipping
 from dpsco_jax import noise
@@ -221,6 +224,53 @@ def test_the_blt_is_accounted_with_the_coefficients_the_device_applies():
   assert blt.sensitivity(device, steps) > 1.01 * blt.sensitivity(params, steps)
   stated = blt.mechanism(params, steps).single_participation_sensitivity()
   assert stated == blt.sensitivity(device, steps)
+
+
+def _long_memory_factorization(steps):
+  """`C` with the banded inverse `C^-1 = I - a S` (S the shift), `a` just
+  above 1 (`1 + 0.51 * 2^-23`, which float32 rounds UP to `1 + 2^-23`):
+  `C[i, j] = a^(i - j)`, whose column norms grow with a over the run."""
+  a = 1 + 0.51 * 2.0 ** -23
+  inverse = np.eye(steps) - a * np.eye(steps, k=-1)
+  return linalg.solve_triangular(inverse, np.eye(steps), lower=True), inverse
+
+
+def _sensitivity(encoder, steps):
+  return accounting.participation_sensitivity(
+      encoder, accounting.FixedOrder(1, steps))
+
+
+def test_mf_noise_from_the_inverse_is_accounted_as_the_device_applies_it():
+  # The banded decoder and the regenerated one apply float32(C^-1): the
+  # strategy the device runs is inv(float32(C^-1)), 3e-5 more sensitive
+  # than the float64 C at T = 1024.
+  steps = 1024
+  c, inverse = _long_memory_factorization(steps)
+  device = linalg.solve_triangular(np.asarray(inverse, F32).astype(np.float64),
+                                   np.eye(steps), lower=True)
+  assert _sensitivity(device, steps) > (1 + 2e-5) * _sensitivity(c, steps)
+  for storage in ('buffer', 'regenerate'):
+    mechanism = noise.matrix_factorization(c, inverse=inverse,
+                                           storage=storage)
+    stated = accounting.mechanism_sensitivity(
+        mechanism, accounting.FixedOrder(1, steps))
+    assert stated == pytest.approx(_sensitivity(device, steps), rel=1e-12), (
+        storage)
+
+
+def test_mf_noise_by_substitution_is_accounted_with_float32_coefficients():
+  # The forward substitution applies float32(C): the accountant reads those
+  # values (different from the float64 ones in the last bits).
+  steps = 64
+  c = strategies.banded_square_root(steps, 4, momentum=0.9)
+  device = np.asarray(c, F32).astype(np.float64)
+  assert not np.array_equal(device, c)
+  mechanism = noise.matrix_factorization(c)
+  np.testing.assert_array_equal(mechanism.encoder_matrix(), device)
+  assert accounting.mechanism_sensitivity(
+      mechanism, accounting.FixedOrder(2, steps // 2)) == (
+          accounting.participation_sensitivity(
+              device, accounting.FixedOrder(2, steps // 2)))
 
 
 def _noise_after(mechanism, steps=5):
