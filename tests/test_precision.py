@@ -210,6 +210,36 @@ def test_clipped_contributions_hold_under_tf32_matmuls():
   assert min(norms) > clip - 1e-5   # the norms' own rounding margins
 
 
+def sequence_loss(params, example):
+  """A dense layer over a sequence: `example['x']` is `[T, d_in]`."""
+  return jnp.sum(example['x'] @ params['w'])
+
+
+def test_the_ghost_clipped_sum_holds_under_tf32_matmuls():
+  # The ghost path's clipped sum: a re-weighted backward pass in the Gram
+  # form (d_in 64, T = 1 and T = 4), and the per-example gradients it
+  # formed (T = 64 on a 2 x 1 layer) summed with their clip factors. Rows
+  # far above the clip, entries TF32 rounds up: each released contribution
+  # is held to the clip.
+  rng = np.random.default_rng(3)
+  cases = [(linear_loss, (16, 64), (64,), 'gram'),
+           (sequence_loss, (16, 4, 64), (64, 3), 'gram'),
+           (sequence_loss, (16, 64, 2), (2, 1), 'materialized')]
+  clip = clipping.effective_clip(1.0, 1)
+  for loss, shape, w_shape, form in cases:
+    rows = np.abs(rng.normal(size=shape)).astype(F32) * 50 + F32(1.0009765)
+    stat = clipping.clipped_grad_sum(loss, 1.0, clipping_method='ghost')
+    params = {'w': jnp.zeros(w_shape, jnp.float32)}
+    choice = stat.clipping_choice({'x': jnp.asarray(rows[:1])}, params)
+    assert [tap.form for tap in choice.taps] == [form]
+    one_row = _emulate_tf32(
+        lambda x, s=stat, p=params: s({'x': x}, p).sum['w'])
+    norms = [np.linalg.norm(np.asarray(one_row(jnp.asarray(rows[i:i + 1])),
+                                       np.float64)) for i in range(16)]
+    assert max(norms) <= clip, (shape, max(norms))
+    assert min(norms) > clip - 2e-5, (shape, min(norms))
+
+
 # ------------------------------------------------ correlated-noise coefficients
 
 
