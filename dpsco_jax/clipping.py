@@ -67,6 +67,7 @@ from dpsco_jax import checks
 from dpsco_jax import ghost
 from dpsco_jax import keywords
 from dpsco_jax import neighboring
+from dpsco_jax import parallel
 from dpsco_jax import rounding
 
 PyTree = Any
@@ -260,14 +261,20 @@ class _SumLayout(NamedTuple):
   sum_shrink: float
 
 
-def _sum_layout(size: int, microbatch_size: Optional[int]) -> _SumLayout:
+def _sum_layout(size: int, microbatch_size: Optional[int],
+                num_devices: int = 1) -> _SumLayout:
   """The `_SumLayout` of `size` rows in microbatches of `microbatch_size`.
 
   Each term of the sum meets one rounding as a product, at most
   `compensated_sum_roundings(block_rows)` inside its block, the compensated
   accumulation of the blocks (`accumulation_roundings`) and the estimators'
   scaling: N in all (gamma_a + gamma_b + gamma_a gamma_b <= gamma_(a+b)),
-  7 for every layout up to 4,000 microbatches.
+  7 for every layout up to 4,000 microbatches. On `num_devices` P > 1
+  (`size` rows on each), the sums are then added across the devices
+  (`psum`, P - 1 roundings in the backend's order): charged by
+  `rounding.sum_clip_shrink(..., num_devices=P)` where that bound exceeds
+  the one of `_SMALLEST_BOUNDED_BATCH` rows, which every layout pays (so a
+  small batch clips the same on one device or several).
 
   Raises:
     ValueError: for a bad microbatch size.
@@ -286,36 +293,48 @@ def _sum_layout(size: int, microbatch_size: Optional[int]) -> _SumLayout:
   roundings = (1 + max(2, rounding.compensated_sum_roundings(block_rows)) +
                max(3, rounding.accumulation_roundings(num_blocks)) +
                _SCALING_ROUNDINGS)
-  return _SumLayout(block_rows, num_blocks, rounding.sum_clip_shrink(
-      max(size, _SMALLEST_BOUNDED_BATCH), roundings, jnp.float32))
+  shrink = rounding.sum_clip_shrink(max(size, _SMALLEST_BOUNDED_BATCH),
+                                    roundings, jnp.float32)
+  if num_devices > 1:
+    shrink = min(shrink, rounding.sum_clip_shrink(
+        size, roundings, jnp.float32, num_devices=num_devices))
+  return _SumLayout(block_rows, num_blocks, shrink)
 
 
 @keywords.checked
 def effective_clip(l2_clip: float, batch_size: int,
-                   microbatch_size: Optional[int] = None) -> float:
+                   microbatch_size: Optional[int] = None,
+                   num_devices: int = 1) -> float:
   """The norm each contribution is clipped to in a batch of `batch_size` units.
 
   Slightly below `l2_clip`: `l2_clip / (1 + 2 gamma_N n)` (`_sum_layout`,
   `rounding.sum_clip_shrink`), so that the float rounding of the batch sum
   cannot move two neighbouring batches' sums apart by more than the
   sensitivity `f * l2_clip` the accountant uses. 0.021% below up to 256
-  units, 0.085% at 1,024, 1.3% at 16,384.
+  units, 0.085% at 1,024, 1.3% at 16,384. Summed over devices, the
+  cross-device sum's roundings are charged too (`rounding.sum_clip_shrink`).
 
   Example:
     >>> effective_clip(1.0, 1024)
     0.99914...
+    >>> effective_clip(1.0, 128, num_devices=8)   # 1,024 over 8 devices
+    0.99904...
 
   Args:
     l2_clip: the clip norm.
     batch_size: n, the units of the batch (padding included).
     microbatch_size: the statistic's microbatch size (it changes the clip
       only past 4,000 microbatches).
+    num_devices: the devices the statistic is summed over (`batch_size`
+      units on each).
 
   Returns:
     The clip norm contributions are held to, before the 8u rounding margin
     of the clip factors.
   """
-  return l2_clip * _sum_layout(batch_size, microbatch_size).sum_shrink
+  num_devices = checks.positive_int(num_devices, 'num_devices')
+  return l2_clip * _sum_layout(batch_size, microbatch_size,
+                               num_devices).sum_shrink
 
 
 def _clip_and_sum_rows(contributions: PyTree, mask: jax.Array,
@@ -460,6 +479,7 @@ def _sum_in_blocks(
     batch: PyTree,
     mask: jax.Array,
     microbatch_size: Optional[int],
+    num_devices: int = 1,
 ) -> ClippedSum:
   """`block(batch, mask, sum_shrink)`, or its sum over blocks of rows.
 
@@ -470,7 +490,7 @@ def _sum_in_blocks(
   layout's (`_sum_layout`).
   """
   size = mask.shape[0]
-  layout = _sum_layout(size, microbatch_size)
+  layout = _sum_layout(size, microbatch_size, num_devices)
   if layout.num_blocks == 1:
     return block(batch, mask, layout.sum_shrink)
   num_blocks, block_rows = layout.num_blocks, layout.block_rows
@@ -516,6 +536,7 @@ def clipped_sum(
     mask: Optional[jax.Array] = None,
     microbatch_size: Optional[int] = None,
     min_ndim: int = 1,
+    num_devices: int = 1,
 ) -> ClippedSum:
   """Sums `contribution_fn(unit, *args)` over the units of `batch`, clipped.
 
@@ -532,6 +553,8 @@ def clipped_sum(
     microbatch_size: if set, at most this many contributions are evaluated at
       once (the batch is padded with masked rows to a multiple of it).
     min_ndim: fewest dimensions each batch leaf must have.
+    num_devices: the devices whose sums the caller adds up (`psum`): their
+      roundings are charged to the clip (`effective_clip`).
 
   Returns:
     A `ClippedSum`.
@@ -547,7 +570,7 @@ def clipped_sum(
     contributions = jax.vmap(lambda unit: contribution_fn(unit, *args))(rows)
     return _clip_and_sum_rows(contributions, rows_mask, l2_clip, sum_shrink)
 
-  return _sum_in_blocks(block, batch, mask, microbatch_size)
+  return _sum_in_blocks(block, batch, mask, microbatch_size, num_devices)
 
 
 METHODS = ('auto', 'vmap', 'ghost')
@@ -597,8 +620,11 @@ class GhostClippingFallbackWarning(UserWarning):
 class ClippedStatistic:
   """A clipped-sum statistic together with the sensitivity it guarantees.
 
-  Call it as `statistic(batch, *args, mask=None)`; `args` are forwarded to the
-  contribution function (params, previous params, coefficients, ...).
+  Call it as `statistic(batch, *args, mask=None, axis_name=None)`; `args`
+  are forwarded to the contribution function (params, previous params,
+  coefficients, ...). Give `axis_name` when the result is summed over that
+  device axis (`parallel.psum`): the roundings of that sum are charged to
+  the clip (`effective_clip`).
 
   Two ways compute the same statistic: `'vmap'` evaluates
   `contribution_fn` on every unit (any contribution); `'ghost'` applies when
@@ -816,13 +842,18 @@ class ClippedStatistic:
           'of losses.')
 
   def __call__(self, batch: PyTree, *args: Any,
-               mask: Optional[jax.Array] = None) -> ClippedSum:
+               mask: Optional[jax.Array] = None,
+               axis_name: Optional[str] = None) -> ClippedSum:
+    # Summed over `axis_name` by the caller: the cross-device sum's
+    # roundings are charged to the clip (`effective_clip`).
+    devices = parallel.axis_size(axis_name)
     self.check_loss(batch, *args)
     if self.clipping_method == 'vmap':
       self._paths.add('vmap')
       return clipped_sum(
           self.contribution_fn, batch, *args, l2_clip=self.l2_clip, mask=mask,
-          microbatch_size=self.microbatch_size, min_ndim=self.min_ndim)
+          microbatch_size=self.microbatch_size, min_ndim=self.min_ndim,
+          num_devices=devices)
     size = batch_size_of(batch, self.min_ndim)
     mask = _validated_mask(mask, size)
     plan = self.ghost_plan(batch, *args)
@@ -833,16 +864,18 @@ class ClippedStatistic:
       self._paths.add('vmap')
       return clipped_sum(
           self.contribution_fn, batch, *args, l2_clip=self.l2_clip, mask=mask,
-          microbatch_size=self.microbatch_size, min_ndim=self.min_ndim)
+          microbatch_size=self.microbatch_size, min_ndim=self.min_ndim,
+          num_devices=devices)
     self._paths.add('ghost')
-    # The same clip as the vmap path (the paths agree); but the ghost sum is
-    # a matrix product whose accumulation order and precision are the
-    # backend's, which `sum_shrink` does not bound (docs/sharp_edges.md).
+    # The same clip as the vmap path (the paths agree); but the ghost sum of
+    # a Gram-form layer is a matrix product (at full float32 precision)
+    # whose accumulation order is the backend's, which `sum_shrink` does
+    # not bound (docs/sharp_edges.md).
     return _sum_in_blocks(
         lambda rows, rows_mask, sum_shrink: _ghost_clip_and_sum_rows(
             plan, self.ghost_form, rows, args, rows_mask, self.l2_clip,
             sum_shrink),
-        batch, mask, self.microbatch_size)
+        batch, mask, self.microbatch_size, devices)
 
   def _choice(self, plan: ghost.GhostPlan, batch: PyTree,
               args: tuple[Any, ...]) -> ghost.ClippingChoice:

@@ -637,7 +637,8 @@ class LogicalStep:
     args = self._arguments(opt_state, params)
     self._traced_sizes.add(np.shape(physical.batch_mask)[0])
     clipped = self.form.statistic(physical.batch, *args,
-                                  mask=physical.batch_mask)
+                                  mask=physical.batch_mask,
+                                  axis_name=self.form.axis_name)
     fingerprint = accumulation.fingerprint
     if physical.example_ids is not None:
       fingerprint = fingerprint + batching.batch_fingerprint(

@@ -26,6 +26,7 @@ from scipy import linalg
 from dpsco_jax import accounting
 from dpsco_jax import blt
 from dpsco_jax import clipping
+from dpsco_jax import estimators
 from dpsco_jax import noise
 from dpsco_jax import rounding
 from dpsco_jax import strategies
@@ -130,6 +131,43 @@ def test_compensated_sums_are_accurate_whatever_the_order():
   for value in x:
     total, compensation = rounding.compensated_add(total, compensation, value)
   assert float(total + compensation) == 4.0
+
+
+def test_the_cross_device_sum_is_charged_to_the_clip():
+  # Summed over P devices (psum, each device's sum through P - 1 more
+  # roundings in the backend's order), two neighbouring totals differ by at
+  # most f C' + 2 gamma_N n C' + 2 gamma_(P-1) (1 + gamma_N) n P C': the
+  # clip the statistic applies keeps that within f C.
+  gamma = lambda k: rounding.gamma(k, jnp.float32)
+  for size, devices, roundings in ((128, 8, 7), (512, 8, 7), (64, 256, 4)):
+    shrink = rounding.sum_clip_shrink(size, roundings, jnp.float32,
+                                      num_devices=devices)
+    bound = (gamma(roundings) * size + gamma(devices - 1) *
+             (1 + gamma(roundings)) * size * devices) * shrink
+    assert shrink + 2 * bound <= 1.0 + 1e-12
+  if jax.device_count() < 8:
+    return
+  # DP-SGD's estimator on 8 devices, 512 examples each, all far above the
+  # clip: each contribution is released at the clip that pays for the
+  # cross-device sum, below the one of 512 examples on one device.
+  mesh = jax.make_mesh((8,), ('devices',))
+  estimator = estimators.noisy_gradient(
+      linear_loss, l2_clip=1.0, noise_multiplier=1e-30,
+      mechanism=noise.gaussian(1), key=0, normalize_by=8 * 512.0,
+      clipping_method='vmap', axis_name='devices')
+  params = {'w': jnp.zeros((1,), jnp.float32)}
+  state = estimator.init(params)
+  rows = jax.device_put(np.full((8 * 512, 1), 50.0, F32),
+                        jax.NamedSharding(mesh, jax.P('devices')))
+
+  def step(x):
+    return estimator.update(None, state, params, batch={'x': x})[0]['w']
+
+  mean = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=jax.P('devices'),
+                               out_specs=jax.P()))(rows)
+  charged = clipping.effective_clip(1.0, 512, num_devices=8)
+  assert charged < clipping.effective_clip(1.0, 512) - 1e-3
+  np.testing.assert_allclose(float(mean[0]), charged, rtol=1e-6)
 
 
 # ------------------------------------------------- reduced matmul precision

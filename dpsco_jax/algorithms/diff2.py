@@ -721,8 +721,11 @@ def diff2_estimator(
 
   Returns:
     An `optax.GradientTransformationExtraArgs`; call
-    `update(None, state, params, batch=local_data, batch_mask=None)`. The
-    output `v_t` has the params' structure and dtypes.
+    `update(None, state, params, batch=local_data, batch_mask=None)`, or
+    `update(None, state, params, clipped_sum=...)` with the round's
+    statistic accumulated over physical batches (`diff2_physical_form`,
+    `dpsco_jax.physical`). The output `v_t` has the params' structure and
+    dtypes.
 
   Raises:
     ValueError: for a bad clip, interval, round count, multiplier, key or
@@ -768,7 +771,7 @@ def diff2_estimator(
                        'update(None, state, params, batch=batch)')
     else:
       clipped = statistic(batch, *parallel.per_device(arguments, axis_name),
-                          mask=batch_mask)
+                          mask=batch_mask, axis_name=axis_name)
     if restart_interval == 1:
       # Every round is a restart, known on the host (DP-GD): one gradient
       # per example, clipped to C_1.
