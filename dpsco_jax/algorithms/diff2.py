@@ -561,9 +561,10 @@ def _select(predicate: jax.Array, on_true: PyTree, on_false: PyTree) -> PyTree:
                                 on_true, on_false)
 
 
-def _statistics(loss_fn: LossFn, grad_clip: float, diff_clip_factor: float,
-                microbatch_size: Optional[int], clipping_method: str
-                ) -> tuple[clipping.ClippedStatistic, clipping.ClippedStatistic]:
+def _statistics(
+    loss_fn: LossFn, grad_clip: float, diff_clip_factor: float,
+    microbatch_size: Optional[int], clipping_method: str
+) -> tuple[clipping.ClippedStatistic, clipping.ClippedStatistic]:
   """The clipped-gradient statistic (clip C_1) and the difference one (C_2).
 
   Differences are divided by the public movement before clipping, so the
