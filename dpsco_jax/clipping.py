@@ -67,6 +67,7 @@ from dpsco_jax import checks
 from dpsco_jax import ghost
 from dpsco_jax import keywords
 from dpsco_jax import neighboring
+from dpsco_jax import parallel
 from dpsco_jax import rounding
 
 PyTree = Any
@@ -276,14 +277,20 @@ class _SumLayout(NamedTuple):
   sum_shrink: float
 
 
-def _sum_layout(size: int, microbatch_size: Optional[int]) -> _SumLayout:
+def _sum_layout(size: int, microbatch_size: Optional[int],
+                num_devices: int = 1) -> _SumLayout:
   """The `_SumLayout` of `size` rows in microbatches of `microbatch_size`.
 
   Each term of the sum meets one rounding as a product, at most
   `compensated_sum_roundings(block_rows)` inside its block, the compensated
   accumulation of the blocks (`accumulation_roundings`) and the estimators'
   scaling: N in all (gamma_a + gamma_b + gamma_a gamma_b <= gamma_(a+b)),
-  7 for every layout up to 4,000 microbatches.
+  7 for every layout up to 4,000 microbatches. On `num_devices` P > 1
+  (`size` rows on each), the sums are then added across the devices
+  (`psum`, P - 1 roundings in the backend's order): charged by
+  `rounding.sum_clip_shrink(..., num_devices=P)` where that bound exceeds
+  the one of `_SMALLEST_BOUNDED_BATCH` rows, which every layout pays (so a
+  small batch clips the same on one device or several).
 
   Raises:
     ValueError: for a bad microbatch size.
@@ -302,36 +309,48 @@ def _sum_layout(size: int, microbatch_size: Optional[int]) -> _SumLayout:
   roundings = (1 + max(2, rounding.compensated_sum_roundings(block_rows)) +
                max(3, rounding.accumulation_roundings(num_blocks)) +
                _SCALING_ROUNDINGS)
-  return _SumLayout(block_rows, num_blocks, rounding.sum_clip_shrink(
-      max(size, _SMALLEST_BOUNDED_BATCH), roundings, jnp.float32))
+  shrink = rounding.sum_clip_shrink(max(size, _SMALLEST_BOUNDED_BATCH),
+                                    roundings, jnp.float32)
+  if num_devices > 1:
+    shrink = min(shrink, rounding.sum_clip_shrink(
+        size, roundings, jnp.float32, num_devices=num_devices))
+  return _SumLayout(block_rows, num_blocks, shrink)
 
 
 @keywords.checked
 def effective_clip(l2_clip: float, batch_size: int,
-                   microbatch_size: Optional[int] = None) -> float:
+                   microbatch_size: Optional[int] = None,
+                   num_devices: int = 1) -> float:
   """The norm each contribution is clipped to in a batch of `batch_size` units.
 
   Slightly below `l2_clip`: `l2_clip / (1 + 2 gamma_N n)` (`_sum_layout`,
   `rounding.sum_clip_shrink`), so that the float rounding of the batch sum
   cannot move two neighbouring batches' sums apart by more than the
   sensitivity `f * l2_clip` the accountant uses. 0.021% below up to 256
-  units, 0.085% at 1,024, 1.3% at 16,384.
+  units, 0.085% at 1,024, 1.3% at 16,384. Summed over devices, the
+  cross-device sum's roundings are charged too (`rounding.sum_clip_shrink`).
 
   Example:
     >>> effective_clip(1.0, 1024)
     0.99914...
+    >>> effective_clip(1.0, 128, num_devices=8)   # 1,024 over 8 devices
+    0.99904...
 
   Args:
     l2_clip: the clip norm.
     batch_size: n, the units of the batch (padding included).
     microbatch_size: the statistic's microbatch size (it changes the clip
       only past 4,000 microbatches).
+    num_devices: the devices the statistic is summed over (`batch_size`
+      units on each).
 
   Returns:
     The clip norm contributions are held to, before the 8u rounding margin
     of the clip factors.
   """
-  return l2_clip * _sum_layout(batch_size, microbatch_size).sum_shrink
+  num_devices = checks.positive_int(num_devices, 'num_devices')
+  return l2_clip * _sum_layout(batch_size, microbatch_size,
+                               num_devices).sum_shrink
 
 
 def _clip_and_sum_rows(contributions: PyTree, mask: jax.Array,
@@ -480,6 +499,7 @@ def _sum_in_blocks(
     batch: PyTree,
     mask: jax.Array,
     microbatch_size: Optional[int],
+    num_devices: int = 1,
 ) -> ClippedSum:
   """`block(batch, mask, sum_shrink)`, or its sum over blocks of rows.
 
@@ -490,7 +510,7 @@ def _sum_in_blocks(
   layout's (`_sum_layout`).
   """
   size = mask.shape[0]
-  layout = _sum_layout(size, microbatch_size)
+  layout = _sum_layout(size, microbatch_size, num_devices)
   if layout.num_blocks == 1:
     return block(batch, mask, layout.sum_shrink)
   num_blocks, block_rows = layout.num_blocks, layout.block_rows
@@ -574,6 +594,7 @@ def clipped_sum(
     microbatch_size: Optional[int] = None,
     min_ndim: int = 1,
     automatic_clipping: Optional[float] = None,
+    num_devices: int = 1,
 ) -> ClippedSum:
   """Sums `contribution_fn(unit, *args)` over the units of `batch`, clipped.
 
@@ -594,6 +615,8 @@ def clipped_sum(
       stability constant r >= 0 of automatic clipping (Bu et al. 2023):
       each contribution g is scaled to `l2_clip * g / (||g|| + r)`
       (`ClippedStatistic.automatic_clipping`).
+    num_devices: the devices whose sums the caller adds up (`psum`): their
+      roundings are charged to the clip (`effective_clip`).
 
   Returns:
     A `ClippedSum`.
@@ -612,7 +635,7 @@ def clipped_sum(
     return _clip_and_sum_rows(contributions, rows_mask, l2_clip, sum_shrink,
                               stability)
 
-  return _sum_in_blocks(block, batch, mask, microbatch_size)
+  return _sum_in_blocks(block, batch, mask, microbatch_size, num_devices)
 
 
 METHODS = ('auto', 'vmap', 'ghost')
@@ -662,8 +685,11 @@ class GhostClippingFallbackWarning(UserWarning):
 class ClippedStatistic:
   """A clipped-sum statistic together with the sensitivity it guarantees.
 
-  Call it as `statistic(batch, *args, mask=None)`; `args` are forwarded to the
-  contribution function (params, previous params, coefficients, ...).
+  Call it as `statistic(batch, *args, mask=None, axis_name=None)`; `args`
+  are forwarded to the contribution function (params, previous params,
+  coefficients, ...). Give `axis_name` when the result is summed over that
+  device axis (`parallel.psum`): the roundings of that sum are charged to
+  the clip (`effective_clip`).
 
   Two ways compute the same statistic: `'vmap'` evaluates
   `contribution_fn` on every unit (any contribution); `'ghost'` applies when
@@ -898,7 +924,11 @@ class ClippedStatistic:
 
   def __call__(self, batch: PyTree, *args: Any,
                mask: Optional[jax.Array] = None,
-               l2_clip: Optional[Any] = None) -> ClippedSum:
+               l2_clip: Optional[Any] = None,
+               axis_name: Optional[str] = None) -> ClippedSum:
+    # Summed over `axis_name` by the caller: the cross-device sum's
+    # roundings are charged to the clip (`effective_clip`).
+    devices = parallel.axis_size(axis_name)
     self.check_loss(batch, *args)
     clip = self.l2_clip if l2_clip is None else validate_clip(l2_clip)
     if self.clipping_method == 'vmap':
@@ -906,7 +936,7 @@ class ClippedStatistic:
       return clipped_sum(
           self.contribution_fn, batch, *args, l2_clip=clip, mask=mask,
           microbatch_size=self.microbatch_size, min_ndim=self.min_ndim,
-          automatic_clipping=self.automatic_clipping)
+          automatic_clipping=self.automatic_clipping, num_devices=devices)
     size = batch_size_of(batch, self.min_ndim)
     mask = _validated_mask(mask, size)
     plan = self.ghost_plan(batch, *args)
@@ -918,17 +948,18 @@ class ClippedStatistic:
       return clipped_sum(
           self.contribution_fn, batch, *args, l2_clip=clip, mask=mask,
           microbatch_size=self.microbatch_size, min_ndim=self.min_ndim,
-          automatic_clipping=self.automatic_clipping)
+          automatic_clipping=self.automatic_clipping, num_devices=devices)
     self._paths.add('ghost')
     stability = _stability_in_clip_units(self.automatic_clipping, clip)
-    # The same clip as the vmap path (the paths agree); but the ghost sum is
-    # a matrix product whose accumulation order and precision are the
-    # backend's, which `sum_shrink` does not bound (docs/sharp_edges.md).
+    # The same clip as the vmap path (the paths agree); but the ghost sum of
+    # a Gram-form layer is a matrix product (at full float32 precision)
+    # whose accumulation order is the backend's, which `sum_shrink` does
+    # not bound (docs/sharp_edges.md).
     return _sum_in_blocks(
         lambda rows, rows_mask, sum_shrink: _ghost_clip_and_sum_rows(
             plan, self.ghost_form, rows, args, rows_mask, clip,
             sum_shrink, stability),
-        batch, mask, self.microbatch_size)
+        batch, mask, self.microbatch_size, devices)
 
   def _choice(self, plan: ghost.GhostPlan, batch: PyTree,
               args: tuple[Any, ...]) -> ghost.ClippingChoice:

@@ -475,7 +475,7 @@ def noisy_statistic(
     else:
       divisor = public_batch_size(batch, batch_mask, normalize_by, axis_name)
       clipped = statistic(batch, parallel.per_device(params, axis_name),
-                          mask=batch_mask, l2_clip=clip)
+                          mask=batch_mask, l2_clip=clip, axis_name=axis_name)
     if adaptive is None:
       private, noise_state = privatize_sum(
           clipped, state.noise, mechanism, stddev, normalize_by=divisor,

@@ -712,8 +712,10 @@ def weighted_grad_sum(plan: GhostPlan, params: PyTree, values: LayerValues,
       kept = jnp.where(keep.reshape((-1,) + (1,) * (grads.ndim - 1)), grads,
                        jnp.zeros((), grads.dtype))
       coefficients = jnp.where(keep, weights * formed_scale, 0.0)
-      sums[tap.leaf] = jnp.tensordot(coefficients.astype(grads.dtype), kept,
-                                     axes=1).astype(sums[tap.leaf].dtype)
+      # Summed as the vmap path sums (products, a compensated pairwise sum,
+      # no matrix product): its rounding is the one `clipping` charges.
+      sums[tap.leaf] = rounding.weighted_row_sum(
+          coefficients, kept.astype(sums[tap.leaf].dtype))[0]
       continue
     # Every term is one row of the vector-Jacobian product, weighted like
     # its unit (the number of terms may differ between taps).
@@ -733,11 +735,17 @@ def weighted_grad_sum(plan: GhostPlan, params: PyTree, values: LayerValues,
     leaf = leaves[tap.leaf]
     # `cotangent` rides along unused so that vmap always has a batched input
     # (a rule for a one-operand operation has no other operands).
-    _, vjp = jax.vjp(
-        lambda p, tap=tap, others=others, c=cotangent: jax.vmap(
-            lambda o, _: _apply_tap(plan.program, tap, p, o))(others, c),
-        leaf)
-    (grad,) = vjp(cotangent)
+    # At full float32 precision (not TF32, the default of float32 matmuls
+    # on NVIDIA GPUs, nor bfloat16 passes): TF32 would round the clip
+    # factors and the rows to 10 bits AFTER the norms were measured, and a
+    # contribution could leave the clip by about 2^-11
+    # (`tests/test_precision.py`).
+    with jax.default_matmul_precision('highest'):
+      _, vjp = jax.vjp(
+          lambda p, tap=tap, others=others, c=cotangent: jax.vmap(
+              lambda o, _: _apply_tap(plan.program, tap, p, o))(others, c),
+          leaf)
+      (grad,) = vjp(cotangent)
     # A shared leaf (tied weights) sums its uses' gradients.
     sums[tap.leaf] = sums[tap.leaf] + grad.astype(sums[tap.leaf].dtype)
   return jax.tree_util.tree_unflatten(plan.treedef, sums)

@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from scipy import linalg
 
+from dpsco_jax import rounding
 from dpsco_jax.noise_protocol import _check_buffers
 from dpsco_jax.noise_protocol import check_state
 from dpsco_jax.noise_protocol import _draw
@@ -182,7 +183,15 @@ def matrix_factorization(
   the number of non-zero diagonals of `C^-1`) when that is fewer than the
   `b - 1` noise vectors of the forward substitution. The noise is then
   exactly `inverse @ z`; C (checked to be its inverse to 1e-8) remains the
-  encoder the accountant reads.
+  mechanism's identity.
+
+  The accountant reads the strategy the device applies
+  (`encoder_matrix()`): the float32 values of C for the forward
+  substitution, `inv(float32(C^-1))` when the noise is drawn with the
+  (given or regenerated) decoder, as `blt` does with its coefficients
+  (`rounding.float32_values`): a decoder coefficient rounded up can make
+  the device's strategy more sensitive than the float64 C (3e-5 at T =
+  1024, `tests/test_precision.py`).
 
   With `release='prefix'` the prefix noise `A C^-1 z` is released instead
   (the running sum of `w`).
@@ -248,16 +257,30 @@ def matrix_factorization(
   if storage == 'regenerate':
     next_noise, init = _regenerated_noise(decoder_matrix(), num_steps, name,
                                           identity, sampler)
+    applied = 'decoder'
   elif inverse is not None and inverse_bands < bands:
     next_noise, init = _banded_decoder_noise(inverse, inverse_bands, release,
                                              num_steps, name, identity,
                                              sampler)
+    applied = 'inverse'
   else:
     next_noise, init = _buffered_noise(strategy, bands, release, num_steps,
                                        name, identity, sampler)
+    applied = 'strategy'
+
+  def encoder_matrix():
+    # The strategy the device applies: its float32 coefficients.
+    if applied == 'strategy':
+      return rounding.float32_values(strategy)
+    decoder = rounding.float32_values(
+        decoder_matrix() if applied == 'decoder' else inverse)
+    if applied == 'decoder' and release == 'prefix':
+      decoder = np.diff(decoder, axis=0, prepend=0.0)   # A^-1 (A C^-1)
+    return linalg.solve_triangular(decoder, np.eye(num_steps), lower=True)
+
   return NoiseMechanism(
       init=_identified_init(init, identity), next=next_noise,
-      identity=identity, encoder_matrix=lambda: strategy.copy(),
+      identity=identity, encoder_matrix=encoder_matrix,
       num_steps=num_steps, release=release, name=name,
       decoder_matrix=decoder_matrix)
 

@@ -66,7 +66,8 @@ class NoiseMechanism(NamedTuple):
     init: `(template, key) -> NoiseState`.
     next: `(state, template) -> (noise, state)`.
     encoder_matrix: `() -> np.ndarray`, the strategy matrix `C` (float64,
-      shape `[num_coordinates, num_steps]`) for the whole run.
+      shape `[num_coordinates, num_steps]`) for the whole run, as the
+      device applies it (its float32 coefficients).
     num_steps: capacity: how many steps the noise was built for (None: no
       limit, only for i.i.d. Gaussian noise).
     release: 'per_step' or 'prefix'.

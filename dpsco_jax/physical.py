@@ -348,6 +348,62 @@ def statistic_form(statistic: clipping.ClippedStatistic,
       axis_name=axis_name)
 
 
+def client_form(form: PhysicalForm, axis_name: Optional[str]
+                ) -> PhysicalForm:
+  """A full-batch form of one client (DIFF2, DP-GD), refused on a client axis.
+
+  A client's round is a sum over ITS examples, weighted by its size n_p
+  (`algorithms.diff2`); on a client axis each client's data is its own
+  logical batch. `LogicalStep` splits ONE logical batch over the devices,
+  which would move examples between clients and change their sizes, so
+  the form is refused there.
+
+  Example:
+    >>> form = client_form(diff2.diff2_physical_form(loss_fn, ...), None)
+
+  Args:
+    form: the estimator's physical form.
+    axis_name: the client axis the estimator was built with, or None.
+
+  Returns:
+    `form`.
+
+  Raises:
+    ValueError: with an `axis_name`.
+  """
+  if axis_name is not None:
+    raise ValueError(
+        f'physical_batch_size= runs one client\'s data; with the client axis '
+        f'{axis_name!r} each client\'s data is its own logical batch, '
+        'weighted by its own size, and the physical step would split one '
+        'logical batch over the devices, moving examples between clients: '
+        'run the clients in one call (physical_batch_size=None, '
+        'microbatch_size= to cap memory), or one client without axis_name')
+  return form
+
+
+def refuse_unsplittable(physical_batch_size: Optional[int], algorithm: str,
+                        why: str) -> None:
+  """Refuses `physical_batch_size=` for a statistic that cannot be split.
+
+  Example:
+    >>> refuse_unsplittable(None, 'nonsmooth_multi_pass', '...')  # passes
+
+  Args:
+    physical_batch_size: what the user asked for (None: nothing to refuse).
+    algorithm: the plan's name, for the message.
+    why: why its statistic is not a sum that physical batches can add up.
+
+  Raises:
+    ValueError: if `physical_batch_size` is not None.
+  """
+  if physical_batch_size is not None:
+    raise ValueError(
+        f'{algorithm} cannot run physical batches (physical_batch_size='
+        f'{physical_batch_size!r}): {why}. Run each step in one call '
+        '(physical_batch_size=None) and cap memory with microbatch_size=')
+
+
 def sharded_granularity(form: PhysicalForm, num_devices: int) -> int:
   """The granularity of a form's physical batches split over devices.
 
@@ -585,7 +641,8 @@ class LogicalStep:
     # With adaptive clipping, at the clip the one-call step would use.
     clipped = self.form.statistic(
         physical.batch, *args, mask=physical.batch_mask,
-        l2_clip=adaptive_clipping.current_clip(opt_state))
+        l2_clip=adaptive_clipping.current_clip(opt_state),
+        axis_name=self.form.axis_name)
     fingerprint = accumulation.fingerprint
     if physical.example_ids is not None:
       fingerprint = fingerprint + batching.batch_fingerprint(

@@ -1445,6 +1445,7 @@ def diff2_gd(
     axis_name: Optional[str] = None,
     output: str = 'last',
     output_key: estimators.KeyLike = None,
+    physical_batch_size: Optional[int] = None,
 ) -> Plan:
   """A DIFF2-GD run across clients (paper 003 Algorithms 1 and 3), calibrated.
 
@@ -1482,9 +1483,18 @@ def diff2_gd(
       `x_{t_hat}` (`algorithms.diff2.random_output_iterate`, first in the
       chain; read it with `algorithms.diff2.selected_iterate(state)`).
     output_key: key or seed of t_hat (None: fresh).
+    physical_batch_size: run each round's local data as physical batches
+      of at most this many examples, noised once (`Plan.step`,
+      `dpsco_jax.physical`); one client only (no `axis_name`). None
+      (default): one call per round.
 
   Returns:
     A `Plan` (no sampler, no ledger: see `Plan`).
+
+  Raises:
+    ValueError: `physical_batch_size` with `axis_name` (each client's data
+      is its own logical batch, with its own size n_p; the physical step
+      splits one logical batch over the devices).
   """
   target = plan_config.PrivacyTarget(
       delta=delta, epsilon=epsilon, noise_multiplier=noise_multipliers,
@@ -1497,6 +1507,14 @@ def diff2_gd(
   restart_interval = checks.positive_int(restart_interval, 'restart_interval')
   accountant = accountants.Diff2Accountant.create(
       num_rounds, restart_interval, target, budget_split=budget_split)
+  physical_form = None
+  if clip.physical_batch_size is not None:
+    physical_form = physical.client_form(diff2.diff2_physical_form(
+        loss_fn, grad_clip=clip.l2_clip, diff_clip_factor=diff_clip_factor,
+        restart_interval=restart_interval,
+        physical_batch_size=clip.physical_batch_size,
+        state_of=lambda opt_state: opt_state[len(selector)],
+        **clip.statistic_keywords), devices.axis_name)
   family = Family(
       'diff2_gd' if restart_interval > 1 else 'dp_gd',
       diff2.diff2_mechanism(num_rounds),
@@ -1506,11 +1524,16 @@ def diff2_gd(
           noise_multipliers=z, key=noise_key.key,
           axis_name=devices.axis_name, **clip.statistic_keywords),
       before=tuple(selector), output=(optax.sgd(learning_rate),),
+      physical_form=physical_form,
       hyperparameters={'learning_rate': learning_rate,
                        'restart_interval': restart_interval,
                        'grad_clip': grad_clip,
                        'diff_clip_factor': diff_clip_factor,
-                       'output': output})
+                       'output': output,
+                       # Only when set: plans without it describe
+                       # themselves as before.
+                       **({} if clip.physical_batch_size is None else
+                          {'physical_batch_size': clip.physical_batch_size})})
   return build(family, accountant, sampler=None,
                num_examples=checks.positive_int(num_examples, 'num_examples'),
                devices=devices)
@@ -1532,6 +1555,7 @@ def dp_gd(
     microbatch_size: Optional[int] = None,
     clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
+    physical_batch_size: Optional[int] = None,
 ) -> Plan:
   """A DP-GD run across clients (paper 003's baseline: DIFF2 with T = 1).
 
@@ -1547,7 +1571,7 @@ def dp_gd(
     grad_clip: C_1.
     noise_multiplier: the noise of every round (or give `epsilon`).
     num_examples, delta, epsilon, method, key, microbatch_size,
-      clipping_method, axis_name: as in `diff2_gd`.
+      clipping_method, axis_name, physical_batch_size: as in `diff2_gd`.
 
   Returns:
     A `Plan`.
@@ -1559,7 +1583,8 @@ def dp_gd(
       noise_multipliers=(None if noise_multiplier is None else
                          diff2.Diff2NoiseMultipliers(noise_multiplier, 0.0)),
       method=method, key=key, microbatch_size=microbatch_size,
-      clipping_method=clipping_method, axis_name=axis_name)
+      clipping_method=clipping_method, axis_name=axis_name,
+      physical_batch_size=physical_batch_size)
 
 
 @keywords.checked
@@ -1711,6 +1736,14 @@ def _nonsmooth_hyperparameters(values: Mapping[str, Any]) -> dict[str, Any]:
                  else values[name]) for name in _NONSMOOTH_RECORD}
 
 
+# Why the nonsmooth oracles' steps cannot be cut into physical batches.
+_NONSMOOTH_UNSPLITTABLE = (
+    'its statistic is not a sum over examples alone: each example\'s random '
+    'smoothing directions are drawn from its row in the step\'s batch, and '
+    'the step\'s kind (anchor or difference), its divisor and its size '
+    'check are read from the batch\'s static size')
+
+
 @keywords.checked
 def nonsmooth_single_pass(
     loss_fn: LossFn,
@@ -1741,6 +1774,7 @@ def nonsmooth_single_pass(
     reset_delta_each_block: bool = False,
     microbatch_size: Optional[int] = None,
     axis_name: Optional[str] = None,
+    physical_batch_size: Optional[int] = None,
 ) -> Plan:
   """A single-pass private O2NC run (paper 004 Algorithm 2 with 3 or 5).
 
@@ -1806,10 +1840,14 @@ def nonsmooth_single_pass(
     reset_delta_each_block: see `nonsmooth.o2nc`.
     microbatch_size: optional cap on examples estimated at once.
     axis_name: the device axis on several devices.
+    physical_batch_size: refused (ValueError) unless None: the oracle's
+      statistic cannot be split (docs/physical_batches.md).
 
   Returns:
     A `Plan`.
   """
+  physical.refuse_unsplittable(physical_batch_size, 'nonsmooth_single_pass',
+                               _NONSMOOTH_UNSPLITTABLE)
   target, clip, devices, noise_key = plan_config.from_keywords(
       locals(), plan_config.PrivacyTarget, plan_config.Clipping,
       plan_config.Devices, plan_config.NoiseKey)
@@ -1891,6 +1929,7 @@ def nonsmooth_multi_pass(
     reset_delta_each_block: bool = False,
     microbatch_size: Optional[int] = None,
     axis_name: Optional[str] = None,
+    physical_batch_size: Optional[int] = None,
 ) -> Plan:
   """A multi-pass private O2NC run on the empirical loss (paper 004 Alg. 2 + 4).
 
@@ -1924,10 +1963,14 @@ def nonsmooth_multi_pass(
     epsilon: target epsilon (or give `noise_multipliers`).
     noise_multipliers: `Diff2NoiseMultipliers(z_1, z_2)` (or `epsilon`).
     budget_split: u > 1.
+    physical_batch_size: refused (ValueError) unless None, as in
+      `nonsmooth_single_pass`.
 
   Returns:
     A `Plan` (no sampler: pass the whole data set every step).
   """
+  physical.refuse_unsplittable(physical_batch_size, 'nonsmooth_multi_pass',
+                               _NONSMOOTH_UNSPLITTABLE)
   target = plan_config.PrivacyTarget(
       delta=delta, epsilon=epsilon, noise_multiplier=noise_multipliers,
       method=method)

@@ -376,7 +376,8 @@ def accumulation_roundings(num_steps: int) -> int:
   return 2 + math.ceil(1.02 * num_steps ** 2 * FLOAT32_ROUNDOFF)
 
 
-def sum_clip_shrink(num_terms: int, roundings: int, dtype: Any) -> float:
+def sum_clip_shrink(num_terms: int, roundings: int, dtype: Any,
+                    num_devices: int = 1) -> float:
   """The factor a clip is shrunk by so that a ROUNDED sum keeps its sensitivity.
 
   A float sum of n contributions, each through at most N roundings, is
@@ -392,14 +393,28 @@ def sum_clip_shrink(num_terms: int, roundings: int, dtype: Any) -> float:
   order move the sum of one neighbour by more than the clip (Casacuberta
   et al. 2022; `tests/test_precision.py`).
 
+  Summed over P devices. Each device sums its own n rows as above, then
+  the P sums are added across the devices (`psum`), in an order that is
+  the backend's: each device's sum meets at most P - 1 roundings there, so
+  the total moves by at most `gamma_(P-1) sum_p |S_p|` per coordinate, at
+  most `gamma_(P-1) (1 + gamma_N) n P C'` in l2 (Higham Lemma 3.1 again).
+  Two neighbouring batches differ on one device: the other devices'
+  computed sums are the same numbers in both and cancel, so the two totals
+  differ by at most `f C' + 2 gamma_N n C' + 2 gamma_(P-1) (1 + gamma_N)
+  n P C'`, and the clip is shrunk by one over 1 plus the last two terms.
+
   Example:
     >>> 1 - sum_clip_shrink(1024, 3, jnp.float32)   # about 3.7e-4
     0.00036...
+    >>> 1 - sum_clip_shrink(128, 7, jnp.float32, num_devices=8)  # 9.6e-4
+    0.00096...
 
   Args:
-    num_terms: n, the rows summed (padding included).
+    num_terms: n, the rows summed (padding included), on each device.
     roundings: N.
     dtype: the accumulation dtype.
+    num_devices: P, the devices whose sums are added (1: no cross-device
+      sum).
 
   Returns:
     The shrink factor, in (0, 1].
@@ -407,12 +422,20 @@ def sum_clip_shrink(num_terms: int, roundings: int, dtype: Any) -> float:
   Raises:
     ValueError: when the bound leaves less than half the clip.
   """
+  num_devices = int(num_devices)
   margin = 2.0 * gamma(roundings, dtype) * num_terms
+  if num_devices > 1:
+    margin += (2.0 * gamma(num_devices - 1, dtype) *
+               (1.0 + gamma(roundings, dtype)) * num_terms * num_devices)
   if not margin <= 1.0:
     raise ValueError(
-        f'summing {num_terms} contributions with {roundings} roundings each '
+        f'summing {num_terms} contributions'
+        + (f' (on each of {num_devices} devices)' if num_devices > 1 else '')
+        + f' with {roundings} roundings each '
         f'in {np.dtype(dtype).name} could move the sum by more than the clip '
-        f'(bound {margin:.3g}): use smaller microbatches or a wider dtype')
+        f'(bound {margin:.3g}): use '
+        + ('fewer examples or fewer devices per sum' if num_devices > 1
+           else 'smaller microbatches or a wider dtype'))
   return 1.0 / (1.0 + margin)
 
 

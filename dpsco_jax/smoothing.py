@@ -324,9 +324,10 @@ def _check_batch(batch: Any) -> None:
 class _SmoothedStatistic(clipping.ClippedStatistic):
   """A `ClippedStatistic` whose batch must be a `SmoothingBatch`."""
 
-  def __call__(self, batch, *args, mask=None, l2_clip=None):
+  def __call__(self, batch, *args, mask=None, l2_clip=None, axis_name=None):
     _check_batch(batch)
-    return super().__call__(batch, *args, mask=mask, l2_clip=l2_clip)
+    return super().__call__(batch, *args, mask=mask, l2_clip=l2_clip,
+                            axis_name=axis_name)
 
 
 def clipped_smoothed_grad_sum(

@@ -184,7 +184,9 @@ def test_banded_inverse_streams_from_the_last_draws(release):
   np.testing.assert_allclose(np.stack(released), decoder @ np.stack(draws),
                              rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(mechanism.decoder_matrix(), decoder, rtol=1e-12)
-  np.testing.assert_array_equal(mechanism.encoder_matrix(), c)
+  # The device's float32 coefficients (docs/sharp_edges.md).
+  np.testing.assert_allclose(mechanism.encoder_matrix(), c, rtol=1e-6,
+                             atol=1e-7)
 
 
 def test_banded_square_root_streams_with_bands_minus_one_buffers():
@@ -266,7 +268,9 @@ def test_fixed_order_plans_use_the_closed_form(factory, strategy):
     c, inverse = strategies.banded_inverse_square_root(
         steps, BANDS, momentum=MOMENTUM, decay=decay, with_inverse=True)
     mechanism = noise.matrix_factorization(c, inverse=inverse)
-  np.testing.assert_array_equal(plan.mechanism.encoder_matrix(), c)
+  # The device's float32 coefficients (docs/sharp_edges.md).
+  np.testing.assert_allclose(plan.mechanism.encoder_matrix(), c, rtol=1e-6,
+                             atol=1e-7)
   assert plan.mechanism.identity == mechanism.identity
   assert plan.describe()['noise_buffers'] == BANDS - 1
   assert plan.describe()['hyperparameters']['strategy'] == strategy
@@ -275,7 +279,7 @@ def test_fixed_order_plans_use_the_closed_form(factory, strategy):
   assert plan.participation == participation
   sensitivity = accounting.participation_sensitivity(c, participation)
   assert accounting.mechanism_sensitivity(
-      plan.mechanism, participation) == pytest.approx(sensitivity, rel=1e-12)
+      plan.mechanism, participation) == pytest.approx(sensitivity, rel=1e-6)
   assert plan.epsilon == pytest.approx(accounting.epsilon_spent(
       mechanism, 2.0, participation, DELTA, method='rdp'), rel=1e-9)
   assert np.all(np.isfinite(_one_step(plan)))
@@ -289,7 +293,9 @@ def test_cyclic_poisson_takes_the_square_root_and_refuses_its_inverse(
   decay = DECAY if factory is plans.dp_srg_memf else 0.0
   c = strategies.banded_square_root(steps, BANDS, momentum=MOMENTUM,
                                     decay=decay)
-  np.testing.assert_array_equal(plan.mechanism.encoder_matrix(), c)
+  # The device's float32 coefficients (docs/sharp_edges.md).
+  np.testing.assert_allclose(plan.mechanism.encoder_matrix(), c, rtol=1e-6,
+                             atol=1e-7)
   assert plan.describe()['noise_buffers'] == BANDS - 1
   participation = accounting.CyclicPoissonSampling(BATCH * BANDS / N, steps,
                                                    BANDS)

@@ -301,6 +301,88 @@ def test_accelerated_srgd_at_its_query_points_equals_the_one_call_step(
              ) > 1e-3
 
 
+def _diff2_plan(restart_interval, **kwargs):
+  # DIFF2-GD (T > 1: restarts and differences at two points) or DP-GD
+  # (T = 1): each round is the whole local data set, run 16 at a time.
+  kwargs.setdefault('physical_batch_size', 16)
+  if restart_interval == 1:
+    return plans.dp_gd(_loss, learning_rate=0.5, num_rounds=4,
+                       grad_clip=0.5, num_examples=N, noise_multiplier=1.0,
+                       delta=1e-5, key=0, clipping_method='vmap', **kwargs)
+  return plans.diff2_gd(
+      _loss, learning_rate=0.5, num_rounds=4, restart_interval=2,
+      grad_clip=0.5, diff_clip_factor=50.0, num_examples=N,
+      noise_multipliers=(1.0, 1.0), delta=1e-5, key=0,
+      clipping_method='vmap', **kwargs)
+
+
+DIFF2_PLANS = {'dp_gd': _diff2_plan(1), 'diff2_gd': _diff2_plan(2)}
+# Local data padded to N with 11 padding rows: the last physical batch
+# (85 real rows = 5 * 16 + 5) is padded, the padding never counted.
+DIFF2_INPUTS = {'batch': DATA, 'batch_mask': np.arange(N) < N - 11}
+
+
+@pytest.mark.parametrize('name', sorted(DIFF2_PLANS))
+def test_diff2_rounds_over_physical_batches_equal_the_one_call_step(name):
+  plan = DIFF2_PLANS[name]
+  one = by_pieces = PARAMS
+  one_state = pieces_state = plan.init(PARAMS)
+  for _ in range(4):   # DIFF2: restart, difference, restart, difference
+    one, one_state = _one_call(plan)(one, one_state, DIFF2_INPUTS)
+    by_pieces, pieces_state = _logical(plan)(by_pieces, pieces_state,
+                                             DIFF2_INPUTS)
+    _close(by_pieces, one)
+    _close(pieces_state, one_state)
+  # The same accounting as the plan without physical batches.
+  whole = _diff2_plan(1 if name == 'dp_gd' else 2, physical_batch_size=None)
+  described, whole_described = plan.describe(), whole.describe()
+  for record in (described, whole_described):
+    del record['clipping_path']      # 'not traced yet' in the untraced plan
+    assert record['hyperparameters'].pop('physical_batch_size') in (16, None)
+  assert described == whole_described
+  assert plan.epsilon == whole.epsilon
+  assert str(plan.event) == str(whole.event)
+  # The run moved the params: the comparison is not between two no-ops.
+  assert max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(
+      jax.tree_util.tree_leaves(one), jax.tree_util.tree_leaves(PARAMS))
+             ) > 1e-3
+
+
+def test_diff2_physical_batches_counted_twice_are_refused():
+  # A physical batch run twice changes the client's size n_p: refused (the
+  # release poisoned, the refusal recorded) like a batch of other examples.
+  plan = DIFF2_PLANS['diff2_gd']
+  step = plan._logical_step  # pylint: disable=protected-access
+  run = guards.library_errors(_pieces_then_finish)
+  state = plan.init(PARAMS)
+  message = _refused(run, step, PARAMS, state, DIFF2_INPUTS,
+                     lambda pieces: pieces + pieces[:1])
+  assert 'another number of examples' in message
+  assert 'step 0' in message
+
+
+def test_diff2_physical_batches_refuse_a_client_axis():
+  with pytest.raises(ValueError, match='each client.s data is its own'):
+    _diff2_plan(2, axis_name='clients')
+
+
+_NONSMOOTH = dict(order='first', num_examples=N, dimension=DIM,
+                  lipschitz=1.0, smoothing_radius=0.1, movement_radius=0.01,
+                  learning_rate=0.05, block_length=2, period=2,
+                  num_directions=2, delta=1e-6, key=0)
+
+
+@pytest.mark.parametrize('builder,kwargs', [
+    (plans.nonsmooth_single_pass, dict(anchor_batch_size=8, batch_size=4,
+                                       noise_multiplier=1.0, num_steps=4)),
+    (plans.nonsmooth_multi_pass, dict(num_steps=4,
+                                      noise_multipliers=(1.0, 1.0)))])
+def test_nonsmooth_plans_refuse_physical_batches_naming_why(builder, kwargs):
+  with pytest.raises(ValueError, match='smoothing directions are drawn from '
+                     'its row'):
+    builder(_loss, physical_batch_size=8, **_NONSMOOTH, **kwargs)
+
+
 def test_a_device_axis_is_kept_for_the_sharded_programs():
   # The sharded step itself: tests/test_physical_sharded.py.
   form = physical.statistic_form(clipping.clipped_grad_sum(_loss, 0.5), 8,

@@ -20,9 +20,13 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 import numpy as np
+import pytest
+from scipy import linalg
 
+from dpsco_jax import accounting
 from dpsco_jax import blt
 from dpsco_jax import clipping
+from dpsco_jax import estimators
 from dpsco_jax import noise
 from dpsco_jax import rounding
 from dpsco_jax import strategies
@@ -129,6 +133,43 @@ def test_compensated_sums_are_accurate_whatever_the_order():
   assert float(total + compensation) == 4.0
 
 
+def test_the_cross_device_sum_is_charged_to_the_clip():
+  # Summed over P devices (psum, each device's sum through P - 1 more
+  # roundings in the backend's order), two neighbouring totals differ by at
+  # most f C' + 2 gamma_N n C' + 2 gamma_(P-1) (1 + gamma_N) n P C': the
+  # clip the statistic applies keeps that within f C.
+  gamma = lambda k: rounding.gamma(k, jnp.float32)
+  for size, devices, roundings in ((128, 8, 7), (512, 8, 7), (64, 256, 4)):
+    shrink = rounding.sum_clip_shrink(size, roundings, jnp.float32,
+                                      num_devices=devices)
+    bound = (gamma(roundings) * size + gamma(devices - 1) *
+             (1 + gamma(roundings)) * size * devices) * shrink
+    assert shrink + 2 * bound <= 1.0 + 1e-12
+  if jax.device_count() < 8:
+    return
+  # DP-SGD's estimator on 8 devices, 512 examples each, all far above the
+  # clip: each contribution is released at the clip that pays for the
+  # cross-device sum, below the one of 512 examples on one device.
+  mesh = jax.make_mesh((8,), ('devices',))
+  estimator = estimators.noisy_gradient(
+      linear_loss, l2_clip=1.0, noise_multiplier=1e-30,
+      mechanism=noise.gaussian(1), key=0, normalize_by=8 * 512.0,
+      clipping_method='vmap', axis_name='devices')
+  params = {'w': jnp.zeros((1,), jnp.float32)}
+  state = estimator.init(params)
+  rows = jax.device_put(np.full((8 * 512, 1), 50.0, F32),
+                        jax.NamedSharding(mesh, jax.P('devices')))
+
+  def step(x):
+    return estimator.update(None, state, params, batch={'x': x})[0]['w']
+
+  mean = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=jax.P('devices'),
+                               out_specs=jax.P()))(rows)
+  charged = clipping.effective_clip(1.0, 512, num_devices=8)
+  assert charged < clipping.effective_clip(1.0, 512) - 1e-3
+  np.testing.assert_allclose(float(mean[0]), charged, rtol=1e-6)
+
+
 # ------------------------------------------------- reduced matmul precision
 
 
@@ -207,6 +248,36 @@ def test_clipped_contributions_hold_under_tf32_matmuls():
   assert min(norms) > clip - 1e-5   # the norms' own rounding margins
 
 
+def sequence_loss(params, example):
+  """A dense layer over a sequence: `example['x']` is `[T, d_in]`."""
+  return jnp.sum(example['x'] @ params['w'])
+
+
+def test_the_ghost_clipped_sum_holds_under_tf32_matmuls():
+  # The ghost path's clipped sum: a re-weighted backward pass in the Gram
+  # form (d_in 64, T = 1 and T = 4), and the per-example gradients it
+  # formed (T = 64 on a 2 x 1 layer) summed with their clip factors. Rows
+  # far above the clip, entries TF32 rounds up: each released contribution
+  # is held to the clip.
+  rng = np.random.default_rng(3)
+  cases = [(linear_loss, (16, 64), (64,), 'gram'),
+           (sequence_loss, (16, 4, 64), (64, 3), 'gram'),
+           (sequence_loss, (16, 64, 2), (2, 1), 'materialized')]
+  clip = clipping.effective_clip(1.0, 1)
+  for loss, shape, w_shape, form in cases:
+    rows = np.abs(rng.normal(size=shape)).astype(F32) * 50 + F32(1.0009765)
+    stat = clipping.clipped_grad_sum(loss, 1.0, clipping_method='ghost')
+    params = {'w': jnp.zeros(w_shape, jnp.float32)}
+    choice = stat.clipping_choice({'x': jnp.asarray(rows[:1])}, params)
+    assert [tap.form for tap in choice.taps] == [form]
+    one_row = _emulate_tf32(
+        lambda x, s=stat, p=params: s({'x': x}, p).sum['w'])
+    norms = [np.linalg.norm(np.asarray(one_row(jnp.asarray(rows[i:i + 1])),
+                                       np.float64)) for i in range(16)]
+    assert max(norms) <= clip, (shape, max(norms))
+    assert min(norms) > clip - 2e-5, (shape, min(norms))
+
+
 # ------------------------------------------------ correlated-noise coefficients
 
 
@@ -221,6 +292,53 @@ def test_the_blt_is_accounted_with_the_coefficients_the_device_applies():
   assert blt.sensitivity(device, steps) > 1.01 * blt.sensitivity(params, steps)
   stated = blt.mechanism(params, steps).single_participation_sensitivity()
   assert stated == blt.sensitivity(device, steps)
+
+
+def _long_memory_factorization(steps):
+  """`C` with the banded inverse `C^-1 = I - a S` (S the shift), `a` just
+  above 1 (`1 + 0.51 * 2^-23`, which float32 rounds UP to `1 + 2^-23`):
+  `C[i, j] = a^(i - j)`, whose column norms grow with a over the run."""
+  a = 1 + 0.51 * 2.0 ** -23
+  inverse = np.eye(steps) - a * np.eye(steps, k=-1)
+  return linalg.solve_triangular(inverse, np.eye(steps), lower=True), inverse
+
+
+def _sensitivity(encoder, steps):
+  return accounting.participation_sensitivity(
+      encoder, accounting.FixedOrder(1, steps))
+
+
+def test_mf_noise_from_the_inverse_is_accounted_as_the_device_applies_it():
+  # The banded decoder and the regenerated one apply float32(C^-1): the
+  # strategy the device runs is inv(float32(C^-1)), 3e-5 more sensitive
+  # than the float64 C at T = 1024.
+  steps = 1024
+  c, inverse = _long_memory_factorization(steps)
+  device = linalg.solve_triangular(np.asarray(inverse, F32).astype(np.float64),
+                                   np.eye(steps), lower=True)
+  assert _sensitivity(device, steps) > (1 + 2e-5) * _sensitivity(c, steps)
+  for storage in ('buffer', 'regenerate'):
+    mechanism = noise.matrix_factorization(c, inverse=inverse,
+                                           storage=storage)
+    stated = accounting.mechanism_sensitivity(
+        mechanism, accounting.FixedOrder(1, steps))
+    assert stated == pytest.approx(_sensitivity(device, steps), rel=1e-12), (
+        storage)
+
+
+def test_mf_noise_by_substitution_is_accounted_with_float32_coefficients():
+  # The forward substitution applies float32(C): the accountant reads those
+  # values (different from the float64 ones in the last bits).
+  steps = 64
+  c = strategies.banded_square_root(steps, 4, momentum=0.9)
+  device = np.asarray(c, F32).astype(np.float64)
+  assert not np.array_equal(device, c)
+  mechanism = noise.matrix_factorization(c)
+  np.testing.assert_array_equal(mechanism.encoder_matrix(), device)
+  assert accounting.mechanism_sensitivity(
+      mechanism, accounting.FixedOrder(2, steps // 2)) == (
+          accounting.participation_sensitivity(
+              device, accounting.FixedOrder(2, steps // 2)))
 
 
 def _noise_after(mechanism, steps=5):

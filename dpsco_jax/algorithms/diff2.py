@@ -84,6 +84,7 @@ from dpsco_jax import keywords
 from dpsco_jax import neighboring
 from dpsco_jax import noise as noise_lib
 from dpsco_jax import parallel
+from dpsco_jax import physical
 
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree], jax.Array]
@@ -561,6 +562,94 @@ def _select(predicate: jax.Array, on_true: PyTree, on_false: PyTree) -> PyTree:
                                 on_true, on_false)
 
 
+def _statistics(
+    loss_fn: LossFn, grad_clip: float, diff_clip_factor: float,
+    microbatch_size: Optional[int], clipping_method: str
+) -> tuple[clipping.ClippedStatistic, clipping.ClippedStatistic]:
+  """The clipped-gradient statistic (clip C_1) and the difference one (C_2).
+
+  Differences are divided by the public movement before clipping, so the
+  difference statistic's clip is the constant C_2 (see the module
+  docstring). With T > 1 restarts run it too (`_round_coefficients`): no
+  branch per round.
+  """
+  return (
+      clipping.clipped_grad_sum(loss_fn, grad_clip,
+                                microbatch_size=microbatch_size,
+                                clipping_method=clipping_method),
+      clipping.clipped_grad_difference_sum(
+          loss_fn, clipping.validate_clip(diff_clip_factor,
+                                          'diff_clip_factor'),
+          microbatch_size=microbatch_size, clipping_method=clipping_method))
+
+
+def _round_arguments(state: Diff2State, params: PyTree, *,
+                     restart_interval: int, grad_clip: float,
+                     diff_clip: float) -> tuple[tuple[Any, ...], jax.Array]:
+  """The round's statistic arguments after the batch, and its post-noise scale.
+
+  With T = 1 (DP-GD) the statistic is the clipped gradient at `(params,)`
+  and the scale 1; otherwise the difference statistic at `(params, second
+  point, a, b)` of `_round_coefficients`. Shared by the one-call update and
+  the physical batches (`diff2_physical_form`), so both evaluate the same
+  statistic.
+  """
+  if restart_interval == 1:
+    return (params,), jnp.float32(1.0)
+  is_restart = state.count % restart_interval == 0
+  movement, inverse = _movement(params, state.prev_params)
+  coefficients = _round_coefficients(is_restart, grad_clip, diff_clip,
+                                     movement, inverse)
+  return ((params, _select(is_restart, params, state.prev_params),
+           coefficients.a, coefficients.b), coefficients.scale)
+
+
+@keywords.checked
+def diff2_physical_form(loss_fn: LossFn, *, grad_clip: float,
+                        diff_clip_factor: float, restart_interval: int,
+                        physical_batch_size: int,
+                        microbatch_size: Optional[int] = None,
+                        clipping_method: str = 'auto',
+                        state_of: Callable[[Any], Any] = lambda s: s,
+                        ) -> physical.PhysicalForm:
+  """The physical form of `diff2_estimator` built with these arguments.
+
+  A client's round is a full-batch statistic, a sum over its examples: each
+  physical batch adds its clipped gradients (T = 1) or clipped differences
+  at the round's points and coefficients, read from the estimator's state
+  (`_round_arguments`); the estimator then takes the sum as `update(...,
+  clipped_sum=...)`, with its count as the client's size n_p. One client
+  only: on a client axis each client's data is its own logical batch.
+
+  Example:
+    >>> form = diff2_physical_form(loss_fn, grad_clip=1.0,
+    ...                            diff_clip_factor=1.5, restart_interval=20,
+    ...                            physical_batch_size=256,
+    ...                            state_of=lambda opt_state: opt_state[0])
+
+  Args:
+    loss_fn, grad_clip, diff_clip_factor, restart_interval, microbatch_size,
+      clipping_method: as given to `diff2_estimator`.
+    physical_batch_size: P.
+    state_of: the `Diff2State` within the whole chain's state.
+
+  Returns:
+    A `physical.PhysicalForm`.
+  """
+  restart_interval = checks.positive_int(restart_interval, 'restart_interval')
+  grad_statistic, diff_statistic = _statistics(
+      loss_fn, grad_clip, diff_clip_factor, microbatch_size, clipping_method)
+
+  def arguments(opt_state, params):
+    return _round_arguments(
+        state_of(opt_state), params, restart_interval=restart_interval,
+        grad_clip=grad_statistic.l2_clip, diff_clip=diff_statistic.l2_clip)[0]
+
+  return physical.PhysicalForm(
+      statistic=grad_statistic if restart_interval == 1 else diff_statistic,
+      arguments=arguments, physical_batch_size=physical_batch_size)
+
+
 def _local_size(batch: PyTree, batch_mask: Optional[jax.Array]) -> jax.Array:
   """This client's number of real rows (public under replace-one)."""
   if batch_mask is None:
@@ -719,8 +808,11 @@ def diff2_estimator(
 
   Returns:
     An `optax.GradientTransformationExtraArgs`; call
-    `update(None, state, params, batch=local_data, batch_mask=None)`. The
-    output `v_t` has the params' structure and dtypes.
+    `update(None, state, params, batch=local_data, batch_mask=None)`, or
+    `update(None, state, params, clipped_sum=...)` with the round's
+    statistic accumulated over physical batches (`diff2_physical_form`,
+    `dpsco_jax.physical`). The output `v_t` has the params' structure and
+    dtypes.
 
   Raises:
     ValueError: for a bad clip, interval, round count, multiplier, key or
@@ -730,21 +822,14 @@ def diff2_estimator(
   References:
     Murata & Suzuki (2023), Algorithms 1-2, Lemma C.1 (sensitivity).
   """
-  grad_statistic = clipping.clipped_grad_sum(
-      loss_fn, grad_clip, microbatch_size=microbatch_size,
-                          clipping_method=clipping_method)
-  # Differences are divided by the public movement before clipping, so the
-  # statistic's clip is the constant C_2 (see the module docstring). With
-  # T > 1 restarts run it too (`_round_coefficients`): no branch per round.
-  diff_statistic = clipping.clipped_grad_difference_sum(
-      loss_fn, clipping.validate_clip(diff_clip_factor, 'diff_clip_factor'),
-      microbatch_size=microbatch_size,
-      clipping_method=clipping_method)
+  grad_statistic, diff_statistic = _statistics(
+      loss_fn, grad_clip, diff_clip_factor, microbatch_size, clipping_method)
   restart_interval = checks.positive_int(restart_interval, 'restart_interval')
   mechanism = diff2_mechanism(num_rounds)
   relation = _validate_relation(neighboring_relation)
   multipliers = _validate_multipliers(noise_multipliers)
   diff_sensitivity = diff_statistic.sensitivity(relation)
+  statistic = grad_statistic if restart_interval == 1 else diff_statistic
   key = keys.noise_key(key, 'diff2_estimator')
 
   def init_fn(params):
@@ -754,36 +839,34 @@ def diff2_estimator(
                       noise=mechanism.init(params, key))
 
   def update_fn(updates, state, params=None, *, batch=None, batch_mask=None,
-                **extra_args):
+                clipped_sum=None, **extra_args):
     del extra_args
     estimators.check_first_in_chain(updates, 'diff2_estimator')
     checks.state_type(state, Diff2State, 'diff2_estimator')
     estimators.check_params(params)
-    if batch is None:
+    is_restart = state.count % restart_interval == 0
+    arguments, scale = _round_arguments(
+        state, params, restart_interval=restart_interval,
+        grad_clip=grad_statistic.l2_clip, diff_clip=diff_statistic.l2_clip)
+    if clipped_sum is not None:
+      # Accumulated over physical batches (`dpsco_jax.physical`) at this
+      # round's arguments (`diff2_physical_form`); its count is this
+      # client's n_p, checked against the logical batch_mask.
+      clipped = clipped_sum
+    elif batch is None:
       raise ValueError('the batch (this client\'s local data) is required: '
                        'update(None, state, params, batch=batch)')
-    is_restart = state.count % restart_interval == 0
-    movement, inverse = _movement(params, state.prev_params)
-    local_params = parallel.per_device(params, axis_name)
+    else:
+      clipped = statistic(batch, *parallel.per_device(arguments, axis_name),
+                          mask=batch_mask, axis_name=axis_name)
     if restart_interval == 1:
       # Every round is a restart, known on the host (DP-GD): one gradient
       # per example, clipped to C_1.
-      clipped = grad_statistic(batch, local_params, mask=batch_mask)
       stddev = multipliers.restart * grad_statistic.sensitivity(relation)
-      scale = jnp.float32(1.0)
     else:
-      coefficients = _round_coefficients(
-          is_restart, grad_statistic.l2_clip, diff_statistic.l2_clip,
-          movement, inverse)
-      local_prev = parallel.per_device(
-          _select(is_restart, params, state.prev_params), axis_name)
-      clipped = diff_statistic(batch, local_params, local_prev,
-                               coefficients.a, coefficients.b,
-                               mask=batch_mask)
       # Both kinds of round privatize a sum clipped to C_2.
       stddev = jnp.where(is_restart, multipliers.restart * diff_sensitivity,
                          multipliers.difference * diff_sensitivity)
-      scale = coefficients.scale
     local_size = clipped.count
     smallest = jax.lax.pmin(local_size, axis_name) if axis_name else local_size
     # Weights n_min / n_p <= 1 keep each example's weight in the sum <= 1,

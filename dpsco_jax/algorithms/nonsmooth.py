@@ -352,7 +352,8 @@ def increment_sensitivities(shape: _OracleShape, relation: Relation
 
 def _increment(shape: _OracleShape, rows: smoothing.SmoothingBatch,
                here: PyTree, before: PyTree, anchor_step: jax.Array,
-               size: int, batch_mask: Optional[jax.Array]) -> PyTree:
+               size: int, batch_mask: Optional[jax.Array],
+               axis_name: Optional[str] = None) -> PyTree:
   """This device's increment: an anchor's or a difference's clipped mean.
 
   No conditional runs on the device (a `lax.cond` would make it read
@@ -377,14 +378,17 @@ def _increment(shape: _OracleShape, rows: smoothing.SmoothingBatch,
   """
   if shape.step is None:
     if size == shape.anchor_batch_size:
-      total = shape.anchor(rows, here, mask=batch_mask).sum
+      total = shape.anchor(rows, here, mask=batch_mask,
+                           axis_name=axis_name).sum
     else:
-      total = shape.difference(rows, here, before, mask=batch_mask).sum
+      total = shape.difference(rows, here, before, mask=batch_mask,
+                               axis_name=axis_name).sum
     return jax.tree_util.tree_map(lambda s: s / size, total)
   clip = jnp.where(anchor_step, jnp.float32(shape.anchor.l2_clip),
                    jnp.float32(shape.difference.l2_clip))
   step = dataclasses.replace(shape.step, l2_clip=clip)
-  total = step(rows, here, before, anchor_step, mask=batch_mask).sum
+  total = step(rows, here, before, anchor_step, mask=batch_mask,
+               axis_name=axis_name).sum
   return jax.tree_util.tree_map(lambda s: s / shape.batch_size, total)
 
 
@@ -439,7 +443,8 @@ def _oracle(shape: _OracleShape, stddev_at, *, keep_noisy: bool, mechanism,
 
     size = local * parallel.axis_size(axis_name)
     increment = parallel.psum(
-        _increment(shape, rows, here, before, anchor_step, size, batch_mask),
+        _increment(shape, rows, here, before, anchor_step, size, batch_mask,
+                   axis_name),
         axis_name)
     estimate = jax.tree_util.tree_map(
         lambda g, i: jnp.where(anchor_step, i, g + i), state.estimate,

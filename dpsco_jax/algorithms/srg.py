@@ -472,7 +472,7 @@ def _recursive_gradient(
       a, b = coefficients(step)
       clipped = statistic(batch, parallel.per_device(params, axis_name),
                           parallel.per_device(state.prev_params, axis_name),
-                          a, b, mask=batch_mask)
+                          a, b, mask=batch_mask, axis_name=axis_name)
     total = parallel.psum(clipped.sum, axis_name)
     output, grad, noise_state = recursion(step, state.grad, total, divisor,
                                           state.noise, stddev)
