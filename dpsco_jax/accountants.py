@@ -417,8 +417,9 @@ def noise_multiplier(mechanism: noise.NoiseMechanism,
   return multiplier
 
 
-# Bumped whenever calibration changes what it returns.
-CALIBRATION_CACHE_VERSION = 1
+# Bumped whenever calibration changes what it returns (2: matrix-factorization
+# noise accounted with the float32 coefficients the device applies).
+CALIBRATION_CACHE_VERSION = 2
 
 
 def calibration_path(mechanism: noise.NoiseMechanism,
