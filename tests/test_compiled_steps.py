@@ -321,10 +321,12 @@ def test_plan_step_makes_no_host_round_trip(name):
 
 def test_every_plan_builder_is_covered():
   # A new plan function must come with a case above.
+  # `plans.build` is the one constructor every plan function calls (its
+  # steps are the plan functions' steps), not a plan of its own.
   builders = {name for name in dir(plans) if not name.startswith('_') and
               callable(getattr(plans, name)) and
               getattr(getattr(plans, name), '__annotations__', {}).get(
-                  'return') in (plans.Plan, 'Plan')}
+                  'return') in (plans.Plan, 'Plan')} - {'build'}
   covered = {name.split('_poisson')[0].split('_banded')[0].split('_blt')[0]
              for name in PLANS}
   assert builders <= covered, sorted(builders - covered)

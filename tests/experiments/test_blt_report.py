@@ -63,9 +63,11 @@ def test_max_loss_rows_sit_between_the_optimal_toeplitz_and_the_mean_rows():
   rmse, worst = strategies.workload_errors(
       workload, noise.matrix_factorization(root),
       accounting.single_epoch(steps))
+  # The mechanism is accounted with the float32 coefficients the device
+  # applies (2^-24 relative each), the closed form in float64.
   assert math.isclose(toeplitz['rmse'], rmse / math.sqrt(steps),
-                      rel_tol=1e-10)
-  assert math.isclose(toeplitz['max_error'], worst, rel_tol=1e-10)
+                      rel_tol=1e-6)
+  assert math.isclose(toeplitz['max_error'], worst, rel_tol=1e-6)
   # A BLT is Toeplitz: no better than the optimum on the max error; the
   # max-loss BLT is near it and below the mean-loss BLT there.
   by_max, by_mean = rows['BLT max-loss, 3 buffers'], rows['BLT, 3 buffers']
