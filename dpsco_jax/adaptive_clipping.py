@@ -314,6 +314,13 @@ def current_clip(opt_state: PyTree) -> Optional[jax.Array]:
 def check_mechanism(mechanism: Any) -> None:
   """Refuses adaptive clipping with noise correlated across steps.
 
+  Example:
+    >>> check_mechanism(noise.gaussian(100))    # passes
+    >>> check_mechanism(noise.tree(100))        # ValueError
+
+  Args:
+    mechanism: the estimator's noise mechanism.
+
   Raises:
     ValueError: for a mechanism other than `noise.gaussian` (the count's
       independent noise would not be part of the mechanism accounted for).
@@ -328,7 +335,18 @@ def check_mechanism(mechanism: Any) -> None:
 
 
 def poisoned(clip: jax.Array, refusal: Optional[guards.Refusal]) -> jax.Array:
-  """The clip, NaN once a refusal is recorded (nothing released after it)."""
+  """The clip, NaN once a refusal is recorded (nothing released after it).
+
+  Example:
+    >>> poisoned(new_clip, noise_state.refusal)
+
+  Args:
+    clip: the next step's clip.
+    refusal: the noise state's `guards.Refusal` record, or None.
+
+  Returns:
+    `clip`, or NaN when the record holds a failed check.
+  """
   if refusal is None:
     return clip
   return jnp.where(refusal.check != 0, jnp.nan, clip)
@@ -340,6 +358,21 @@ def checked_config(config: Optional[AdaptiveClipping], *,
                    relation: neighboring.NeighboringRelation
                    ) -> Optional[tuple[AdaptiveClipping, float, float]]:
   """`(config, sigma_b, z_sum)` for an estimator, or None without one.
+
+  Example:
+    >>> checked_config(AdaptiveClipping(), noise_multiplier=1.0,
+    ...                mechanism=noise.gaussian(100), batch_size=256,
+    ...                relation=neighboring.NeighboringRelation.ADD_OR_REMOVE)
+
+  Args:
+    config: the adaptive clipping, or None.
+    noise_multiplier: z, the accounted (total) multiplier.
+    mechanism: the estimator's noise mechanism.
+    batch_size: the public batch size m, or None.
+    relation: the neighbouring relation.
+
+  Returns:
+    The checked config, the count's noise std and the sum's multiplier.
 
   Raises:
     ValueError: see `validate`, `check_mechanism`, `sum_noise_multiplier`;
