@@ -30,6 +30,7 @@ import optax
 import pytest
 
 import dpsco_jax
+from dpsco_jax import adaptive_clipping
 from dpsco_jax import batching
 from dpsco_jax import blt
 from dpsco_jax import nonsmooth
@@ -243,6 +244,14 @@ PLANS: dict[str, Callable[[], tuple[Any, Any]]] = {
     'dpsgd_poisson': lambda: _plan_case(plans.dpsgd(
         loss_fn, optimizer=SGD, epochs=1, sampling='poisson',
         **PLAN_COMMON)),
+    # The clip held in the state and its noisy count: no host round trip.
+    'dpsgd_poisson_adaptive': lambda: _plan_case(plans.dpsgd(
+        loss_fn, optimizer=SGD, epochs=1, sampling='poisson',
+        adaptive_clipping=adaptive_clipping.AdaptiveClipping(count_stddev=2.0),
+        **PLAN_COMMON)),
+    'dpsgd_poisson_automatic': lambda: _plan_case(plans.dpsgd(
+        loss_fn, optimizer=SGD, epochs=1, sampling='poisson',
+        automatic_clipping=0.01, **PLAN_COMMON)),
     'dpftrl': lambda: _plan_case(plans.dpftrl(
         loss_fn, optimizer=SGD, epochs=1, **PLAN_COMMON)),
     'dpmemf_banded_cyclic_poisson': lambda: _plan_case(plans.dpmemf(
