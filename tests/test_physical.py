@@ -25,36 +25,14 @@ from dpsco_jax import guards
 from dpsco_jax import physical
 from dpsco_jax import plans
 
-nn = pytest.importorskip('flax.linen')
+pytest.importorskip('flax.linen')
+# pylint: disable=g-import-not-at-top,wrong-import-position
+from tests.physical_model import DATA, DIM, EXPECTED, N, PARAMS
+from tests.physical_model import loss as _loss
+# pylint: enable=g-import-not-at-top,wrong-import-position
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-N, DIM, CLASSES, EXPECTED = 96, 6, 3, 24
 STEPS = 2   # logical steps compared per plan
-
-
-class Mlp(nn.Module):
-
-  @nn.compact
-  def __call__(self, x):
-    return nn.Dense(CLASSES)(nn.relu(nn.Dense(8)(x)))
-
-
-MODEL = Mlp()
-
-
-def _loss(params, example):
-  logits = MODEL.apply({'params': params}, example['x'])
-  return optax.softmax_cross_entropy_with_integer_labels(logits, example['y'])
-
-
-def _data():
-  rng = np.random.default_rng(0)
-  x = rng.normal(size=(N, DIM)).astype(np.float32)
-  return {'x': x, 'y': (x[:, 0] > 0).astype(np.int32) + (x[:, 1] > 1)}
-
-
-DATA = _data()
-PARAMS = MODEL.init(jax.random.key(0), DATA['x'][0])['params']
 
 
 def _plan(physical_batch_size=8, **kwargs):
