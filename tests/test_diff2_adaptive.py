@@ -463,3 +463,36 @@ def test_correlated_noise_families_refuse_adaptive_clipping():
         loss_fn, l2_clip=1.0, noise_multiplier=1.0,
         mechanism=srg.srg_mechanism(8), key=0, normalize_by=8,
         adaptive_clipping=config)
+
+
+def test_bvr_local_sgd_adapts_the_server_clip_only(data):
+  """DIFF2-BVR-L-SGD: the server's difference rounds move C_2, its
+  restarts do not; the local steps keep their fixed C_3 and release no
+  count. A client too small for its local minibatch is refused, the clip
+  with it."""
+  params, batch = data
+  config = adaptive_clipping.AdaptiveClipping(count_stddev=2.0)
+  common = dict(learning_rate=0.05, grad_clip=1.0, diff_clip_factor=0.2,
+                restart_interval=2, num_rounds=4,
+                noise_multipliers=diff2.Diff2NoiseMultipliers(1.0, 1.0, 1.0),
+                local_steps=2, clipping_method='vmap',
+                adaptive_clipping=config)
+  tx = diff2.diff2_bvr_local_sgd(loss_fn, key=43, local_batch_size=8,
+                                 **common)
+
+  def step(carry, _):
+    params, state = carry
+    clip = state.server.adaptive.clip
+    updates, state = tx.update(None, state, params, batch=batch)
+    return (optax.apply_updates(params, updates), state), clip
+
+  (_, state), clips = jax.jit(lambda p, s: jax.lax.scan(
+      step, (p, s), None, length=4))(params, tx.init(params))
+  clips = np.append(np.asarray(clips), float(state.server.adaptive.clip))
+  np.testing.assert_array_equal(clips[[1, 3]], clips[[0, 2]])  # restarts
+  assert np.all(clips[[2, 4]] != clips[[1, 3]])                 # differences
+  few_rows = jnp.arange(N) < 4    # 4 real rows, minibatches of 8
+  _, state = jax.jit(lambda s: tx.update(None, s, params, batch=batch,
+                                         batch_mask=few_rows))(
+                                             tx.init(params))
+  assert np.isnan(float(state.server.adaptive.clip))

@@ -55,12 +55,21 @@ How the noise meets the data (privacy):
   not depend on `n_p`, `P` or the clips.
 * A run refuses to go past `num_rounds` (and the local noise past
   `num_rounds * (K - 1)` draws), the numbers its noise was calibrated for.
+* With `adaptive_clipping=` (Andrew et al. 2021, Algorithm 1) C_2 is held
+  in the state and follows a private quantile of the per-example
+  differences over the movement: each difference round also releases the
+  centered count of unclipped differences, summed over clients, with its
+  own noise, and the sum's noise is `z_sum = (z_2^-2 - z_b^-2)^-1/2` times
+  the sensitivity at the round's C_2, so the round is still ONE Gaussian of
+  multiplier z_2 and the accounting is unchanged. Restart rounds release
+  no count and keep C_2 (`_adaptive_rounds`). With T = 1 C_1 adapts every
+  round instead.
 
-Released values: `v_t` and the iterates. The state's `count`,
-`prev_params` and `estimate` are public (functions of released values);
-its noise states and the minibatch sampling key are SECRET (they determine
-the noise and the minibatches): checkpoint them privately, never publish
-them.
+Released values: `v_t`, the iterates and, with adaptive clipping, the clip.
+The state's `count`, `prev_params`, `estimate` and `adaptive.clip` are
+public (functions of released values); its noise states, the count's key
+and the minibatch sampling key are SECRET (they determine the noise and the
+minibatches): checkpoint them privately, never publish them.
 
 References:
   T. Murata, T. Suzuki. DIFF2: Differential private optimization via gradient
@@ -1289,6 +1298,7 @@ def diff2_bvr_local_sgd(
     axis_name: Optional[str] = None,
     output: str = 'last',
     output_key: estimators.KeyLike = None,
+    adaptive_clipping: Optional[adaptive_lib.AdaptiveClipping] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """DIFF2-BVR-L-SGD (paper 003, Alg. 1 with the BVR-L-SGD routine, Alg. 4).
 
@@ -1350,6 +1360,10 @@ def diff2_bvr_local_sgd(
       Algorithm 1's output, above).
     output_key: key or seed of t_hat and k_hat with 'random_iterate'
       (None: fresh).
+    adaptive_clipping: see `diff2_estimator`: the SERVER rounds' C_2
+      adapts (their accounting unchanged); the local steps keep the fixed
+      `C_3` (`local_clip_factor`, default the initial C_2) and release no
+      count.
 
   Returns:
     An `optax.GradientTransformationExtraArgs`; call
@@ -1370,7 +1384,8 @@ def diff2_bvr_local_sgd(
       noise_multipliers=noise_multipliers, key=server_key,
       neighboring_relation=neighboring_relation,
       microbatch_size=microbatch_size,
-      clipping_method=clipping_method, axis_name=axis_name)
+      clipping_method=clipping_method, axis_name=axis_name,
+      adaptive_clipping=adaptive_clipping)
   num_local = checks.positive_int(local_steps, 'local_steps') - 1
   local_batch_size = checks.positive_int(local_batch_size, 'local_batch_size')
   local_clip = clipping.validate_clip(
@@ -1449,8 +1464,13 @@ def diff2_bvr_local_sgd(
     total, refusal = guards.record(
         [(smallest < local_batch_size, _SMALL_CLIENT_MESSAGE, 'batch')],
         total, server_state.noise.refusal, count)
+    adaptive = server_state.adaptive
+    if adaptive is not None:
+      # A refused round releases no clip either.
+      adaptive = adaptive._replace(
+          clip=adaptive_lib.poisoned(adaptive.clip, refusal))
     server_state = server_state._replace(
-        noise=server_state.noise._replace(refusal=refusal))
+        noise=server_state.noise._replace(refusal=refusal), adaptive=adaptive)
     return estimators.cast_like(total, params), Diff2BvrState(
         server=server_state, local_noise=local_noise,
         sampling_key=state.sampling_key,
