@@ -169,87 +169,98 @@ def test_a_count_noise_that_would_spend_the_budget_is_refused():
 
 # ------------------------------------------------------------- the noise
 
+# The silent rounds' multipliers, count noise and clip learning rate, and
+# the state's C_2, far from the initial 0.2.
+SILENT_Z = (1.5, 2.0)
+SILENT_COUNT_STDDEV = 2.4
+SILENT_RATE = 0.2
+SILENT_CLIP = 3.7
+
 
 @pytest.fixture(scope='module')
-def silent_rounds():
-  """Rounds whose clipped statistic is exactly zero: inputs and the bias
+def silent():
+  """Rounds whose clipped statistic is exactly zero (inputs and the bias
   zero, so every per-example gradient and difference is zero, and the
-  released value is the noise alone. The state's C_2 (3.7) is far from the
-  initial 0.2; the iterate moved by a known amount."""
+  released value is the noise alone), run for 2000 noise and count keys by
+  one compiled function: `release(round_index, previous)` gives the
+  released values and the next clips. The iterate moved by `movement`."""
   x = jnp.zeros((N, FEATURES))
   batch = {'x': x, 'y': jnp.zeros((N,))}
-  params = MODEL.init(jax.random.key(1), x[0])
-  params = jax.tree_util.tree_map(jnp.zeros_like, params)
+  params = jax.tree_util.tree_map(jnp.zeros_like,
+                                  MODEL.init(jax.random.key(1), x[0]))
   params['params']['Dense_0']['kernel'] = jnp.full((FEATURES, 1), 0.5)
   previous = jax.tree_util.tree_map(lambda p: p, params)
   previous['params']['Dense_0']['kernel'] = jnp.full((FEATURES, 1), 0.25)
-  movement = 0.25 * FEATURES ** 0.5
-  return params, previous, movement, batch
-
-
-def _released(tx, params, previous, batch, round_index, clip, draws=400):
-  """The round's release (the previous estimate is zero) and the next
-  clip, for `draws` noise and count keys, at a state with the given round
-  and clip."""
-  state = tx.init(params)
-  state = state._replace(
-      count=jnp.int32(round_index), prev_params=previous,
-      adaptive=state.adaptive._replace(clip=jnp.float32(clip)))
+  tx = estimator(key=7, z=SILENT_Z, count_stddev=SILENT_COUNT_STDDEV,
+                 learning_rate=SILENT_RATE)
+  keys = jax.random.split(jax.random.key(11), 2000)
 
   @jax.jit
-  def one(key):
-    noise_key, count_key = jax.random.split(key)
-    noisy = state._replace(
-        noise=state.noise._replace(key=noise_key),
-        adaptive=state.adaptive._replace(key=count_key))
-    v, new_state = tx.update(None, noisy, params, batch=batch)
-    return v, new_state.adaptive.clip
+  def released(round_index, previous):
+    state = tx.init(params)
+    state = state._replace(
+        count=round_index, prev_params=previous,
+        adaptive=state.adaptive._replace(clip=jnp.float32(SILENT_CLIP)))
 
-  keys = jax.random.split(jax.random.key(11), draws)
-  values, clips = jax.vmap(one)(keys)
-  return np.concatenate([np.ravel(leaf) for leaf in
-                         jax.tree_util.tree_leaves(values)]), np.asarray(clips)
+    def one(key):
+      noise_key, count_key = jax.random.split(key)
+      v, new_state = tx.update(None, state._replace(
+          noise=state.noise._replace(key=noise_key),
+          adaptive=state.adaptive._replace(key=count_key)), params,
+                               batch=batch)
+      return v, new_state.adaptive.clip
+
+    return jax.vmap(one)(keys)
+
+  def release(round_index, previous_params):
+    values, clips = released(jnp.int32(round_index), previous_params)
+    return (np.concatenate([np.ravel(leaf) for leaf in
+                            jax.tree_util.tree_leaves(values)]),
+            np.asarray(clips))
+
+  return release, params, previous, 0.25 * FEATURES ** 0.5
+
+
+@pytest.fixture(scope='module')
+def difference_round(silent):
+  release, _, previous, _ = silent
+  return release(1, previous)
 
 
 def test_difference_rounds_noise_the_sum_at_z_sum_times_the_current_clip(
-    silent_rounds):
+    silent, difference_round):
   """Std of the increment: movement * z_sum * 2 C_2,t / n (replace-one);
   z_2 for z_sum, or the initial clip for the current one, would show."""
-  params, previous, movement, batch = silent_rounds
-  z, count_stddev, clip = (1.0, 2.0), 2.4, 3.7
-  tx = estimator(key=7, z=z, count_stddev=count_stddev)
-  released, _ = _released(tx, params, previous, batch, 1, clip)
+  movement = silent[3]
+  released, _ = difference_round
   z_sum = adaptive_clipping.sum_noise_multiplier(
-      z[1], adaptive_clipping.count_noise_multiplier(count_stddev,
-                                                     Relation.REPLACE_ONE))
-  assert z_sum > 1.5 * z[1]
+      SILENT_Z[1], adaptive_clipping.count_noise_multiplier(
+          SILENT_COUNT_STDDEV, Relation.REPLACE_ONE))
+  assert z_sum > 1.5 * SILENT_Z[1]
   np.testing.assert_allclose(np.std(released),
-                             movement * z_sum * 2 * clip / N, rtol=0.06)
+                             movement * z_sum * 2 * SILENT_CLIP / N,
+                             rtol=0.05)
 
 
-def test_restart_rounds_are_the_plain_accounted_gaussian(silent_rounds):
-  """A restart's release is the C_1-clipped mean plus z_1 * 2 C_1 / n
-  noise whatever C_2 is now: no share of it spent on a count."""
-  params, _, _, batch = silent_rounds
-  z = (1.5, 2.0)
-  tx = estimator(key=9, z=z, count_stddev=2.4)
-  released, clips = _released(tx, params, params, batch, 3, 3.7)
-  np.testing.assert_allclose(np.std(released), z[0] * 2 * 1.0 / N,
-                             rtol=0.06)
-  np.testing.assert_array_equal(clips, np.float32(3.7))
-
-
-def test_the_count_is_released_with_its_noise(silent_rounds):
+def test_the_count_is_released_with_its_noise(difference_round):
   """All differences are zero (unclipped): the fraction read back from the
   clip's geometric step is 1 + noise of std sigma_b / n; released without
   its noise it would not vary."""
-  params, previous, _, batch = silent_rounds
-  rate, count_stddev, clip = 0.2, 2.4, 3.7
-  tx = estimator(key=13, learning_rate=rate, count_stddev=count_stddev)
-  _, clips = _released(tx, params, previous, batch, 1, clip, draws=2000)
-  fraction = 0.5 - np.log(clips / clip) / rate
+  _, clips = difference_round
+  fraction = 0.5 - np.log(clips / SILENT_CLIP) / SILENT_RATE
   np.testing.assert_allclose(np.mean(fraction), 1.0, atol=0.005)
-  np.testing.assert_allclose(np.std(fraction), count_stddev / N, rtol=0.06)
+  np.testing.assert_allclose(np.std(fraction), SILENT_COUNT_STDDEV / N,
+                             rtol=0.06)
+
+
+def test_restart_rounds_are_the_plain_accounted_gaussian(silent):
+  """A restart's release is the C_1-clipped mean plus z_1 * 2 C_1 / n
+  noise whatever C_2 is now: no share of it spent on a count; C_2 stays."""
+  release, params, _, _ = silent
+  released, clips = release(3, params)
+  np.testing.assert_allclose(np.std(released), SILENT_Z[0] * 2 * 1.0 / N,
+                             rtol=0.05)
+  np.testing.assert_array_equal(clips, np.float32(SILENT_CLIP))
 
 
 # -------------------------------------------------------- the clip moves
@@ -480,19 +491,21 @@ def test_bvr_local_sgd_adapts_the_server_clip_only(data):
   tx = diff2.diff2_bvr_local_sgd(loss_fn, key=43, local_batch_size=8,
                                  **common)
 
-  def step(carry, _):
-    params, state = carry
-    clip = state.server.adaptive.clip
-    updates, state = tx.update(None, state, params, batch=batch)
-    return (optax.apply_updates(params, updates), state), clip
+  @jax.jit
+  def step(params, state, mask):
+    updates, state = tx.update(None, state, params, batch=batch,
+                               batch_mask=mask)
+    return optax.apply_updates(params, updates), state
 
-  (_, state), clips = jax.jit(lambda p, s: jax.lax.scan(
-      step, (p, s), None, length=4))(params, tx.init(params))
-  clips = np.append(np.asarray(clips), float(state.server.adaptive.clip))
+  every_row = jnp.ones((N,), bool)
+  state = tx.init(params)
+  clips = [float(state.server.adaptive.clip)]
+  for _ in range(4):
+    params, state = step(params, state, every_row)
+    clips.append(float(state.server.adaptive.clip))
+  clips = np.asarray(clips)
   np.testing.assert_array_equal(clips[[1, 3]], clips[[0, 2]])  # restarts
   assert np.all(clips[[2, 4]] != clips[[1, 3]])                 # differences
   few_rows = jnp.arange(N) < 4    # 4 real rows, minibatches of 8
-  _, state = jax.jit(lambda s: tx.update(None, s, params, batch=batch,
-                                         batch_mask=few_rows))(
-                                             tx.init(params))
+  _, state = step(params, tx.init(params), few_rows)
   assert np.isnan(float(state.server.adaptive.clip))
