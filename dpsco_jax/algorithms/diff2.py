@@ -543,11 +543,12 @@ def _round_coefficients(is_restart: jax.Array, grad_clip: float,
     previous point cannot drop an example on a restart.
 
   Privacy: on both kinds of round each example's contribution is clipped to
-  the statistic's constant `C_2` by `dpsco_jax.clipping` (the same per-example
-  clipping and rounding margins), the noise std is the round's multiplier
-  times `sensitivity(C_2)`, and `scale` is applied after the noise: the
-  ratio of noise to sensitivity is `z_1` on restarts and `z_2` otherwise,
-  as accounted.
+  the statistic's `C_2` by `dpsco_jax.clipping` (the same per-example
+  clipping and rounding margins; the state's C_2 when it adapts), the noise
+  std is the round's multiplier times `sensitivity(C_2)`, and `scale` is
+  applied after the noise: the ratio of noise to sensitivity is `z_1` on
+  restarts and `z_2` otherwise, as accounted (with adaptive clipping,
+  `z_sum` and the count's share on difference rounds, together `z_2`).
 
   Cost: a restart round also evaluates the second gradient (at the params,
   weighted by 0), one extra gradient per example once every T rounds. That
@@ -650,7 +651,10 @@ def diff2_physical_form(loss_fn: LossFn, *, grad_clip: float,
   at the round's points and coefficients, read from the estimator's state
   (`_round_arguments`); the estimator then takes the sum as `update(...,
   clipped_sum=...)`, with its count as the client's size n_p. One client
-  only: on a client axis each client's data is its own logical batch.
+  only: on a client axis each client's data is its own logical batch. With
+  adaptive clipping the coefficients use the state's C_2 and
+  `physical.LogicalStep` clips each physical batch at it
+  (`adaptive_clipping.current_clip`), as the one-call step does.
 
   Example:
     >>> form = diff2_physical_form(loss_fn, grad_clip=1.0,
