@@ -14,15 +14,17 @@ so C moves toward the gamma-quantile of the norms: up when more than a
 fraction 1 - gamma of the units are clipped, down otherwise. Centering the
 bits (`b_i - 1/2`, the paper's Section 3.1) halves the count's sensitivity:
 one unit added or removed moves it by 1/2 (by 1 under replace-one, as the
-clipped sum's sensitivity doubles too).
+clipped sum's sensitivity doubles too, and by 1 under zero-out, where the
+zero unit's bit is 1: `count_sensitivity`).
 
 Privacy, with ONE noise multiplier z (the one the accountant calibrates).
 The clipped sum and the count are evaluated on the same batch, so they
 form one Gaussian mechanism on the vector (sum / (z_sum C_t f), count /
-(z_b f / 2)), f the relation's factor: its l2 sensitivity is
-`sqrt(1 / z_sum^2 + 1 / z_b^2)`. Choosing the sum's multiplier
+(z_b s_b)), f the relation's factor and s_b the count's sensitivity: its l2
+sensitivity is `sqrt(1 / z_sum^2 + 1 / z_b^2)`. Choosing the sum's
+multiplier
 
-    z_sum = (z^-2 - z_b^-2)^(-1/2),     z_b = 2 sigma_b / f
+    z_sum = (z^-2 - z_b^-2)^(-1/2),     z_b = sigma_b / s_b
 
 (the paper's Section 3.2 effective noise multiplier, `sigma_Delta =
 (z^-2 - (2 sigma_b)^-2)^(-1/2)` under add/remove) makes that sensitivity
@@ -157,9 +159,33 @@ def count_stddev(config: AdaptiveClipping, batch_size: float) -> float:
   return DEFAULT_COUNT_STDDEV_FRACTION * float(batch_size)
 
 
+def count_sensitivity(relation: neighboring.NeighboringRelation) -> float:
+  """The centered count's sensitivity: 1/2 under add/remove, else 1.
+
+  Adding or removing a unit adds or removes one `b_i - 1/2`: 1/2. Replacing
+  it flips its bit: 1. Zeroing it out (a "zero" unit, contribution 0, which
+  is never clipped: bit 1) also flips a 0 to a 1: 1, although the clipped
+  sum's factor is 1 there (the zero unit's contribution is 0, not -C).
+
+  Example:
+    >>> count_sensitivity(neighboring.NeighboringRelation.ZERO_OUT)
+    1.0
+
+  Args:
+    relation: the neighbouring relation.
+
+  Returns:
+    1/2 or 1.
+  """
+  if neighboring.NeighboringRelation(relation) is (
+      neighboring.NeighboringRelation.ADD_OR_REMOVE):
+    return 0.5
+  return 1.0
+
+
 def count_noise_multiplier(stddev: float,
                            relation: neighboring.NeighboringRelation) -> float:
-  """z_b: the count noise over the centered count's sensitivity, `f / 2`.
+  """z_b: the count noise over the centered count's sensitivity.
 
   Example:
     >>> count_noise_multiplier(12.8, neighboring.NeighboringRelation.ADD_OR_REMOVE)
@@ -167,13 +193,13 @@ def count_noise_multiplier(stddev: float,
 
   Args:
     stddev: sigma_b.
-    relation: the neighbouring relation (its factor f: 1 for add/remove and
-      zero-out, 2 for replace-one).
+    relation: the neighbouring relation (`count_sensitivity`: 1/2 under
+      add/remove, 1 under replace-one and zero-out).
 
   Returns:
-    `2 sigma_b / f`.
+    `sigma_b / count_sensitivity(relation)`: `2 sigma_b` under add/remove.
   """
-  return 2.0 * stddev / neighboring.sensitivity_factor(relation)
+  return float(stddev) / count_sensitivity(relation)
 
 
 def sum_noise_multiplier(noise_multiplier: float,
@@ -203,11 +229,11 @@ def sum_noise_multiplier(noise_multiplier: float,
     return 0.0
   if count_multiplier <= noise_multiplier:
     raise ValueError(
-        f'the count noise multiplier {count_multiplier:g} (2 count_stddev / '
-        f'f) must exceed the noise multiplier {noise_multiplier:g}: the '
-        'count would spend the whole privacy budget. Give AdaptiveClipping '
-        'a larger count_stddev (the default is 0.05 x the batch size, so a '
-        'larger batch also works).')
+        f'the count noise multiplier {count_multiplier:g} (count_stddev '
+        f'over the count\'s sensitivity) must exceed the noise multiplier '
+        f'{noise_multiplier:g}: the count would spend the whole privacy '
+        'budget. Give AdaptiveClipping a larger count_stddev (the default '
+        'is 0.05 x the batch size, so a larger batch also works).')
   return (noise_multiplier ** -2 - count_multiplier ** -2) ** -0.5
 
 

@@ -262,8 +262,9 @@ class Clipping:
       NeurIPS 2021); the count it needs is noised from the same privacy
       budget (one Gaussian mechanism of the calibrated multiplier, the
       sum's share larger), so the plan's epsilon is unchanged. Needs noise
-      independent across steps: offered by the plans of DP-SGD and
-      user-level DP-SGD.
+      independent across steps: offered by the plans of DP-SGD,
+      user-level DP-SGD, DP-GD (C_1) and DIFF2-GD (the difference clip
+      C_2, adapted on difference rounds only).
   """
 
   l2_clip: Optional[float] = None
@@ -292,8 +293,8 @@ class Clipping:
   @property
   def estimator_keywords(self) -> dict[str, Any]:
     """`statistic_keywords`, and `adaptive_clipping` when set (for the
-    estimators that hold the clip: `estimators.noisy_gradient` and
-    `noisy_statistic`)."""
+    estimators that hold the clip: `estimators.noisy_gradient`,
+    `noisy_statistic` and `algorithms.diff2.diff2_estimator`)."""
     keywords = self.statistic_keywords
     if self.adaptive_clipping is not None:
       keywords['adaptive_clipping'] = self.adaptive_clipping

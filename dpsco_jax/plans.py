@@ -1446,6 +1446,7 @@ def diff2_gd(
     output: str = 'last',
     output_key: estimators.KeyLike = None,
     physical_batch_size: Optional[int] = None,
+    adaptive_clipping: Optional[adaptive_lib.AdaptiveClipping] = None,
 ) -> Plan:
   """A DIFF2-GD run across clients (paper 003 Algorithms 1 and 3), calibrated.
 
@@ -1487,6 +1488,13 @@ def diff2_gd(
       of at most this many examples, noised once (`Plan.step`,
       `dpsco_jax.physical`); one client only (no `axis_name`). None
       (default): one call per round.
+    adaptive_clipping: None (fixed clips), or an
+      `adaptive_clipping.AdaptiveClipping`: C_2 (`diff_clip_factor`, its
+      initial value; C_1 when T = 1) follows a private quantile of the
+      per-example difference norms on the difference rounds, restarts
+      leave it unchanged (`algorithms.diff2.diff2_estimator`); its count
+      noise defaults to 0.05 x `num_examples`. The accounting, the event
+      and epsilon are those of the fixed clip.
 
   Returns:
     A `Plan` (no sampler, no ledger: see `Plan`).
@@ -1499,9 +1507,11 @@ def diff2_gd(
   target = plan_config.PrivacyTarget(
       delta=delta, epsilon=epsilon, noise_multiplier=noise_multipliers,
       method=method)
+  num_examples = checks.positive_int(num_examples, 'num_examples')
   clip, devices, noise_key = plan_config.from_keywords(
-      {**locals(), 'l2_clip': grad_clip}, plan_config.Clipping,
-      plan_config.Devices, plan_config.NoiseKey)
+      {**locals(), 'l2_clip': grad_clip,
+       'adaptive_clipping': _count_noise_of(adaptive_clipping, num_examples)},
+      plan_config.Clipping, plan_config.Devices, plan_config.NoiseKey)
   num_rounds = checks.positive_int(num_rounds, 'num_rounds')
   selector = diff2.output_selector(output, num_rounds, output_key)
   restart_interval = checks.positive_int(restart_interval, 'restart_interval')
@@ -1522,7 +1532,7 @@ def diff2_gd(
           loss_fn, grad_clip=clip.l2_clip, diff_clip_factor=diff_clip_factor,
           restart_interval=restart_interval, num_rounds=num_rounds,
           noise_multipliers=z, key=noise_key.key,
-          axis_name=devices.axis_name, **clip.statistic_keywords),
+          axis_name=devices.axis_name, **clip.estimator_keywords),
       before=tuple(selector), output=(optax.sgd(learning_rate),),
       physical_form=physical_form,
       hyperparameters={'learning_rate': learning_rate,
@@ -1533,10 +1543,26 @@ def diff2_gd(
                        # Only when set: plans without it describe
                        # themselves as before.
                        **({} if clip.physical_batch_size is None else
-                          {'physical_batch_size': clip.physical_batch_size})})
-  return build(family, accountant, sampler=None,
-               num_examples=checks.positive_int(num_examples, 'num_examples'),
+                          {'physical_batch_size': clip.physical_batch_size}),
+                       **clip.hyperparameters})
+  return build(family, accountant, sampler=None, num_examples=num_examples,
                devices=devices)
+
+
+def _count_noise_of(config: Optional[adaptive_lib.AdaptiveClipping],
+                    num_examples: int
+                    ) -> Optional[adaptive_lib.AdaptiveClipping]:
+  """The DIFF2 plans' adaptive clipping with its count noise filled in.
+
+  A round's count runs over every client's examples, `num_examples` in
+  all: its default noise is 0.05 x that (`adaptive_clipping.count_stddev`),
+  the DP-SGD default with the round as the batch.
+  """
+  if config is None:
+    return None
+  config = adaptive_lib.validate(config)
+  return config._replace(count_stddev=adaptive_lib.count_stddev(
+      config, num_examples))
 
 
 @keywords.checked
@@ -1556,6 +1582,7 @@ def dp_gd(
     clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
     physical_batch_size: Optional[int] = None,
+    adaptive_clipping: Optional[adaptive_lib.AdaptiveClipping] = None,
 ) -> Plan:
   """A DP-GD run across clients (paper 003's baseline: DIFF2 with T = 1).
 
@@ -1572,6 +1599,9 @@ def dp_gd(
     noise_multiplier: the noise of every round (or give `epsilon`).
     num_examples, delta, epsilon, method, key, microbatch_size,
       clipping_method, axis_name, physical_batch_size: as in `diff2_gd`.
+    adaptive_clipping: None, or an `adaptive_clipping.AdaptiveClipping`:
+      C_1 (`grad_clip`, its initial value) follows a private quantile of
+      the gradient norms every round, as in DP-SGD; epsilon unchanged.
 
   Returns:
     A `Plan`.
@@ -1584,7 +1614,8 @@ def dp_gd(
                          diff2.Diff2NoiseMultipliers(noise_multiplier, 0.0)),
       method=method, key=key, microbatch_size=microbatch_size,
       clipping_method=clipping_method, axis_name=axis_name,
-      physical_batch_size=physical_batch_size)
+      physical_batch_size=physical_batch_size,
+      adaptive_clipping=adaptive_clipping)
 
 
 @keywords.checked

@@ -271,6 +271,13 @@ PLANS: dict[str, Callable[[], tuple[Any, Any]]] = {
         loss_fn, learning_rate=0.1, num_rounds=4, restart_interval=2,
         grad_clip=1.0, diff_clip_factor=1.5, num_examples=N, delta=1e-5,
         noise_multipliers=(1.0, 1.0), key=0), _batch(N)),
+    # C_2 held in the state, counted on difference rounds only: selects.
+    'diff2_gd_adaptive': lambda: _plan_case(plans.diff2_gd(
+        loss_fn, learning_rate=0.1, num_rounds=4, restart_interval=2,
+        grad_clip=1.0, diff_clip_factor=1.5, num_examples=N, delta=1e-5,
+        noise_multipliers=(1.0, 1.0), key=0,
+        adaptive_clipping=adaptive_clipping.AdaptiveClipping(count_stddev=2.0)),
+                                            _batch(N)),
     'dp_gd': lambda: _plan_case(plans.dp_gd(
         loss_fn, learning_rate=0.1, num_rounds=4, grad_clip=1.0,
         num_examples=N, delta=1e-5, noise_multiplier=1.0, key=0), _batch(N)),

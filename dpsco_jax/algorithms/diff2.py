@@ -55,12 +55,21 @@ How the noise meets the data (privacy):
   not depend on `n_p`, `P` or the clips.
 * A run refuses to go past `num_rounds` (and the local noise past
   `num_rounds * (K - 1)` draws), the numbers its noise was calibrated for.
+* With `adaptive_clipping=` (Andrew et al. 2021, Algorithm 1) C_2 is held
+  in the state and follows a private quantile of the per-example
+  differences over the movement: each difference round also releases the
+  centered count of unclipped differences, summed over clients, with its
+  own noise, and the sum's noise is `z_sum = (z_2^-2 - z_b^-2)^-1/2` times
+  the sensitivity at the round's C_2, so the round is still ONE Gaussian of
+  multiplier z_2 and the accounting is unchanged. Restart rounds release
+  no count and keep C_2 (`_adaptive_rounds`). With T = 1 C_1 adapts every
+  round instead.
 
-Released values: `v_t` and the iterates. The state's `count`,
-`prev_params` and `estimate` are public (functions of released values);
-its noise states and the minibatch sampling key are SECRET (they determine
-the noise and the minibatches): checkpoint them privately, never publish
-them.
+Released values: `v_t`, the iterates and, with adaptive clipping, the clip.
+The state's `count`, `prev_params`, `estimate` and `adaptive.clip` are
+public (functions of released values); its noise states, the count's key
+and the minibatch sampling key are SECRET (they determine the noise and the
+minibatches): checkpoint them privately, never publish them.
 
 References:
   T. Murata, T. Suzuki. DIFF2: Differential private optimization via gradient
@@ -75,6 +84,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from dpsco_jax import adaptive_clipping as adaptive_lib
 from dpsco_jax import checks
 from dpsco_jax import clipping
 from dpsco_jax import estimators
@@ -128,12 +138,18 @@ class Diff2State(NamedTuple):
     estimate: the last released estimator `v_{t-1}` (float32, or wider),
       zero before the first round. Public: it is the private output.
     noise: the server noise state. SECRET: its key determines the noise.
+    adaptive: with `adaptive_clipping=`, the adapted clip (C_2, or C_1 when
+      T = 1) of the next round and the count noise's key
+      (`adaptive_clipping.AdaptiveClipState`: its clip is public, a
+      function of released counts; its key SECRET); None otherwise, so a
+      state without it keeps its shape.
   """
 
   count: jax.Array
   prev_params: PyTree
   estimate: PyTree
   noise: noise_lib.NoiseState
+  adaptive: Optional[adaptive_lib.AdaptiveClipState] = None
 
 
 class Diff2BvrState(NamedTuple):
@@ -527,11 +543,12 @@ def _round_coefficients(is_restart: jax.Array, grad_clip: float,
     previous point cannot drop an example on a restart.
 
   Privacy: on both kinds of round each example's contribution is clipped to
-  the statistic's constant `C_2` by `dpsco_jax.clipping` (the same per-example
-  clipping and rounding margins), the noise std is the round's multiplier
-  times `sensitivity(C_2)`, and `scale` is applied after the noise: the
-  ratio of noise to sensitivity is `z_1` on restarts and `z_2` otherwise,
-  as accounted.
+  the statistic's `C_2` by `dpsco_jax.clipping` (the same per-example
+  clipping and rounding margins; the state's C_2 when it adapts), the noise
+  std is the round's multiplier times `sensitivity(C_2)`, and `scale` is
+  applied after the noise: the ratio of noise to sensitivity is `z_1` on
+  restarts and `z_2` otherwise, as accounted (with adaptive clipping,
+  `z_sum` and the count's share on difference rounds, together `z_2`).
 
   Cost: a restart round also evaluates the second gradient (at the params,
   weighted by 0), one extra gradient per example once every T rounds. That
@@ -542,7 +559,8 @@ def _round_coefficients(is_restart: jax.Array, grad_clip: float,
   Args:
     is_restart: bool scalar, whether this round restarts the estimator.
     grad_clip: C_1.
-    diff_clip: C_2, the statistic's clip.
+    diff_clip: C_2, the statistic's clip (a float32 scalar when it adapts:
+      the restart's `a = C_2 / C_1` uses the round's C_2).
     movement: `||x_t - x_{t-1}||` (public).
     inverse: its safe inverse (0 when it is 0).
 
@@ -550,9 +568,11 @@ def _round_coefficients(is_restart: jax.Array, grad_clip: float,
     The `_RoundCoefficients`.
   """
   return _RoundCoefficients(
-      a=jnp.where(is_restart, jnp.float32(diff_clip / grad_clip), inverse),
+      a=jnp.where(is_restart, jnp.asarray(diff_clip / grad_clip, jnp.float32),
+                  inverse),
       b=jnp.where(is_restart, jnp.float32(0.0), inverse),
-      scale=jnp.where(is_restart, jnp.float32(grad_clip / diff_clip),
+      scale=jnp.where(is_restart,
+                      jnp.asarray(grad_clip / diff_clip, jnp.float32),
                       movement))
 
 
@@ -583,6 +603,16 @@ def _statistics(
           microbatch_size=microbatch_size, clipping_method=clipping_method))
 
 
+def _round_clip(state: Diff2State, fixed_clip: float) -> Any:
+  """The clip of the round's statistic: the adapted one, else `fixed_clip`.
+
+  With adaptive clipping the state holds the clip of this round (C_2, or
+  C_1 when T = 1), a function of earlier releases only; `fixed_clip` is the
+  statistic's constructed clip otherwise.
+  """
+  return fixed_clip if state.adaptive is None else state.adaptive.clip
+
+
 def _round_arguments(state: Diff2State, params: PyTree, *,
                      restart_interval: int, grad_clip: float,
                      diff_clip: float) -> tuple[tuple[Any, ...], jax.Array]:
@@ -590,16 +620,18 @@ def _round_arguments(state: Diff2State, params: PyTree, *,
 
   With T = 1 (DP-GD) the statistic is the clipped gradient at `(params,)`
   and the scale 1; otherwise the difference statistic at `(params, second
-  point, a, b)` of `_round_coefficients`. Shared by the one-call update and
-  the physical batches (`diff2_physical_form`), so both evaluate the same
+  point, a, b)` of `_round_coefficients`, at the state's adapted C_2 when
+  it holds one (`_round_clip`). Shared by the one-call update and the
+  physical batches (`diff2_physical_form`), so both evaluate the same
   statistic.
   """
   if restart_interval == 1:
     return (params,), jnp.float32(1.0)
   is_restart = state.count % restart_interval == 0
   movement, inverse = _movement(params, state.prev_params)
-  coefficients = _round_coefficients(is_restart, grad_clip, diff_clip,
-                                     movement, inverse)
+  coefficients = _round_coefficients(
+      is_restart, grad_clip, _round_clip(state, diff_clip), movement,
+      inverse)
   return ((params, _select(is_restart, params, state.prev_params),
            coefficients.a, coefficients.b), coefficients.scale)
 
@@ -619,7 +651,10 @@ def diff2_physical_form(loss_fn: LossFn, *, grad_clip: float,
   at the round's points and coefficients, read from the estimator's state
   (`_round_arguments`); the estimator then takes the sum as `update(...,
   clipped_sum=...)`, with its count as the client's size n_p. One client
-  only: on a client axis each client's data is its own logical batch.
+  only: on a client axis each client's data is its own logical batch. With
+  adaptive clipping the coefficients use the state's C_2 and
+  `physical.LogicalStep` clips each physical batch at it
+  (`adaptive_clipping.current_clip`), as the one-call step does.
 
   Example:
     >>> form = diff2_physical_form(loss_fn, grad_clip=1.0,
@@ -748,6 +783,116 @@ def _from_active_client(tree: PyTree, count: jax.Array,
       lambda u: jnp.where(is_active, u, jnp.zeros_like(u)), tree), axis_name)
 
 
+class _AdaptiveRounds(NamedTuple):
+  """Adaptive clipping of `diff2_estimator`, checked (`_adaptive_rounds`).
+
+  Attributes:
+    config: the `adaptive_clipping.AdaptiveClipping`, validated.
+    count_stddev: sigma_b, the count noise's std (in examples).
+    sum_multiplier: z_sum, the clipped sum's multiplier on the adapted
+      rounds (`adaptive_clipping.sum_noise_multiplier`).
+  """
+
+  config: adaptive_lib.AdaptiveClipping
+  count_stddev: float
+  sum_multiplier: float
+
+
+def _adaptive_rounds(config: Optional[adaptive_lib.AdaptiveClipping],
+                     multipliers: Diff2NoiseMultipliers,
+                     restart_interval: int,
+                     mechanism: noise_lib.NoiseMechanism,
+                     relation: neighboring.NeighboringRelation
+                     ) -> Optional[_AdaptiveRounds]:
+  """How DIFF2 adapts its clip (Andrew et al. 2021, Algorithm 1), or None.
+
+  The clip adapted is the one every round's statistic is computed at
+  (`_round_coefficients`): C_2 (paper 003's Algorithm 1 difference clip,
+  `C_2 ||x_t - x_{t-1}||`), or C_1 when T = 1 (DP-GD: every round clips
+  gradients at C_1, as DP-SGD).
+
+  * Adapted rounds (difference rounds; every round when T = 1) also
+    release the centered count of unclipped per-example values, noised
+    with std sigma_b (its own key), and noise the sum at z_sum times the
+    sensitivity at the round's clip: sum and count are ONE Gaussian
+    mechanism of the accounted multiplier (z_2; z_1 when T = 1), so the
+    accounting (`diff2_accounting`) is unchanged. The count is summed over
+    clients before its one noise draw and divided by the examples over all
+    clients (public under replace-one and zero-out), as the sum is.
+  * Restart rounds (T > 1) release no count: their bits would measure
+    `||g|| <= C_1`, not the differences. Their sum is noised at the plain
+    z_1 (exactly the accounted Gaussian) and C_2 is unchanged; the restart
+    coefficient `a = C_2 / C_1` uses the current C_2 (post-processing of
+    earlier releases).
+
+  Args:
+    config: the user's `AdaptiveClipping`, or None.
+    multipliers: the run's noise multipliers.
+    restart_interval: T.
+    mechanism: the server noise mechanism.
+    relation: the neighbouring relation.
+
+  Returns:
+    An `_AdaptiveRounds`, or None without `config`.
+
+  Raises:
+    ValueError: see `adaptive_clipping.validate`, `check_mechanism` and
+      `sum_noise_multiplier` (z_b must exceed the adapted rounds'
+      multiplier); and without `count_stddev`.
+  """
+  if config is None:
+    return None
+  config = adaptive_lib.validate(config)
+  adaptive_lib.check_mechanism(mechanism)
+  if config.count_stddev is None:
+    raise ValueError(
+        'DIFF2 with adaptive clipping needs AdaptiveClipping(count_stddev='
+        '...): a round runs on each client\'s whole data, whose size is '
+        'known only at update, so the default 0.05 x the batch size cannot '
+        'be computed here (plans.diff2_gd and plans.dp_gd use 0.05 x '
+        'num_examples, all clients\' examples)')
+  adapted = (multipliers.restart if restart_interval == 1 else
+             multipliers.difference)
+  return _AdaptiveRounds(config, config.count_stddev,
+                         adaptive_lib.sum_noise_multiplier(
+                             adapted, adaptive_lib.count_noise_multiplier(
+                                 config.count_stddev, relation)))
+
+
+def _next_adaptive_state(adaptive: _AdaptiveRounds,
+                         state: adaptive_lib.AdaptiveClipState,
+                         clipped: clipping.ClippedSum, *, adapts: jax.Array,
+                         num_examples: jax.Array,
+                         refusal: Optional[guards.Refusal],
+                         axis_name: Optional[str]
+                         ) -> adaptive_lib.AdaptiveClipState:
+  """The adapted clip after a round (`_adaptive_rounds`).
+
+  The noisy fraction is drawn every round (one fold of the count key per
+  round, never reused) and used only where `adapts`: a select, not a
+  branch (DESIGN.md "Hot path"). A refused round poisons the clip.
+
+  Args:
+    adaptive: the checked configuration.
+    state: the clip and count key before the round.
+    clipped: this client's clipped statistic of the round (its counters).
+    adapts: bool scalar, whether this round moves the clip.
+    num_examples: the examples over all clients (the count's divisor).
+    refusal: the noise state's refusal record after the round.
+    axis_name: the client axis, or None.
+
+  Returns:
+    The `AdaptiveClipState` of the next round.
+  """
+  fraction, state = adaptive_lib.unclipped_fraction(
+      clipped, state, stddev=adaptive.count_stddev,
+      batch_size=jnp.maximum(num_examples, 1).astype(jnp.float32),
+      axis_name=axis_name)
+  moved = jnp.where(adapts, adaptive_lib.next_clip(
+      state.clip, fraction, adaptive.config), state.clip)
+  return state._replace(clip=adaptive_lib.poisoned(moved, refusal))
+
+
 @keywords.checked
 def diff2_estimator(
     loss_fn: LossFn,
@@ -763,6 +908,7 @@ def diff2_estimator(
     microbatch_size: Optional[int] = None,
     clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
+    adaptive_clipping: Optional[adaptive_lib.AdaptiveClipping] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """DIFF2's private running gradient estimator `v_t` (paper 003, Alg. 1).
 
@@ -805,6 +951,14 @@ def diff2_estimator(
       (`dpsco_jax.clipping`).
     axis_name: the client axis (pmap / shard_map / vmap), None for one
       client.
+    adaptive_clipping: None (fixed clips), or an
+      `adaptive_clipping.AdaptiveClipping` with its `count_stddev` given
+      (each client's size is known only at update; plans fill in 0.05 x
+      the examples over all clients): the clip of the statistic every
+      round is computed at, C_2 (`diff_clip_factor` is its initial value;
+      with T = 1, C_1, `grad_clip`), follows a private quantile of the
+      per-example norms, in the state (`Diff2State.adaptive`); see
+      `_adaptive_rounds` for which rounds count and the privacy.
 
   Returns:
     An `optax.GradientTransformationExtraArgs`; call
@@ -815,12 +969,15 @@ def diff2_estimator(
     dtypes.
 
   Raises:
-    ValueError: for a bad clip, interval, round count, multiplier, key or
-      relation (at construction); a missing batch or params, a client with
-      no real rows, or a round past `num_rounds` (at update).
+    ValueError: for a bad clip, interval, round count, multiplier, key,
+      relation or adaptive clipping (at construction); a missing batch or
+      params, a client with no real rows, or a round past `num_rounds` (at
+      update; recorded in the state, the adapted clip then NaN).
 
   References:
     Murata & Suzuki (2023), Algorithms 1-2, Lemma C.1 (sensitivity).
+    Andrew, Thakkar, McMahan, Ramaswamy (NeurIPS 2021), Algorithm 1 and
+    Section 3.2 (adaptive clipping).
   """
   grad_statistic, diff_statistic = _statistics(
       loss_fn, grad_clip, diff_clip_factor, microbatch_size, clipping_method)
@@ -830,13 +987,23 @@ def diff2_estimator(
   multipliers = _validate_multipliers(noise_multipliers)
   diff_sensitivity = diff_statistic.sensitivity(relation)
   statistic = grad_statistic if restart_interval == 1 else diff_statistic
+  adaptive = _adaptive_rounds(adaptive_clipping, multipliers,
+                              restart_interval, mechanism, relation)
   key = keys.noise_key(key, 'diff2_estimator')
+  count_key = None
+  if adaptive is not None:
+    # Two streams from one key: the sum's noise never shares a draw with
+    # the count's (as `estimators.noisy_statistic`).
+    key, count_key = jax.random.split(estimators.as_key(key))
 
   def init_fn(params):
     estimators.check_params(params)
     return Diff2State(count=jnp.zeros((), jnp.int32), prev_params=params,
                       estimate=_zeros_like_f32(params),
-                      noise=mechanism.init(params, key))
+                      noise=mechanism.init(params, key),
+                      adaptive=(None if adaptive is None else
+                                adaptive_lib.init(statistic.l2_clip,
+                                                  count_key)))
 
   def update_fn(updates, state, params=None, *, batch=None, batch_mask=None,
                 clipped_sum=None, **extra_args):
@@ -845,6 +1012,7 @@ def diff2_estimator(
     checks.state_type(state, Diff2State, 'diff2_estimator')
     estimators.check_params(params)
     is_restart = state.count % restart_interval == 0
+    clip = _round_clip(state, statistic.l2_clip)
     arguments, scale = _round_arguments(
         state, params, restart_interval=restart_interval,
         grad_clip=grad_statistic.l2_clip, diff_clip=diff_statistic.l2_clip)
@@ -858,15 +1026,28 @@ def diff2_estimator(
                        'update(None, state, params, batch=batch)')
     else:
       clipped = statistic(batch, *parallel.per_device(arguments, axis_name),
-                          mask=batch_mask, axis_name=axis_name)
+                          mask=batch_mask, axis_name=axis_name,
+                          l2_clip=None if adaptive is None else clip)
+    restart_z, difference_z = multipliers.restart, multipliers.difference
+    if adaptive is None:
+      sensitivity = (grad_statistic.sensitivity(relation)
+                     if restart_interval == 1 else diff_sensitivity)
+    else:
+      # At the clip this round was computed at; the adapted rounds give
+      # the sum z_sum, the rest of the accounted multiplier is the count's.
+      sensitivity = statistic.sensitivity(relation, clip)
+      if restart_interval == 1:
+        restart_z = adaptive.sum_multiplier
+      else:
+        difference_z = adaptive.sum_multiplier
     if restart_interval == 1:
       # Every round is a restart, known on the host (DP-GD): one gradient
       # per example, clipped to C_1.
-      stddev = multipliers.restart * grad_statistic.sensitivity(relation)
+      stddev = restart_z * sensitivity
     else:
       # Both kinds of round privatize a sum clipped to C_2.
-      stddev = jnp.where(is_restart, multipliers.restart * diff_sensitivity,
-                         multipliers.difference * diff_sensitivity)
+      stddev = jnp.where(is_restart, restart_z * sensitivity,
+                         difference_z * sensitivity)
     local_size = clipped.count
     smallest = jax.lax.pmin(local_size, axis_name) if axis_name else local_size
     # Weights n_min / n_p <= 1 keep each example's weight in the sum <= 1,
@@ -888,8 +1069,17 @@ def diff2_estimator(
         [(smallest < 1, _EMPTY_CLIENT_MESSAGE, 'batch')], estimate,
         noise_state.refusal, state.count)
     noise_state = noise_state._replace(refusal=refusal)
+    adaptive_state = None
+    if adaptive is not None:
+      adaptive_state = _next_adaptive_state(
+          adaptive, state.adaptive, clipped,
+          adapts=(jnp.bool_(True) if restart_interval == 1 else
+                  jnp.logical_not(is_restart)),
+          num_examples=parallel.psum(local_size, axis_name),
+          refusal=noise_state.refusal, axis_name=axis_name)
     new_state = Diff2State(count=state.count + 1, prev_params=params,
-                           estimate=estimate, noise=noise_state)
+                           estimate=estimate, noise=noise_state,
+                           adaptive=adaptive_state)
     return estimators.cast_like(estimate, params), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -913,6 +1103,7 @@ def diff2_gd(
     axis_name: Optional[str] = None,
     output: str = 'last',
     output_key: estimators.KeyLike = None,
+    adaptive_clipping: Optional[adaptive_lib.AdaptiveClipping] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """DIFF2-GD (paper 003, Alg. 1 with the GD routine, Alg. 3).
 
@@ -950,6 +1141,7 @@ def diff2_gd(
     output: 'last' (the iterates only) or 'random_iterate' (also keep
       `x_{t_hat}`).
     output_key: key or seed of t_hat with 'random_iterate' (None: fresh).
+    adaptive_clipping: see `diff2_estimator` (C_2 adapts).
 
   Returns:
     `optax.chain(diff2_estimator(...), optax.sgd(learning_rate))`, with
@@ -970,7 +1162,8 @@ def diff2_gd(
           noise_multipliers=noise_multipliers, key=key,
           neighboring_relation=neighboring_relation,
           microbatch_size=microbatch_size,
-          clipping_method=clipping_method, axis_name=axis_name),
+          clipping_method=clipping_method, axis_name=axis_name,
+          adaptive_clipping=adaptive_clipping),
       optax.sgd(learning_rate))
 
 
@@ -988,6 +1181,7 @@ def dp_gd(
     microbatch_size: Optional[int] = None,
     clipping_method: str = 'auto',
     axis_name: Optional[str] = None,
+    adaptive_clipping: Optional[adaptive_lib.AdaptiveClipping] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """DP-GD across clients: DIFF2-GD with a restart every round (T = 1).
 
@@ -1016,6 +1210,11 @@ def dp_gd(
       else per-example gradients, announced once), 'ghost' or 'vmap'
       (`dpsco_jax.clipping`).
     axis_name: the client axis, None for one client.
+    adaptive_clipping: None, or an `adaptive_clipping.AdaptiveClipping`
+      with `count_stddev`: `grad_clip` is the initial C_1, which follows a
+      private quantile of the gradient norms every round, as in DP-SGD
+      (`diff2_estimator`); the accounting of `noise_multiplier` is
+      unchanged.
 
   Returns:
     `diff2_gd(..., restart_interval=1)`.
@@ -1033,7 +1232,8 @@ def dp_gd(
       noise_multipliers=Diff2NoiseMultipliers(noise_multiplier, 0.0),
       key=key, neighboring_relation=neighboring_relation,
       microbatch_size=microbatch_size,
-      clipping_method=clipping_method, axis_name=axis_name)
+      clipping_method=clipping_method, axis_name=axis_name,
+      adaptive_clipping=adaptive_clipping)
 
 
 def bvr_keys(key: estimators.KeyLike) -> tuple[jax.Array, jax.Array,
@@ -1102,6 +1302,7 @@ def diff2_bvr_local_sgd(
     axis_name: Optional[str] = None,
     output: str = 'last',
     output_key: estimators.KeyLike = None,
+    adaptive_clipping: Optional[adaptive_lib.AdaptiveClipping] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """DIFF2-BVR-L-SGD (paper 003, Alg. 1 with the BVR-L-SGD routine, Alg. 4).
 
@@ -1163,6 +1364,10 @@ def diff2_bvr_local_sgd(
       Algorithm 1's output, above).
     output_key: key or seed of t_hat and k_hat with 'random_iterate'
       (None: fresh).
+    adaptive_clipping: see `diff2_estimator`: the SERVER rounds' C_2
+      adapts (their accounting unchanged); the local steps keep the fixed
+      `C_3` (`local_clip_factor`, default the initial C_2) and release no
+      count.
 
   Returns:
     An `optax.GradientTransformationExtraArgs`; call
@@ -1183,7 +1388,8 @@ def diff2_bvr_local_sgd(
       noise_multipliers=noise_multipliers, key=server_key,
       neighboring_relation=neighboring_relation,
       microbatch_size=microbatch_size,
-      clipping_method=clipping_method, axis_name=axis_name)
+      clipping_method=clipping_method, axis_name=axis_name,
+      adaptive_clipping=adaptive_clipping)
   num_local = checks.positive_int(local_steps, 'local_steps') - 1
   local_batch_size = checks.positive_int(local_batch_size, 'local_batch_size')
   local_clip = clipping.validate_clip(
@@ -1262,8 +1468,13 @@ def diff2_bvr_local_sgd(
     total, refusal = guards.record(
         [(smallest < local_batch_size, _SMALL_CLIENT_MESSAGE, 'batch')],
         total, server_state.noise.refusal, count)
+    adaptive = server_state.adaptive
+    if adaptive is not None:
+      # A refused round releases no clip either.
+      adaptive = adaptive._replace(
+          clip=adaptive_lib.poisoned(adaptive.clip, refusal))
     server_state = server_state._replace(
-        noise=server_state.noise._replace(refusal=refusal))
+        noise=server_state.noise._replace(refusal=refusal), adaptive=adaptive)
     return estimators.cast_like(total, params), Diff2BvrState(
         server=server_state, local_noise=local_noise,
         sampling_key=state.sampling_key,
