@@ -58,6 +58,7 @@ import contextlib
 import functools
 import logging
 import math
+import pickle
 import warnings
 
 import dp_accounting
@@ -103,10 +104,12 @@ _PLD_RELATIVE_INTERVAL = 3e-6
 
 
 def _accountant(method: str, relation: neighboring.NeighboringRelation,
-                event: dp_accounting.DpEvent, pld_interval: float = 1e-4):
+                event: dp_accounting.DpEvent, pld_interval: float = 1e-4
+                ) -> tuple[str, dp_accounting.NeighboringRelation, float]:
+  """The accountant (`event_epsilon`'s method, relation, interval) of a run."""
   if isinstance(event, dp_accounting.SingleEpochTreeAggregationDpEvent):
-    return dp_accounting.rdp.RdpAccountant(
-        neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_SPECIAL)
+    return ('rdp', dp_accounting.NeighboringRelation.REPLACE_SPECIAL,
+            pld_interval)
   if isinstance(event, dp_accounting.ComposedDpEvent):
     # Releases first, the steps' event last (`dp_event`): the steps decide
     # the relation; a release's Gaussian is the same under each of them.
@@ -118,11 +121,57 @@ def _accountant(method: str, relation: neighboring.NeighboringRelation,
                      'zero-out) neighbours, not replace-one')
   dp_relation = (neighboring.to_dp_accounting(relation) if amplified else
                  dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+  return method, dp_relation, pld_interval
+
+
+def event_epsilon(event: dp_accounting.DpEvent, delta: float, *,
+                  method: str = 'pld',
+                  relation: dp_accounting.NeighboringRelation = (
+                      dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE),
+                  pld_interval: float = _PLD_INTERVAL) -> float:
+  """The epsilon at `delta` of a `dp_accounting` event, remembered.
+
+  Every epsilon this library reports goes through here: a plan's epsilon,
+  its describe(), its ledger and an auditor's report each ask for the same
+  event at the same delta, and one PLD costs seconds. The answer is kept
+  (the float alone) under the event itself, by its pickle: every float to
+  the last bit and every step count, so two runs share an entry only when
+  their events are equal.
+
+  Example:
+    >>> event_epsilon(dp_accounting.GaussianDpEvent(1.0), 1e-5)
+
+  Args:
+    event: the run's event.
+    delta: target delta.
+    method: 'pld' (`dp_accounting.pld.PLDAccountant`) or 'rdp'
+      (`dp_accounting.rdp.RdpAccountant`).
+    relation: the accountant's neighbouring relation.
+    pld_interval: the PLD's value discretization interval.
+
+  Returns:
+    epsilon.
+  """
+  if method not in ('pld', 'rdp'):
+    raise ValueError(f"method must be 'pld' or 'rdp', got {method!r}")
+  return _event_epsilon(method, dp_accounting.NeighboringRelation(relation),
+                        float(pld_interval), float(delta),
+                        pickle.dumps(event))
+
+
+@functools.lru_cache(maxsize=4096)
+def _event_epsilon(method: str, relation: dp_accounting.NeighboringRelation,
+                   pld_interval: float, delta: float, event_bytes: bytes
+                   ) -> float:
   if method == 'pld':
-    return dp_accounting.pld.PLDAccountant(
-        neighboring_relation=dp_relation,
+    accountant = dp_accounting.pld.PLDAccountant(
+        neighboring_relation=relation,
         value_discretization_interval=pld_interval)
-  return dp_accounting.rdp.RdpAccountant(neighboring_relation=dp_relation)
+  else:
+    accountant = dp_accounting.rdp.RdpAccountant(neighboring_relation=relation)
+  with quiet_excluded_orders():
+    return float(accountant.compose(pickle.loads(event_bytes))
+                 .get_epsilon(delta))
 
 
 class _ExcludedOrderFilter(logging.Filter):
@@ -233,9 +282,10 @@ def epsilon_spent(
                         neighboring_relation=neighboring_relation,
                         releases=releases)
     interval = max(_PLD_INTERVAL, _PLD_RELATIVE_INTERVAL * rdp)
-  accountant = _accountant(method, neighboring_relation, event, interval)
-  with quiet_excluded_orders():
-    return float(accountant.compose(event).get_epsilon(delta))
+  kind, relation, interval = _accountant(method, neighboring_relation, event,
+                                         interval)
+  return event_epsilon(event, delta, method=kind, relation=relation,
+                       pld_interval=interval)
 
 
 @keywords.checked
@@ -394,11 +444,7 @@ def releases_epsilon(releases, delta: float, *, method: str = 'pld'
     return mu * math.sqrt(2.0 * math.log(2.5 / delta))
   event = dp_accounting.ComposedDpEvent(
       [dp_accounting.GaussianDpEvent(r.noise_multiplier) for r in releases])
-  accountant = (dp_accounting.pld.PLDAccountant(
-      value_discretization_interval=_PLD_INTERVAL) if method == 'pld'
-                else dp_accounting.rdp.RdpAccountant())
-  with quiet_excluded_orders():
-    return float(accountant.compose(event).get_epsilon(delta))
+  return event_epsilon(event, delta, method=method)
 
 
 def laplace_and_gaussian_delta(laplace_multiplier: float,
@@ -477,22 +523,18 @@ def subsampled_gaussian_epsilon(noise_multiplier: float, num_steps: int,
     return math.inf
   gaussian = dp_accounting.GaussianDpEvent(noise_multiplier)
   if sample_size == population:
-    accountant = dp_accounting.pld.PLDAccountant(
-        neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
-        value_discretization_interval=_PLD_INTERVAL)
-    event = dp_accounting.SelfComposedDpEvent(gaussian, steps)
-  else:
-    accountant = dp_accounting.rdp.RdpAccountant(
-        neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
-    event = dp_accounting.SelfComposedDpEvent(
-        dp_accounting.SampledWithoutReplacementDpEvent(
-            population, sample_size, gaussian), steps)
-  with quiet_excluded_orders():
-    return float(accountant.compose(event).get_epsilon(delta))
+    return event_epsilon(dp_accounting.SelfComposedDpEvent(gaussian, steps),
+                         delta)
+  return event_epsilon(
+      dp_accounting.SelfComposedDpEvent(
+          dp_accounting.SampledWithoutReplacementDpEvent(
+              population, sample_size, gaussian), steps), delta,
+      method='rdp', relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
 
 
 __all__ = ('calibrate_noise_multiplier', 'cyclic_poisson_structure',
            'CyclicPoissonSampling', 'dp_event', 'epsilon_for_gdp',
+           'event_epsilon',
            'epsilon_spent', 'FixedOrder', 'GaussianRelease', 'gdp_delta',
            'laplace_and_gaussian_delta', 'mechanism_sensitivity',
            'paper_gdp_mu', 'participation_sensitivity', 'PoissonSampling',

@@ -366,9 +366,9 @@ def trial_rdp(event: dp_accounting.DpEvent, *,
     ValueError: if dp_accounting cannot account for the event.
   """
   with accounting.quiet_excluded_orders():
-    chosen = accounting._accountant('rdp', neighboring_relation, event)  # pylint: disable=protected-access
+    _, relation, _ = accounting._accountant('rdp', neighboring_relation, event)  # pylint: disable=protected-access
     accountant = rdp_privacy_accountant.RdpAccountant(
-        orders=list(orders), neighboring_relation=chosen.neighboring_relation)
+        orders=list(orders), neighboring_relation=relation)
     accountant.compose(event)
   rdp = accountant.rdp
   return np.where(np.isnan(rdp), np.inf, rdp)

@@ -88,6 +88,35 @@ jax.config.update('jax_compilation_cache_dir', os.path.abspath(
 jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
 jax.config.update('jax_persistent_cache_min_entry_size_bytes', -1)
 _write_compilations_atomically()
+# Machine code at XLA's backend optimization level 0 (LLVM's cheap passes),
+# for every test program: the tests' programs are small and run a few
+# times, so the machine code's optimization costs more compile time than it
+# saves (a fifth of the suite's CPU time). XLA's HLO passes (fusion,
+# layout, the program the assertions of test_compiled_steps read) run as
+# before. Tests about the arithmetic of the code the device really runs
+# (rounding bounds, precision) are marked `xla_optimized` and compile with
+# every optimization, as users' programs do.
+jax.config.update('jax_disable_most_optimizations', True)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+  config.addinivalue_line(
+      'markers', 'xla_optimized: compile this test\'s programs with every '
+      'XLA optimization (the default for users), not at the suite\'s '
+      'backend optimization level 0')
+
+
+@pytest.fixture(autouse=True)
+def _xla_optimization_level(request: pytest.FixtureRequest):
+  """Every XLA optimization for tests marked `xla_optimized`."""
+  if request.node.get_closest_marker('xla_optimized') is None:
+    yield
+    return
+  jax.config.update('jax_disable_most_optimizations', False)
+  try:
+    yield
+  finally:
+    jax.config.update('jax_disable_most_optimizations', True)
 
 
 # The slowest test files, slowest first (a ranking from serial profiles of

@@ -16,6 +16,10 @@ import pytest
 
 from dpsco_jax import clipping
 
+# Rounding and precision of the code users' devices run: every XLA
+# optimization, not the suite's level 0 (tests/conftest.py).
+pytestmark = pytest.mark.xla_optimized
+
 POSITIONS, FEATURES, OUT = 6, 8, 3
 
 

@@ -31,6 +31,10 @@ from dpsco_jax import noise
 from dpsco_jax import rounding
 from dpsco_jax import strategies
 
+# Rounding and precision of the code users' devices run: every XLA
+# optimization, not the suite's level 0 (tests/conftest.py).
+pytestmark = pytest.mark.xla_optimized
+
 F32 = np.float32
 
 

@@ -6,6 +6,10 @@ import pytest
 
 from dpsco_jax import rounding
 
+# Rounding and precision of the code users' devices run: every XLA
+# optimization, not the suite's level 0 (tests/conftest.py).
+pytestmark = pytest.mark.xla_optimized
+
 
 @pytest.mark.parametrize('size', [1, 7, 100, 4099])
 def test_blocked_sum_of_squares_raised_is_an_upper_bound(size):

@@ -323,12 +323,10 @@ def epsilon_spent(
     if local is not None:
       raise ValueError("'pld' cannot account the local steps' sampling "
                        "without replacement; use 'rdp' or 'paper'")
-    accountant = dp_accounting.pld.PLDAccountant()
-  else:
-    accountant = dp_accounting.rdp.RdpAccountant(
-        neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
-  with accounting.quiet_excluded_orders():
-    return float(accountant.compose(event).get_epsilon(delta))
+    return accounting.event_epsilon(event, delta)
+  return accounting.event_epsilon(
+      event, delta, method='rdp',
+      relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
 
 
 def _split(budget_split: BudgetSplit, local) -> tuple[float, float, float]:
