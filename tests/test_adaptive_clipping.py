@@ -49,7 +49,8 @@ def data():
   scales = np.geomspace(0.05, 20.0, BATCH)[:, None]
   x = (rng.normal(size=(BATCH, FEATURES)) * scales).astype(np.float32)
   y = rng.integers(0, 3, size=BATCH).astype(np.int32)
-  params = MODEL.init(jax.random.key(0), x[0])
+  # One compiled init instead of an eager program per layer op.
+  params = jax.jit(MODEL.init)(jax.random.key(0), x[0])
   return params, {'x': jnp.asarray(x), 'y': jnp.asarray(y)}
 
 

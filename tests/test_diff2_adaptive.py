@@ -59,7 +59,8 @@ def data():
   scales = np.geomspace(0.3, 3.0, N)[:, None]
   x = (rng.normal(size=(N, FEATURES)) * scales).astype(np.float32)
   y = (x @ rng.normal(size=FEATURES)).astype(np.float32)
-  params = MODEL.init(jax.random.key(0), x[0])
+  # One compiled init instead of an eager program per layer op.
+  params = jax.jit(MODEL.init)(jax.random.key(0), x[0])
   return params, {'x': jnp.asarray(x), 'y': jnp.asarray(y)}
 
 

@@ -234,8 +234,7 @@ def test_identical_points_give_their_plain_mean():
   point = np.array([0.3, -1.2, 4.0], np.float32)
   points = np.tile(point, (20, 1))
   for inclusion in orm.INCLUSIONS:
-    mean = orm.robust_mean(points, 0.01, inclusion=inclusion,
-                           key=jax.random.key(0))
+    mean = _robust_mean(points, 0.01, inclusion, jax.random.key(0))
     np.testing.assert_allclose(mean, point, rtol=1e-6)
 
 
@@ -243,9 +242,10 @@ def test_concentrated_points_all_kept_and_plain_mean():
   rng = np.random.default_rng(4)
   points = {'w': rng.normal(size=(50, 4, 3)).astype(np.float32) * 0.01 + 5,
             'b': rng.normal(size=(50, 3)).astype(np.float32) * 0.01 - 2}
-  d2 = orm.pairwise_squared_distances(points)
-  np.testing.assert_array_equal(orm.inclusion_probabilities(d2, 0.2), 1.0)
-  mean = orm.robust_mean(points, 0.2)
+  d2 = jax.jit(orm.pairwise_squared_distances)(points)
+  np.testing.assert_array_equal(
+      jax.jit(orm.inclusion_probabilities, static_argnums=1)(d2, 0.2), 1.0)
+  mean = _robust_mean(points, 0.2, 'weighted', None)
   np.testing.assert_allclose(mean['w'], points['w'].mean(0), rtol=1e-5)
   np.testing.assert_allclose(mean['b'], points['b'].mean(0), rtol=1e-5)
 
@@ -256,13 +256,12 @@ def test_distances_match_direct_and_center_is_ignored():
             'b': rng.normal(size=(7, 2, 2)).astype(np.float32)}
   flat = np.concatenate([points['a'], points['b'].reshape(7, -1)], 1)
   direct = np.sum((flat[:, None] - flat[None]) ** 2, -1)
-  np.testing.assert_allclose(orm.pairwise_squared_distances(points), direct,
-                             rtol=1e-5)
+  distances = jax.jit(orm.pairwise_squared_distances)
+  np.testing.assert_allclose(distances(points), direct, rtol=1e-5)
   center = {'a': np.full(3, 100.0, np.float32), 'b': np.zeros((2, 2))}
   with pytest.warns(DeprecationWarning, match='center= is ignored'):
-    with_center = orm.pairwise_squared_distances(points, center)
-  np.testing.assert_array_equal(with_center,
-                                orm.pairwise_squared_distances(points))
+    with_center = distances(points, center)
+  np.testing.assert_array_equal(with_center, distances(points))
 
 
 @pytest.mark.parametrize('offset', [0.0, 1.0, 1e3, 1e6, 1e30])
@@ -290,9 +289,12 @@ def test_distance_blocks_keep_the_bound():
   rng = np.random.default_rng(9)
   points = rng.normal(size=(13, 30)).astype(np.float32) + 1e4
   exact = np.sum((points.astype(np.float64)[:, None] - points[None]) ** 2, -1)
+  # One program per block size (the eager ops would each compile their own).
+  distances = jax.jit(orm.pairwise_squared_distances,
+                      static_argnames='block_elements')
   for block_elements in (1, 30 * 13 * 2, 30 * 13 * 5, 2 ** 24):
-    bound = np.asarray(orm.pairwise_squared_distances(
-        points, block_elements=block_elements), np.float64)
+    bound = np.asarray(distances(points, block_elements=block_elements),
+                       np.float64)
     np.testing.assert_array_equal(bound, bound.T)
     assert np.all(bound >= exact)
     np.testing.assert_allclose(bound, exact, rtol=1e-4)
@@ -307,8 +309,9 @@ def _cal_far():
 
 @jax.jit
 def _release_pair(before, after, key):
-  return (orm.private_robust_mean(before, _cal_far(), key).value,
-          orm.private_robust_mean(after, _cal_far(), key).value)
+  """Both releases under one key, compiled once per dtype (K_FAR x 3)."""
+  return (orm.private_robust_mean(before, _cal_far(), key),
+          orm.private_robust_mean(after, _cal_far(), key))
 
 
 @pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
@@ -327,9 +330,10 @@ def test_one_point_moved_far_from_the_origin_moves_the_release_within_sensitivit
     after = before.copy()
     after[0, 0] += move * TAU_FAR
     for seed in range(3):
-      value, value_after = _release_pair(
+      out, out_after = _release_pair(
           jax.numpy.asarray(before, dtype), jax.numpy.asarray(after, dtype),
           jax.random.key(seed))
+      value, value_after = out.value, out_after.value
       gap = np.linalg.norm(np.asarray(value, np.float64) -
                            np.asarray(value_after, np.float64))
       assert gap <= _cal_far().sensitivity, (move, seed, gap)
@@ -367,9 +371,8 @@ def test_the_release_keeps_its_noise_far_from_the_origin():
   gives the same noise relative to the cluster as at the origin."""
   near = np.zeros((K_FAR, 3), np.float32)
   far = near + np.float32(1e3)
-  key = jax.random.key(1)
-  out_near = orm.private_robust_mean(near, _cal_far(), key)
-  out_far = orm.private_robust_mean(far, _cal_far(), key)
+  # The program the moved-point test compiled for float32 (K_FAR x 3).
+  out_near, out_far = _release_pair(near, far, jax.random.key(1))
   assert bool(out_near.passed) and bool(out_far.passed)
   np.testing.assert_allclose(np.asarray(out_far.value) - 1e3,
                              np.asarray(out_near.value), atol=2e-4)
@@ -480,15 +483,21 @@ def test_halted_release_is_the_halt_value_and_passing_adds_the_noise():
   tight = rng.normal(size=(400, 3)).astype(np.float32) * 0.001 + 1
   halt = np.array([7.0, 8.0, 9.0], np.float32)
 
+  # Both layouts under the same 300 keys in one compiled program.
   @jax.jit
-  def release(points, key):
-    return orm.private_robust_mean(points, _cal(), key, halt_value=halt)
+  def releases(layouts, keys):
+    release = lambda points, key: orm.private_robust_mean(
+        points, _cal(), key, halt_value=halt)
+    return jax.vmap(jax.vmap(release, in_axes=(None, 0)),
+                    in_axes=(0, None))(layouts, keys)
 
-  out = release(spread_out, jax.random.key(1))
-  assert not bool(out.passed)
-  np.testing.assert_array_equal(out.value, halt)
   keys = jax.random.split(jax.random.key(2), 300)
-  outs = jax.vmap(release, in_axes=(None, 0))(tight, keys)
+  both = releases(np.stack([spread_out, tight]), keys)
+  halted = jax.tree_util.tree_map(lambda leaf: leaf[0], both)
+  assert not np.any(np.asarray(halted.passed))
+  np.testing.assert_array_equal(
+      np.asarray(halted.value), np.broadcast_to(halt, (300, 3)))
+  outs = jax.tree_util.tree_map(lambda leaf: leaf[1], both)
   assert bool(np.all(outs.passed))
   noise = np.asarray(outs.value) - tight.mean(0)
   # 900 draws: the sample std is within 10% of sigma with overwhelming odds.
@@ -511,7 +520,8 @@ def test_eight_devices_equal_one_and_need_one_key():
   rng = np.random.default_rng(7)
   points = rng.normal(size=(400, 5)).astype(np.float32) * 0.001
   key = jax.random.key(3)
-  single = orm.private_robust_mean(points, _cal(), key)
+  single = jax.jit(lambda points, key: orm.private_robust_mean(
+      points, _cal(), key))(points, key)
   mesh = jax.sharding.Mesh(np.array(devices), ('devices',))
   spec = jax.sharding.PartitionSpec
 
