@@ -7,7 +7,6 @@ mechanism from the description (not from the plan), and checks that
 `accounting.epsilon_spent` on that equals the plan's epsilon.
 """
 
-import functools
 import json
 import warnings
 
@@ -40,9 +39,7 @@ def _data():
           'y': rng.normal(size=N).astype(np.float32)}
 
 
-@functools.cache
 def _strategy(decay=0.0):
-  """The optimized strategy of the dpmemf cases, optimized once a process."""
   steps = EPOCHS * (N // BATCH)
   return strategies.optimize_strategy(
       strategies.workload(steps, 'true', momentum=0.9, decay=decay), EPOCHS,
@@ -108,14 +105,8 @@ COMMON = dict(num_examples=N, batch_size=BATCH, l2_clip=1.0, delta=DELTA)
 
 
 def _cases():
-  """(name, plan, participation kind, mechanism built independently).
-
-  One calibrated case (`epsilon=`) per family and sampling; the other
-  strategies take a `noise_multiplier` (their accounting is checked the
-  same way, without a calibration's search). The strategies are optimized
-  when a case is built, not when the tests are collected.
-  """
   sgd = optax.sgd(0.1, momentum=0.9)
+  mf_strategy, srg_strategy = _strategy(), _strategy(0.5)
   return [
       ('dpsgd_poisson', lambda: plans.dpsgd(
           _loss, optimizer=sgd, epochs=EPOCHS, epsilon=2.0, **COMMON),
@@ -132,8 +123,8 @@ def _cases():
           _loss, optimizer=sgd, epochs=EPOCHS, epsilon=2.0, **COMMON),
        'fixed', lambda: dpsco_jax.dpftrl_mechanism(STEPS, N // BATCH)),
       ('dpftrl_one_tree_shuffled', lambda: plans.dpftrl(
-          _loss, optimizer=sgd, epochs=EPOCHS, noise_multiplier=2.0,
-          restart=None, sampling='shuffled', **COMMON),
+          _loss, optimizer=sgd, epochs=EPOCHS, epsilon=2.0, restart=None,
+          sampling='shuffled', **COMMON),
        'shuffled', lambda: dpsco_jax.dpftrl_mechanism(STEPS)),
       ('dpftrl_given_noise', lambda: plans.dpftrl(
           _loss, optimizer=sgd, epochs=EPOCHS, noise_multiplier=3.0,
@@ -141,40 +132,38 @@ def _cases():
        'fixed', lambda: dpsco_jax.dpftrl_mechanism(STEPS, 4)),
       ('dpmemf', lambda: plans.dpmemf(
           _loss, optimizer=sgd, epochs=EPOCHS, epsilon=2.0,
-          strategy=_strategy(), **COMMON),
-       'fixed', lambda: dpsco_jax.dpmemf_mechanism(_strategy())),
+          strategy=mf_strategy, **COMMON),
+       'fixed', lambda: dpsco_jax.dpmemf_mechanism(mf_strategy)),
       ('accelerated_dp_srgd', lambda: plans.accelerated_dp_srgd(
           _loss, beta=10.0, radius=None, epsilon=2.0, **COMMON),
        'fixed', lambda: dpsco_jax.srg_mechanism(N // BATCH)),
       ('accelerated_independent', lambda: plans.accelerated_dp_srgd(
-          _loss, beta=10.0, radius=None, noise_multiplier=2.0,
-          gradient='independent',
+          _loss, beta=10.0, radius=None, epsilon=2.0, gradient='independent',
           **COMMON),
        'fixed', lambda: noise.gaussian(N // BATCH)),
       ('unaccelerated_dp_srg', lambda: plans.unaccelerated_dp_srg(
-          _loss, beta=10.0, radius=None, noise_multiplier=2.0, **COMMON),
+          _loss, beta=10.0, radius=None, epsilon=2.0, **COMMON),
        'fixed', lambda: dpsco_jax.srg_mechanism(N // BATCH)),
       ('dp_srg_memf', lambda: plans.dp_srg_memf(
           _loss, optimizer=sgd, epochs=EPOCHS, decay=0.5, epsilon=2.0,
-          strategy=_strategy(0.5), **COMMON),
-       'fixed', lambda: dpsco_jax.dpmemf_mechanism(_strategy(0.5))),
+          strategy=srg_strategy, **COMMON),
+       'fixed', lambda: dpsco_jax.dpmemf_mechanism(srg_strategy)),
       ('dpmemf_blt', lambda: plans.dpmemf(
           _loss, optimizer=sgd, epochs=EPOCHS, epsilon=2.0, strategy='blt',
           n_buffers=3, momentum=0.9, **COMMON),
        'fixed', lambda: _blt_mechanism(momentum=0.9)),
       ('dp_srg_memf_blt', lambda: plans.dp_srg_memf(
-          _loss, optimizer=sgd, epochs=EPOCHS, decay=0.5,
-          noise_multiplier=2.0, strategy='blt', n_buffers=2, **COMMON),
+          _loss, optimizer=sgd, epochs=EPOCHS, decay=0.5, epsilon=2.0,
+          strategy='blt', n_buffers=2, **COMMON),
        'fixed', lambda: _blt_mechanism(n_buffers=2, decay=0.5)),
       ('dpmemf_banded_sqrt', lambda: plans.dpmemf(
-          _loss, optimizer=sgd, epochs=EPOCHS, noise_multiplier=2.0,
+          _loss, optimizer=sgd, epochs=EPOCHS, epsilon=2.0,
           strategy='banded_sqrt', bands=3, momentum=0.9, **COMMON),
        'fixed', lambda: dpsco_jax.dpmemf_mechanism(
            strategies.banded_square_root(STEPS, 3, momentum=0.9))),
       ('dp_srg_memf_banded_inverse_sqrt', lambda: plans.dp_srg_memf(
-          _loss, optimizer=sgd, epochs=EPOCHS, decay=0.5,
-          noise_multiplier=2.0, strategy='banded_inverse_sqrt', bands=3,
-          **COMMON),
+          _loss, optimizer=sgd, epochs=EPOCHS, decay=0.5, epsilon=2.0,
+          strategy='banded_inverse_sqrt', bands=3, **COMMON),
        'fixed', lambda: _bisr_mechanism(3, decay=0.5)),
   ]
 
@@ -214,24 +203,21 @@ class FixedOrderPlansAreZeroOutTest(absltest.TestCase):
 
   def test_add_or_remove_is_refused_for_a_fixed_or_shuffled_order(self):
     # Adding or removing an example moves every later one to another batch:
-    # the fixed-order accounting does not describe that relation. The
-    # relation is checked before any calibration: noise multipliers here.
+    # the fixed-order accounting does not describe that relation.
     sgd = optax.sgd(0.1)
     makers = [
         lambda r: plans.dpsgd(_loss, optimizer=sgd, epochs=EPOCHS,
-                              noise_multiplier=1.0, sampling='fixed',
+                              epsilon=2.0, sampling='fixed',
                               neighboring_relation=r, **COMMON),
         lambda r: plans.dpsgd(_loss, optimizer=sgd, epochs=EPOCHS,
                               noise_multiplier=1.0, sampling='shuffled',
                               neighboring_relation=r, **COMMON),
         lambda r: plans.dpftrl(_loss, optimizer=sgd, epochs=EPOCHS,
-                               noise_multiplier=1.0, neighboring_relation=r,
-                               **COMMON),
+                               epsilon=2.0, neighboring_relation=r, **COMMON),
         lambda r: plans.dpmemf(_loss, optimizer=sgd, epochs=EPOCHS,
-                               noise_multiplier=1.0, neighboring_relation=r,
-                               **COMMON),
+                               epsilon=2.0, neighboring_relation=r, **COMMON),
         lambda r: plans.accelerated_dp_srgd(
-            _loss, beta=10.0, radius=None, noise_multiplier=1.0,
+            _loss, beta=10.0, radius=None, epsilon=2.0,
             neighboring_relation=r, **COMMON),
     ]
     with warnings.catch_warnings():
@@ -373,7 +359,7 @@ class PlanRefusalTest(parameterized.TestCase):
 
   def test_private_part_comes_first(self):
     plan = plans.dpftrl(_loss, optimizer=optax.sgd(0.1), epochs=1,
-                        noise_multiplier=2.0, **COMMON)
+                        epsilon=2.0, **COMMON)
     state = self._state(plan)
     self.assertIsInstance(state[0], dpsco_jax.estimators.NoisyGradientState)
     inputs = next(plan.batches_of(_data()))
@@ -383,7 +369,7 @@ class PlanRefusalTest(parameterized.TestCase):
 
   def test_epsilon_at_is_non_decreasing(self):
     plan = plans.dpftrl(_loss, optimizer=optax.sgd(0.1), epochs=EPOCHS,
-                        noise_multiplier=2.0, restart=None, **COMMON)
+                        epsilon=2.0, restart=None, **COMMON)
     values = [plan.epsilon_at(t) for t in range(plan.num_steps + 1)]
     self.assertEqual(values[0], 0.0)
     self.assertTrue(all(a <= b + 1e-12 for a, b in zip(values, values[1:])))
