@@ -591,20 +591,42 @@ def _command(checkpoint_path, release_path, *extra):
           f'--release={release_path}', *flags, *extra]
 
 
+def _compilation_settings() -> dict[str, str]:
+  """The test run's compilation settings, for the runs it starts.
+
+  The subprocesses compile as the tests do (tests/conftest.py): in the
+  run's persistent compilation cache (the resumed run loads the programs
+  the in-process reference compiled) and at the same XLA backend
+  optimization level, so the reference and the resumed run compare the
+  same programs.
+  """
+  settings = {'JAX_DISABLE_MOST_OPTIMIZATIONS': str(
+      bool(jax.config.values.get('jax_disable_most_optimizations'))).lower()}
+  cache = jax.config.values.get('jax_compilation_cache_dir')
+  if cache:
+    settings.update(JAX_COMPILATION_CACHE_DIR=str(cache),
+                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
+                    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='-1')
+  return settings
+
+
 def test_killed_run_resumes_bit_identically(tmp_path):
   """SIGKILL after the checkpoint at step 4 (steps 5, 6 run, unsaved)."""
   env = dict(os.environ)
   env['PYTHONPATH'] = os.pathsep.join(
       [str(REPO)] + [p for p in [env.get('PYTHONPATH')] if p])
+  env.update(_compilation_settings())
   marker = tmp_path / 'paused'
   run = lambda *args: subprocess.Popen(  # noqa: E731
       _command(*args), cwd=REPO, env=env, stdout=subprocess.PIPE,
       stderr=subprocess.STDOUT, text=True)
-  # The uninterrupted reference runs alongside the run that gets killed.
-  reference = run(tmp_path / 'reference',
-                  tmp_path / 'reference-release')
   victim = run(tmp_path / 'run', tmp_path / 'run-release',
                '--pause_after_step=6', f'--pause_marker={marker}')
+  # The uninterrupted reference runs in this process (the same settings and
+  # compilation settings as the subprocesses), while the victim starts.
+  resumable.train(resumable.Settings(algorithm='dpmemf', **_FAST),
+                  str(tmp_path / 'reference'),
+                  str(tmp_path / 'reference-release'))
   deadline = time.monotonic() + 120
   while not marker.exists():
     assert victim.poll() is None, victim.communicate()[0]
@@ -615,7 +637,6 @@ def test_killed_run_resumes_bit_identically(tmp_path):
   victim.communicate()
   assert victim.returncode == -signal.SIGKILL
   assert not (tmp_path / 'run-release').exists()
-  assert reference.wait(timeout=120) == 0, reference.communicate()[0]
 
   resumed = run(tmp_path / 'run', tmp_path / 'run-release')
   output = resumed.communicate(timeout=120)[0]

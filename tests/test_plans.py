@@ -291,11 +291,12 @@ class PlanRefusalTest(parameterized.TestCase):
       plan.transformation.update(None, state, jnp.zeros(DIM), batch=data,
                                  example_ids=ids)
     pad = plan.batches.pad_to_multiple
+    # Masked but not padded: the same shape as above (the eager update's
+    # operations compile once for it).
+    assert N % pad
     with self.assertRaisesRegex(ValueError, f'not a multiple of {pad}'):
-      plan.transformation.update(
-          None, state, jnp.zeros(DIM), batch=jax.tree.map(
-              lambda x: x[:pad + 1], data), example_ids=ids[:pad + 1],
-          batch_mask=np.ones(pad + 1, bool))
+      plan.transformation.update(None, state, jnp.zeros(DIM), batch=data,
+                                 example_ids=ids, batch_mask=np.ones(N, bool))
     # A padded batch holding every example: the count is implausible.
     size = pad * -(-N // pad)
     take = np.concatenate([ids, np.zeros(size - N, int)])
