@@ -97,6 +97,9 @@ _write_compilations_atomically()
 # (rounding bounds, precision) are marked `xla_optimized` and compile with
 # every optimization, as users' programs do.
 jax.config.update('jax_disable_most_optimizations', True)
+# The same for the processes the tests start (experiment CLIs, Sphinx,
+# benchmark scripts, killed-and-resumed runs).
+os.environ['JAX_DISABLE_MOST_OPTIMIZATIONS'] = 'true'
 
 
 def pytest_configure(config: pytest.Config) -> None:
