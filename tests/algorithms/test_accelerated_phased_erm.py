@@ -8,7 +8,6 @@ without noise the oracle is the plain mean of user gradients; AC-SA meets
 its deterministic rate; the driver uses disjoint users and counts its work.
 """
 
-import functools
 import math
 
 import jax
@@ -50,25 +49,6 @@ def _plain_mean_gradient(users, w):
   return jnp.mean(per_user, axis=0)
 
 
-def _compiled_update(tx):
-  """`tx.update(None, state, w, batch=users)` as one compiled program.
-
-  One program per transformation instead of the hundreds of eager ops an
-  outlier-removal step runs; what it releases is the same.
-  """
-  return jax.jit(lambda state, w, users: tx.update(None, state, w,
-                                                   batch=users))
-
-
-@functools.cache
-def _release_with_key_3():
-  """The first release of key 3 as a function of (w, users), compiled once:
-  the replaced-user cases share it."""
-  tx = ul.outlier_removal_gradient(_loss, _cal(), key=jax.random.key(3))
-  return jax.jit(lambda w, users: tx.update(None, tx.init(w), w,
-                                            batch=users))
-
-
 def test_ac_sa_meets_its_deterministic_rate():
   rng = np.random.default_rng(1)
   basis = np.linalg.qr(rng.normal(size=(6, 6)))[0]
@@ -77,23 +57,17 @@ def test_ac_sa_meets_its_deterministic_rate():
   target = jnp.asarray(rng.normal(size=6), jnp.float32)
   objective = lambda x: 0.5 * (x - target) @ hessian @ (x - target)
   x0 = jnp.zeros(6)
-  output_objective = jax.jit(lambda state: objective(ul.ac_sa_output(state)))
   for stages in (None, (40, 40, 40)):
     tx = ul.ac_sa(8.0, 0.05, stage_lengths=stages)
-
-    @jax.jit
-    def step(params, state, tx=tx):
-      updates, state = tx.update(jax.grad(objective)(params), state, params)
-      return optax.apply_updates(params, updates), state
-
     params, state = x0, tx.init(x0)
     for n in range(1, 121):
-      params, state = step(params, state)
+      updates, state = tx.update(jax.grad(objective)(params), state, params)
+      params = optax.apply_updates(params, updates)
       if stages is None:
-        bound = 4 * 8.0 * 0.5 * float(np.sum(np.asarray(x0 - target) ** 2)
-                                      ) / (n * (n + 1))
-        assert float(output_objective(state)) <= bound * (1 + 1e-4)
-    assert float(output_objective(state)) < 1e-3
+        bound = 4 * 8.0 * 0.5 * float(jnp.sum((x0 - target) ** 2)) / (
+            n * (n + 1))
+        assert float(objective(ul.ac_sa_output(state))) <= bound * (1 + 1e-4)
+    assert float(objective(ul.ac_sa_output(state))) < 1e-3
     if stages is not None:
       assert int(state.step) == 1  # restarted at the last boundary
 
@@ -115,16 +89,15 @@ def test_threshold_noise_is_drawn_once_per_phase():
       jax.random.fold_in(jax.random.key(11), 0), ())
   np.testing.assert_allclose(state.threshold_noise, expected, rtol=1e-6)
   users = _users(K, spread=0.01)
-  update = _compiled_update(tx)
   for _ in range(T):
-    _, state = update(state, w, users)
+    _, state = tx.update(None, state, w, batch=users)
     np.testing.assert_allclose(state.threshold_noise, expected, rtol=1e-6)
   other = ul.outlier_removal_gradient(_loss, _cal(), key=12).init(w)
   assert float(other.threshold_noise) != float(expected)
   # Every test of the phase compares with THAT draw: a threshold raised
   # past K fails even concentrated users.
   raised = tx.init(w)._replace(threshold_noise=jnp.float32(K))
-  _, raised = update(raised, w, users)
+  _, raised = tx.update(None, raised, w, batch=users)
   assert bool(raised.halted)
 
 
@@ -134,14 +107,13 @@ def test_a_halted_phase_releases_zero_for_good():
   tx = ul.outlier_removal_gradient(_loss, tight, key=0)
   w = jnp.array([0.2, -0.1, 0.3])
   state = tx.init(w)
-  update = _compiled_update(tx)
-  out, state = update(state, w, _users(K, spread=3.0))
+  out, state = tx.update(None, state, w, batch=_users(K, spread=3.0))
   assert bool(state.halted)
   np.testing.assert_array_equal(out, 0.0)
   # Later batches that would pass release nothing either.
   same = clipping.UserBatch(jax.tree.map(lambda a: np.repeat(a[:1], K, 0),
                                          _users(K).items))
-  out, state = update(state, w, same)
+  out, state = tx.update(None, state, w, batch=same)
   np.testing.assert_array_equal(out, 0.0)
 
 
@@ -164,9 +136,9 @@ def test_without_noise_it_is_the_plain_mean_of_user_gradients():
   tx = ul.outlier_removal_gradient(_loss, quiet, key=2)
   w = jnp.array([0.3, -0.2, 0.1])
   users = _users(K)
-  out, _ = _compiled_update(tx)(tx.init(w), w, users)
-  np.testing.assert_allclose(out, jax.jit(_plain_mean_gradient)(users, w),
-                             rtol=1e-5, atol=1e-7)
+  out, _ = tx.update(None, tx.init(w), w, batch=users)
+  np.testing.assert_allclose(out, _plain_mean_gradient(users, w), rtol=1e-5,
+                             atol=1e-7)
 
 
 @pytest.mark.parametrize('replacement', ['huge', 'nan', 'inf'])
@@ -178,7 +150,8 @@ def test_one_replaced_user_moves_the_release_by_at_most_the_sensitivity(
   items['x'][5] = {'huge': 1e6, 'nan': np.nan, 'inf': np.inf}[replacement]
   releases = []
   for batch in (users, clipping.UserBatch(items)):
-    out, state = _release_with_key_3()(w, batch)
+    tx = ul.outlier_removal_gradient(_loss, _cal(), key=jax.random.key(3))
+    out, state = tx.update(None, tx.init(w), w, batch=batch)
     assert not bool(state.halted)
     releases.append(np.asarray(out))
   assert np.all(np.isfinite(releases[1]))
@@ -190,7 +163,7 @@ def test_eight_devices_equal_one():
   w = jnp.array([0.3, -0.2, 0.1])
   users = _users(K, spread=0.2)
   single = ul.outlier_removal_gradient(_loss, _cal(), key=jax.random.key(6))
-  expected, _ = _compiled_update(single)(single.init(w), w, users)
+  expected, _ = single.update(None, single.init(w), w, batch=users)
   sharded = ul.outlier_removal_gradient(_loss, _cal(), key=jax.random.key(6),
                                         axis_name='devices')
 
@@ -201,7 +174,7 @@ def test_eight_devices_equal_one():
 
   items = jax.tree.map(lambda a: a.reshape((8, K // 8) + a.shape[1:]),
                        users.items)
-  outs, halted = jax.jit(jax.vmap(on_device, axis_name='devices'))(items)
+  outs, halted = jax.vmap(on_device, axis_name='devices')(items)
   assert not np.any(halted)
   for device in range(8):
     np.testing.assert_allclose(outs[device], expected, rtol=1e-5, atol=1e-6)
@@ -213,11 +186,12 @@ def test_smoothing_evaluates_each_item_at_a_perturbed_point():
   absolute = lambda w, item: jnp.abs(w[0] - item['z'])
   users = clipping.UserBatch({'z': np.zeros((K, 4), np.float32)})
   w = jnp.array([0.005])
-  unsmoothed = ul.outlier_removal_gradient(absolute, quiet, key=4)
-  plain, _ = _compiled_update(unsmoothed)(unsmoothed.init(w), w, users)
+  plain, _ = ul.outlier_removal_gradient(absolute, quiet, key=4).update(
+      None, ul.outlier_removal_gradient(absolute, quiet, key=4).init(w), w,
+      batch=users)
   tx = ul.outlier_removal_gradient(absolute, quiet, key=5,
                                    smoothing_radius=0.1)
-  smoothed, _ = _compiled_update(tx)(tx.init(w), w, users)
+  smoothed, _ = tx.update(None, tx.init(w), w, batch=users)
   assert float(plain[0]) == 1.0
   # E sign(0.005 + y), y ~ U[-0.1, 0.1]: 0.05; 2,048 draws: std 0.022.
   assert abs(float(smoothed[0]) - 0.05) < 0.09
