@@ -109,10 +109,12 @@ def test_streamed_noise_equals_their_streaming_inverse(decays, scales):
   state = mechanism.init(template, jax.random.key(0))
   gaussian = noise.gaussian(steps)
   z_state = gaussian.init(template, jax.random.key(0))
+  # Each stream compiled once (not every op eagerly at every step).
+  next_ours, next_z = jax.jit(mechanism.next), jax.jit(gaussian.next)
   ours, draws = [], []
   for _ in range(steps):
-    out, state = mechanism.next(state, template)
-    z, z_state = gaussian.next(z_state, template)
+    out, state = next_ours(state, template)
+    z, z_state = next_z(z_state, template)
     ours.append(np.ravel(out['w']))
     draws.append(np.ravel(z['w']))
   inverse = _theirs(decays, scales).inverse_as_streaming_matrix()

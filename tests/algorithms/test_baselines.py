@@ -44,14 +44,26 @@ def run(tx, params, batches, **extra):
   return params, state
 
 
-def run_sgd_reference(params, batches, learning_rate=0.1, momentum=0.9):
-  tx = optax.sgd(learning_rate, momentum=momentum)
-  state = tx.init(params)
-  mean_loss = lambda p, b: jnp.mean(jax.vmap(loss_fn, (None, 0))(p, b))
+def _mean_loss(params, batch):
+  return jnp.mean(jax.vmap(loss_fn, (None, 0))(params, batch))
+
+
+_REFERENCE_SGD = optax.sgd(0.1, momentum=0.9)
+
+
+@jax.jit
+def _reference_step(params, state, batch):
+  """One non-private momentum-SGD step on the mean loss (one program)."""
+  grads = jax.grad(_mean_loss)(params, batch)
+  updates, state = _REFERENCE_SGD.update(grads, state, params)
+  return optax.apply_updates(params, updates), state
+
+
+def run_sgd_reference(params, batches):
+  """Non-private SGD with momentum 0.9, learning rate 0.1."""
+  state = _REFERENCE_SGD.init(params)
   for batch in batches:
-    grads = jax.grad(mean_loss)(params, batch)
-    updates, state = tx.update(grads, state, params)
-    params = optax.apply_updates(params, updates)
+    params, state = _reference_step(params, state, batch)
   return params
 
 
@@ -129,9 +141,11 @@ def test_masked_padding_equals_unpadded_batch():
                 num_steps=1)
   plain = dpsco_jax.dpsgd(loss_fn, **kwargs)
   masked = dpsco_jax.dpsgd(loss_fn, **kwargs)
-  out_plain, _ = plain.update(None, plain.init(params), params, batch=batch)
-  out_masked, _ = masked.update(None, masked.init(params), params,
-                                batch=padded, batch_mask=mask)
+  # Compiled, as users run it (one program each, not hundreds of eager ops).
+  out_plain, _ = jax.jit(lambda p, b: plain.update(
+      None, plain.init(p), p, batch=b))(params, batch)
+  out_masked, _ = jax.jit(lambda p, b, m: masked.update(
+      None, masked.init(p), p, batch=b, batch_mask=m))(params, padded, mask)
   for a, b in zip(jax.tree_util.tree_leaves(out_plain),
                   jax.tree_util.tree_leaves(out_masked)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
@@ -142,8 +156,11 @@ def test_microbatching_does_not_change_the_result():
   kwargs = dict(l2_clip=0.5, noise_multiplier=0.9, key=5, num_steps=1)
   whole = dpsco_jax.dpsgd(loss_fn, **kwargs)
   pieces = dpsco_jax.dpsgd(loss_fn, microbatch_size=7, **kwargs)
-  a, _ = whole.update(None, whole.init(params), params, batch=batch)
-  b, _ = pieces.update(None, pieces.init(params), params, batch=batch)
+  # Compiled, as users run it (one program each, not hundreds of eager ops).
+  a, _ = jax.jit(lambda p, b: whole.update(None, whole.init(p), p, batch=b))(
+      params, batch)
+  b, _ = jax.jit(lambda p, b: pieces.update(None, pieces.init(p), p,
+                                            batch=b))(params, batch)
   for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
     np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
 

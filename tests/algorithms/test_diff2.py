@@ -219,16 +219,23 @@ def test_no_noise_huge_clips_is_gradient_descent():
                              rtol=1e-3, atol=1e-5)
 
 
-def test_restart_resets_the_estimator():
-  params = make_params()
-  _, batch, mask = make_clients()
+@functools.cache
+def default_estimator():
+  """`diff2_estimator` with `kwargs()` (T = 3) and its update over clients,
+  compiled once for the tests that read the estimate itself."""
   tx = diff2.diff2_estimator(
-      loss_fn, **{k: v for k, v in kwargs(restart_interval=2).items()
-                  if k != 'learning_rate'})
-  state = tx.init(params)
+      loss_fn, **{k: v for k, v in kwargs().items() if k != 'learning_rate'})
   update = jax.jit(jax.vmap(
       lambda p, s, b, m: tx.update(None, s, p, batch=b, batch_mask=m),
       in_axes=(None, None, 0, 0), out_axes=None, axis_name=AXIS))
+  return tx, update
+
+
+def test_restart_resets_the_estimator():
+  params = make_params()
+  _, batch, mask = make_clients()
+  tx, update = default_estimator()   # restarts at rounds 0 and 3
+  state = tx.init(params)
   x = params
   poison = lambda s: s._replace(estimate=jax.tree_util.tree_map(
       lambda e: e + 1e3, s.estimate))
@@ -236,7 +243,7 @@ def test_restart_resets_the_estimator():
     out, new_state = update(x, state, batch, mask)
     out_poisoned, _ = update(x, poison(state), batch, mask)
     difference = flat(out_poisoned) - flat(out)
-    if t % 2 == 0:  # restart: the old estimate must not leak in
+    if t % 3 == 0:  # restart: the old estimate must not leak in
       np.testing.assert_array_equal(difference, 0.0)
     else:           # difference round: it is the base of the recursion
       np.testing.assert_allclose(difference, 1e3, rtol=1e-4)
@@ -252,12 +259,8 @@ def test_one_changed_example_moves_the_aggregate_at_most_the_sensitivity():
   """
   params = make_params()
   _, batch, mask = make_clients()
-  args = {k: v for k, v in kwargs(restart_interval=4).items()
-          if k != 'learning_rate'}
-  tx = diff2.diff2_estimator(loss_fn, **args)
-  update = jax.jit(jax.vmap(
-      lambda p, s, b, m: tx.update(None, s, p, batch=b, batch_mask=m),
-      in_axes=(None, None, 0, 0), out_axes=None, axis_name=AXIS))
+  args = kwargs()
+  tx, update = default_estimator()   # T = 3: rounds 1 and 2 are differences
   client, row = 2, 1
   n_p, num_clients = SIZES[client], len(SIZES)
   for value in (np.nan, 1e30, 40.0):
@@ -482,17 +485,22 @@ def test_noise_scales_with_the_clip_and_the_movement():
 
 
 def test_iterate_that_does_not_move_gives_zero_increment_not_nan():
-  """lr = 0: difference rounds have C_2 ||dx|| = 0, so no 0/0 and no change."""
+  """x_t = x_{t-1}: difference rounds have C_2 ||dx|| = 0, so no 0/0, no change.
+
+  Every round is given the same params (the default step, compiled once,
+  whose iterate is fed back unchanged, as a zero learning rate would).
+  """
   params = make_params()
   _, batch, mask = make_clients()
-  tx = make_tx('gd', learning_rate=0.0, restart_interval=4)
+  tx = default_gd()
   step = vmapped(tx)
   state = tx.init(params)
   estimates = []
   for _ in range(3):  # a restart, then two difference rounds
     x, state = step(params, state, batch, mask)
     estimates.append(flat(state[0].estimate))
-    np.testing.assert_array_equal(flat(x), flat(params))
+    np.testing.assert_allclose(flat(x), flat(params) - 0.2 * estimates[-1],
+                               rtol=1e-6, atol=1e-7)
   assert np.all(np.isfinite(estimates[0])) and np.any(estimates[0] != 0)
   np.testing.assert_array_equal(estimates[1], estimates[0])
   np.testing.assert_array_equal(estimates[2], estimates[0])
@@ -501,10 +509,10 @@ def test_iterate_that_does_not_move_gives_zero_increment_not_nan():
 def test_rounds_beyond_calibration_are_refused():
   params = make_params()
   _, batch, mask = make_clients()
-  tx = make_tx('gd', num_rounds=2)
+  tx = default_gd()   # calibrated for 7 rounds
   step = vmapped(tx)
   state = tx.init(params)
-  for _ in range(2):
+  for _ in range(7):
     params, state = step(params, state, batch, mask)
   with pytest.raises(REFUSED, match='capacity'):
     dpsco_jax.raise_if_refused(step(params, state, batch, mask))

@@ -88,18 +88,21 @@ def test_noise_is_clip_over_batch_times_inverse_strategy_times_z():
                         strategy=strategy(), steps_per_epoch=STEPS_PER_EPOCH,
                         num_examples=NUM_EXAMPLES, key=11)
   state = tx.init(params)
+  # Compiled, as users run it: one program, not every op eagerly per step.
+  update = jax.jit(lambda state, batch, ids: tx.update(
+      None, state, params, batch=batch, example_ids=ids))
   outputs = []
   for indices in order:
     batch = jax.tree_util.tree_map(lambda x, i=indices: x[i], data)
-    updates, state = tx.update(None, state, params, batch=batch,
-                               example_ids=indices)
+    updates, state = update(state, batch, jnp.asarray(indices))
     outputs.append(np.concatenate(
         [np.ravel(u) for u in jax.tree_util.tree_leaves(updates)]))
   gaussian = noise.gaussian(NUM_STEPS)
   noise_state = gaussian.init(params, jax.random.key(11))
+  next_noise = jax.jit(gaussian.next)
   draws = []
   for _ in range(NUM_STEPS):
-    z, noise_state = gaussian.next(noise_state, params)
+    z, noise_state = next_noise(noise_state, params)
     draws.append(np.concatenate(
         [np.ravel(leaf) for leaf in jax.tree_util.tree_leaves(z)]))
   explicit = scipy.linalg.solve_triangular(strategy(), np.stack(draws),

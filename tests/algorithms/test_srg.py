@@ -5,6 +5,7 @@ unnormalized prefix sums, the exponential weights, the coupled z/y/x
 sequences), sharing no code path with the library's normalized recursions.
 """
 
+import functools
 import math
 import warnings
 
@@ -70,6 +71,12 @@ def feed(tx, iterates, batches, **extra):
   return outputs, states
 
 
+def compiled_update(tx):
+  """`tx.update(None, state, params, batch=batch)` as one compiled program
+  (not every op eagerly at every step); the same outputs."""
+  return jax.jit(lambda s, p, b: tx.update(None, s, p, batch=b))
+
+
 # ----------------------------------------------------------------- Alg 1 SRG
 
 
@@ -127,6 +134,16 @@ def test_matrix_factorization_prefix_noise_plugs_in():
         atol=1e-7)
 
 
+@functools.cache
+def masked_srg_step(num_steps, clip_norm):
+  """`srg_gradient` (key 11, z = 2) and its masked update, compiled once:
+  every neighbouring data set below runs the same program."""
+  tx = srg.srg_gradient(loss_fn, l2_clip=clip_norm, noise_multiplier=2.0,
+                        num_steps=num_steps, key=11, normalize_by=BATCH)
+  return tx, jax.jit(lambda s, p, b, m: tx.update(None, s, p, batch=b,
+                                                  batch_mask=m))
+
+
 @pytest.mark.parametrize('change', ['remove', 'nan', 'huge', 'other'])
 def test_one_changed_example_changes_exactly_one_delta(change):
   """Sensitivity on the real code path: same key, neighbouring data sets."""
@@ -145,14 +162,13 @@ def test_one_changed_example_changes_exactly_one_delta(change):
     neighbour[changed_step] = dict(
         batches[changed_step], x=x.at[changed_row].set(value))
     bound = 2 * clip_norm / BATCH
-  tx = srg.srg_gradient(loss_fn, l2_clip=clip_norm, noise_multiplier=2.0,
-                        num_steps=num_steps, key=11, normalize_by=BATCH)
+  tx, update = masked_srg_step(num_steps, clip_norm)
 
   def released(data, masks):
     state = tx.init(iterates[0])
     outs = []
     for params, batch, m in zip(iterates, data, masks):
-      out, state = tx.update(None, state, params, batch=batch, batch_mask=m)
+      out, state = update(state, params, batch, m)
       outs.append(flat(out))
     return outs
 
@@ -286,9 +302,9 @@ def test_independent_gradient_variant_matches_the_coupling_reference():
   tx = srg.accelerated_dp_srgd(loss_fn, l2_clip=1e9, noise_multiplier=0.0,
                                num_steps=num_steps, beta=beta, radius=radius,
                                key=0, gradient='independent')
-  state = tx.init(params)
+  state, update = tx.init(params), compiled_update(tx)
   for batch in batches:
-    updates, state = tx.update(None, state, params, batch=batch)
+    updates, state = update(state, params, batch)
     params = optax.apply_updates(params, updates)
   template = jax.tree_util.tree_structure(params)
   shapes = [np.shape(l) for l in jax.tree_util.tree_leaves(params)]
@@ -324,9 +340,9 @@ def test_z_and_y_share_one_noise_draw():
   tx = srg.accelerated_dp_srgd(loss_fn, l2_clip=1.0, noise_multiplier=50.0,
                                num_steps=num_steps, beta=beta, radius=None,
                                key=9)
-  state = tx.init(params)
+  state, update = tx.init(params), compiled_update(tx)
   for t, batch in enumerate(batches):
-    updates, new_state = tx.update(None, state, params, batch=batch)
+    updates, new_state = update(state, params, batch)
     via_z = (flat(state.z) - flat(new_state.z)) / (t + 1)
     via_y = flat(params) - flat(new_state.y)
     np.testing.assert_allclose(via_z, via_y, rtol=1e-4, atol=1e-5)
@@ -344,9 +360,9 @@ def test_projection_uses_the_global_norm_after_the_noise():
   tx = srg.accelerated_dp_srgd(loss_fn, l2_clip=1.0, noise_multiplier=100.0,
                                num_steps=num_steps, beta=1.0, radius=radius,
                                key=5)
-  state = tx.init(params)
+  state, update = tx.init(params), compiled_update(tx)
   for batch in batches:
-    updates, state = tx.update(None, state, params, batch=batch)
+    updates, state = update(state, params, batch)
     params = optax.apply_updates(params, updates)
     for point in (state.y, state.z, params):
       assert np.linalg.norm(flat(point)) <= radius * (1 + 1e-5)
@@ -366,12 +382,13 @@ def test_unaccelerated_srg_is_projected_sgd_on_the_srg_estimate():
                                 noise_multiplier=1.5, num_steps=num_steps,
                                 beta=beta, radius=radius, key=2)
   state, srg_state = tx.init(params), srg_tx.init(params)
+  update, srg_update = compiled_update(tx), compiled_update(srg_tx)
   for batch in batches:
-    estimate, srg_state = srg_tx.update(None, srg_state, params, batch=batch)
+    estimate, srg_state = srg_update(srg_state, params, batch)
     expected = srg.project_l2_ball(
         jax.tree_util.tree_map(lambda p, g: p - g / beta, params, estimate),
         radius)
-    updates, state = tx.update(None, state, params, batch=batch)
+    updates, state = update(state, params, batch)
     params = optax.apply_updates(params, updates)
     np.testing.assert_allclose(flat(params), flat(expected), rtol=1e-5,
                                atol=1e-6)
