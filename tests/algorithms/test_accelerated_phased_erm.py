@@ -2,7 +2,8 @@
 
 The aggregator's own proof is tested in tests/test_outlier_removal.py; here:
 AboveThreshold draws its threshold noise once per phase and halts for good;
-steps past the calibration are refused; one replaced user (huge, NaN, Inf)
+steps past the calibration are refused; one replaced user (huge, NaN, Inf,
+or with a gradient of norm 1e3)
 moves a released gradient by at most the sensitivity under the same key;
 without noise the oracle is the plain mean of user gradients; AC-SA meets
 its deterministic rate; the driver uses disjoint users and counts its work.
@@ -141,13 +142,22 @@ def test_without_noise_it_is_the_plain_mean_of_user_gradients():
                              atol=1e-7)
 
 
-@pytest.mark.parametrize('replacement', ['huge', 'nan', 'inf'])
+@pytest.mark.parametrize('replacement',
+                         ['huge', 'nan', 'inf', 'huge_gradient'])
 def test_one_replaced_user_moves_the_release_by_at_most_the_sensitivity(
     replacement):
   w = jnp.array([0.3, -0.2, 0.1])
   users = _users(K, spread=0.2)
   items = jax.tree.map(np.array, users.items)
-  items['x'][5] = {'huge': 1e6, 'nan': np.nan, 'inf': np.inf}[replacement]
+  if replacement == 'huge_gradient':
+    # x = 1e6 saturates the logistic loss (a zero gradient); this user's
+    # examples point against their labels instead, so its mean gradient
+    # has norm ~1e3: without the outlier removal it alone would move the
+    # mean by ~2, far past the sensitivity.
+    direction = np.asarray(w) / np.linalg.norm(w)
+    items['x'][5] = -1e3 * items['y'][5][:, None] * direction
+  else:
+    items['x'][5] = {'huge': 1e6, 'nan': np.nan, 'inf': np.inf}[replacement]
   releases = []
   for batch in (users, clipping.UserBatch(items)):
     tx = ul.outlier_removal_gradient(_loss, _cal(), key=jax.random.key(3))
