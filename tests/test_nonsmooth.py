@@ -411,14 +411,21 @@ def test_the_noise_is_scaled_to_the_larger_increment_sensitivity():
         shape, nonsmooth.Relation.REPLACE_ONE)) == pytest.approx(expected)
 
 
+@functools.lru_cache(maxsize=None)
+def noisy_oracle():
+  """A noisy oracle (3 steps accounted, an anchor every 2nd) and its
+  compiled step raising its refusals, shared by the refusal tests below."""
+  tx = make_oracle(noise_multiplier=1.0, period=2, num_steps=3)
+  return tx, guards.library_errors(jax.jit(
+      lambda p, s, b: tx.update(None, s, p, batch=b)))
+
+
 def test_steps_past_the_calibrated_number_are_refused():
   data = make_data()
-  tx = make_oracle(noise_multiplier=1.0, period=2, num_steps=3)
+  tx, step = noisy_oracle()
   batches = batches_for(data, 2, 4)
   points = query_points(4)
   state = tx.init(points[0])
-  step = guards.library_errors(jax.jit(
-      lambda p, s, b: tx.update(None, s, p, batch=b)))
   for t in range(3):
     _, state = step(points[t], state, batches[t])
   with pytest.raises(ValueError, match='past|capacity|steps'):
@@ -426,12 +433,13 @@ def test_steps_past_the_calibrated_number_are_refused():
 
 
 def test_a_batch_of_the_wrong_size_is_refused():
+  # A difference-sized batch (4) at the anchor step (accounted for 8).
   data = make_data()
-  tx = make_oracle(noise_multiplier=1.0)
+  tx, step = noisy_oracle()
   params = zero_params()
   state = tx.init(params)
   with pytest.raises(guards.PrivacyGuardError, match='accounted for 8'):
-    tx.update(None, state, params, batch=slice_rows(data, 0, 4))
+    step(params, state, slice_rows(data, 0, 4))
 
 
 def test_bad_input_is_a_clear_error():
@@ -638,11 +646,14 @@ def test_proposition_2_6_step_comes_from_the_calibrated_noise():
   # A given number is used as given.
   given, _ = default_single_pass()  # learning_rate=0.05
   assert given.hyperparameters['learning_rate'] == 0.05
+  # Given noise multipliers (the calibrated ones are
+  # test_multi_pass_plan_composes_anchor_and_difference_gaussians'): G_0
+  # comes from whichever z the plan runs with.
   multi = plans.nonsmooth_multi_pass(
       robust_loss, order='first', num_examples=32, num_steps=8, dimension=5,
       lipschitz=1.0, smoothing_radius=0.1, movement_radius=0.01,
       learning_rate='proposition_2_6', block_length=2, period=4,
-      num_directions=2, epsilon=3.0, delta=1e-6)
+      num_directions=2, noise_multipliers=(2.0, 3.0), delta=1e-6)
   z, mclips = multi.noise_multiplier, multi.hyperparameters['clips']
   multi_noise = 2 * max(z.restart * mclips['anchor'],
                         z.difference * mclips['difference']) / 32 * math.sqrt(5)
