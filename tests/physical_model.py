@@ -38,4 +38,5 @@ def _data():
 
 
 DATA = _data()
-PARAMS = MODEL.init(jax.random.key(0), DATA['x'][0])['params']
+# One compiled init, not one eager program per initializer op.
+PARAMS = jax.jit(MODEL.init)(jax.random.key(0), DATA['x'][0])['params']

@@ -58,34 +58,42 @@ def test_o2nc_with_the_exact_gradient_meets_proposition_2_6():
   # eta = D / (G_1 sqrt(M)), and the blocks approach the stationary point.
   a = jnp.array([[3.0, 0.5], [0.5, 1.0]])
   objective = lambda p: 0.5 * p['x'] @ a @ p['x'] - jnp.sum(p['x'])
-  gradient_norm = lambda p: float(jnp.linalg.norm(jax.grad(objective)(p)['x']))
+  gradient_norm = lambda p: jnp.linalg.norm(jax.grad(objective)(p)['x'])
   radius, block, steps = 0.005, 40, 3000
   g1 = math.sqrt(2.0)  # ||grad f|| at the start, the largest on the path
   tx = optax.chain(exact_gradient(objective), nonsmooth.o2nc(
       learning_rate=radius / (g1 * math.sqrt(block)), movement_radius=radius,
       block_length=block, key=0))
-  params = {'x': jnp.zeros(2)}
-  state = tx.init(params)
-  step = jax.jit(lambda p, s: tx.update(None, s, p))
-  block_norms, largest = [], 0.0
-  for t in range(steps):
-    largest = max(largest, gradient_norm(params))
-    updates, state = step(params, state)
-    # ||z_{t+1} - z_t|| <= 2D and ||Delta|| <= D at every step.
-    assert float(optax.tree.norm(updates)) <= 2 * radius * (1 + 1e-5)
-    assert float(optax.tree.norm(state[1].delta)) <= radius * (1 + 1e-5)
-    params = optax.apply_updates(params, updates)
-    if (t + 1) % block == 0:
-      block_norms.append(gradient_norm(state[1].last_block))
-  assert largest == pytest.approx(g1, rel=1e-5)
+
+  def step(carry, _):
+    # One O2NC step and what the assertions read of it (the whole run is
+    # one compiled scan, not 3,000 dispatches and eager norms).
+    params, state = carry
+    updates, state = tx.update(None, state, params)
+    seen = (gradient_norm(params), optax.tree.norm(updates),
+            optax.tree.norm(state[1].delta), gradient_norm(state[1].last_block))
+    return (optax.apply_updates(params, updates), state), seen
+
+  @jax.jit
+  def run(params):
+    return jax.lax.scan(step, (params, tx.init(params)), length=steps)
+
+  (_, state), seen = run({'x': jnp.zeros(2)})
+  query_norms, update_norms, delta_norms, last_block_norms = map(np.asarray,
+                                                                  seen)
+  # ||z_{t+1} - z_t|| <= 2D and ||Delta|| <= D at every step.
+  assert np.all(update_norms <= 2 * radius * (1 + 1e-5))
+  assert np.all(delta_norms <= radius * (1 + 1e-5))
+  block_norms = last_block_norms[block - 1::block]  # read as blocks complete
+  assert query_norms.max() == pytest.approx(g1, rel=1e-5)
   gap = -float(objective({'x': jnp.linalg.solve(a, jnp.ones(2))}))
   bound = gap / (radius * steps) + 1.5 * g1 / math.sqrt(block)
   assert np.mean(block_norms) <= bound
   assert block_norms[-1] < 0.2 * g1
   assert len(block_norms) == steps // block == int(state[1].num_blocks)
   np.testing.assert_allclose(
-      gradient_norm(nonsmooth.o2nc_output(state, 'last')), block_norms[-1],
-      rtol=1e-6)
+      float(gradient_norm(nonsmooth.o2nc_output(state, 'last'))),
+      block_norms[-1], rtol=1e-6)
 
 
 def test_o2nc_first_query_point_is_the_start_and_output_needs_a_block():
@@ -104,26 +112,30 @@ def test_o2nc_first_query_point_is_the_start_and_output_needs_a_block():
 
 def test_o2nc_output_is_a_uniform_block_average():
   # Constant gradient: z moves along one line; count how often each of the
-  # 4 block averages is the output over many keys.
-  chosen = []
-  for seed in range(400):
-    tx = nonsmooth.o2nc(learning_rate=1.0, movement_radius=1.0,
-                        block_length=2, key=seed)
+  # 4 block averages is the output over many keys. The key lives in the
+  # state (o2nc(key=seed) stores jax.random.key(seed) there), so the 400
+  # runs are one compiled program vmapped over the keys.
+  tx = nonsmooth.o2nc(learning_rate=1.0, movement_radius=1.0, block_length=2,
+                      key=0)
+
+  @jax.jit
+  @jax.vmap
+  def run(key):
     params = {'x': jnp.zeros(1)}
-    state = tx.init(params)
-    averages = []
-    block = []
+    state = tx.init(params)._replace(key=key)
+    points = []
     for _ in range(8):
-      block.append(float(params['x'][0]))
+      points.append(params['x'][0])
       updates, state = tx.update({'x': -jnp.ones(1)}, state, params)
       params = optax.apply_updates(params, updates)
-      if len(block) == 2:
-        averages.append(sum(block) / 2)
-        block = []
-    out = float(nonsmooth.o2nc_output(state)['x'][0])
-    chosen.append(int(np.argmin(np.abs(np.array(averages) - out))))
-    assert min(abs(np.array(averages) - out)) < 1e-5
-  counts = np.bincount(chosen, minlength=4)
+    return jnp.stack(points), nonsmooth.o2nc_output(state)['x'][0]
+
+  points, outputs = map(np.asarray, run(jax.vmap(jax.random.key)(
+      jnp.arange(400))))
+  averages = points.reshape(400, 4, 2).mean(axis=2)
+  distances = np.abs(averages - outputs[:, None])
+  assert np.all(distances.min(axis=1) < 1e-5)
+  counts = np.bincount(np.argmin(distances, axis=1), minlength=4)
   # 100 expected each; 5 standard deviations is about 43.
   assert np.all(np.abs(counts - 100) < 43), counts
 
@@ -172,9 +184,11 @@ def test_sphere_and_ball_samplers():
   key = jax.random.key(0)
   y = smoothing.sphere_direction(key, like)
   assert abs(float(optax.tree.norm(y)) - 1.0) < 1e-6
-  points = jax.vmap(lambda k: jnp.concatenate([
+  # One compiled program for the 20,000 draws (an unjitted vmap runs, and
+  # compiles, op by op).
+  points = jax.jit(jax.vmap(lambda k: jnp.concatenate([
       v.ravel() for v in jax.tree_util.tree_leaves(
-          smoothing.ball_point(k, like, 2.0))]))(jax.random.split(key, 20_000))
+          smoothing.ball_point(k, like, 2.0))])))(jax.random.split(key, 20_000))
   norms = np.linalg.norm(np.asarray(points), axis=1)
   assert norms.max() <= 2.0 + 1e-5
   # E[u u^T] = a^2 / (d + 2) I for the ball of radius a in d = 17.
@@ -216,8 +230,8 @@ def test_the_concentration_radius_holds_empirically():
   x = jnp.ones(d) / math.sqrt(d)
   loss = lambda p, e: jnp.abs(p['w'] @ x)
   w = {'w': jnp.full((d,), 3.0)}  # far from the kink: grad f_a = x exactly
-  estimates = jax.vmap(lambda k: smoothing.zero_order_estimate(
-      loss, w, 0.0, k, radius=0.1, num_directions=m)['w'])(
+  estimates = jax.jit(jax.vmap(lambda k: smoothing.zero_order_estimate(
+      loss, w, 0.0, k, radius=0.1, num_directions=m)['w']))(
           jax.random.split(jax.random.key(0), 2000))
   deviations = np.linalg.norm(np.asarray(estimates) - np.asarray(x), axis=1)
   radius = smoothing.concentration_radius((d + 1) * 1.0, m, 0.01)
@@ -397,14 +411,21 @@ def test_the_noise_is_scaled_to_the_larger_increment_sensitivity():
         shape, nonsmooth.Relation.REPLACE_ONE)) == pytest.approx(expected)
 
 
+@functools.lru_cache(maxsize=None)
+def noisy_oracle():
+  """A noisy oracle (3 steps accounted, an anchor every 2nd) and its
+  compiled step raising its refusals, shared by the refusal tests below."""
+  tx = make_oracle(noise_multiplier=1.0, period=2, num_steps=3)
+  return tx, guards.library_errors(jax.jit(
+      lambda p, s, b: tx.update(None, s, p, batch=b)))
+
+
 def test_steps_past_the_calibrated_number_are_refused():
   data = make_data()
-  tx = make_oracle(noise_multiplier=1.0, period=2, num_steps=3)
+  tx, step = noisy_oracle()
   batches = batches_for(data, 2, 4)
   points = query_points(4)
   state = tx.init(points[0])
-  step = guards.library_errors(jax.jit(
-      lambda p, s, b: tx.update(None, s, p, batch=b)))
   for t in range(3):
     _, state = step(points[t], state, batches[t])
   with pytest.raises(ValueError, match='past|capacity|steps'):
@@ -412,12 +433,13 @@ def test_steps_past_the_calibrated_number_are_refused():
 
 
 def test_a_batch_of_the_wrong_size_is_refused():
+  # A difference-sized batch (4) at the anchor step (accounted for 8).
   data = make_data()
-  tx = make_oracle(noise_multiplier=1.0)
+  tx, step = noisy_oracle()
   params = zero_params()
   state = tx.init(params)
   with pytest.raises(guards.PrivacyGuardError, match='accounted for 8'):
-    tx.update(None, state, params, batch=slice_rows(data, 0, 4))
+    step(params, state, slice_rows(data, 0, 4))
 
 
 def test_bad_input_is_a_clear_error():
@@ -467,8 +489,17 @@ def single_pass_plan(**overrides):
   return plans.nonsmooth_single_pass(robust_loss, **args)
 
 
-def test_single_pass_plan_runs_once_over_the_data_and_meets_its_target():
+@functools.lru_cache(maxsize=None)
+def default_single_pass():
+  """`single_pass_plan()` and its compiled step, shared by the tests below
+  (one calibration, one compile per batch shape)."""
   plan = single_pass_plan()
+  return plan, jax.jit(
+      lambda p, s, i: plan.transformation.update(None, s, p, **i))
+
+
+def test_single_pass_plan_runs_once_over_the_data_and_meets_its_target():
+  plan, step = default_single_pass()
   sampler = plan.batches
   assert plan.num_steps == sampler.num_steps
   assert sampler.examples_used(plan.num_steps) <= 400
@@ -483,7 +514,6 @@ def test_single_pass_plan_runs_once_over_the_data_and_meets_its_target():
   data = make_data(400, 4)
   params = zero_params()
   state = plan.init(params)
-  step = jax.jit(lambda p, s, i: plan.transformation.update(None, s, p, **i))
   for inputs in plan.batches_of(data):
     updates, state = step(params, state, inputs)
     params = optax.apply_updates(params, updates)
@@ -492,13 +522,12 @@ def test_single_pass_plan_runs_once_over_the_data_and_meets_its_target():
 
 
 def test_single_pass_plan_refuses_a_reused_example():
-  plan = single_pass_plan()
+  plan, compiled = default_single_pass()
   data = make_data(400, 4)
   params = zero_params()
   state = plan.init(params)
   inputs = list(plan.batches_of(data))
-  step = guards.library_errors(jax.jit(
-      lambda p, s, i: plan.transformation.update(None, s, p, **i)))
+  step = guards.library_errors(compiled)
   _, state = step(params, state, inputs[0])
   reused = dict(inputs[1])
   reused['example_ids'] = np.concatenate([inputs[0]['example_ids'][:1],
@@ -615,13 +644,16 @@ def test_proposition_2_6_step_comes_from_the_calibrated_noise():
   assert hyper['learning_rate'] == pytest.approx(
       3.0 * 0.01 / ((1.0 + noise) * math.sqrt(4)))
   # A given number is used as given.
-  given = single_pass_plan(learning_rate=0.05)
+  given, _ = default_single_pass()  # learning_rate=0.05
   assert given.hyperparameters['learning_rate'] == 0.05
+  # Given noise multipliers (the calibrated ones are
+  # test_multi_pass_plan_composes_anchor_and_difference_gaussians'): G_0
+  # comes from whichever z the plan runs with.
   multi = plans.nonsmooth_multi_pass(
       robust_loss, order='first', num_examples=32, num_steps=8, dimension=5,
       lipschitz=1.0, smoothing_radius=0.1, movement_radius=0.01,
       learning_rate='proposition_2_6', block_length=2, period=4,
-      num_directions=2, epsilon=3.0, delta=1e-6)
+      num_directions=2, noise_multipliers=(2.0, 3.0), delta=1e-6)
   z, mclips = multi.noise_multiplier, multi.hyperparameters['clips']
   multi_noise = 2 * max(z.restart * mclips['anchor'],
                         z.difference * mclips['difference']) / 32 * math.sqrt(5)

@@ -33,13 +33,15 @@ def loss_fn(params, example):
 
 
 def make_data(seed=0):
+  # Host (numpy) arrays: the tests reshape and broadcast them on the host,
+  # and the compiled steps take them as they are.
   rng = np.random.default_rng(seed)
   batches = [{
-      'x': jnp.asarray(rng.normal(size=(GLOBAL_BATCH, 12)), jnp.float32),
-      'y': jnp.asarray(rng.integers(0, 4, GLOBAL_BATCH), jnp.int32),
+      'x': rng.normal(size=(GLOBAL_BATCH, 12)).astype(np.float32),
+      'y': rng.integers(0, 4, GLOBAL_BATCH).astype(np.int32),
   } for _ in range(NUM_STEPS)]
-  params = {'w': jnp.asarray(rng.normal(size=(12, 4)) * 0.1, jnp.float32),
-            'b': jnp.zeros((4,), jnp.float32)}
+  params = {'w': (rng.normal(size=(12, 4)) * 0.1).astype(np.float32),
+            'b': np.zeros((4,), np.float32)}
   return params, batches
 
 
@@ -117,18 +119,22 @@ def single_device_run(algorithm):
 
 
 def replicate(tree):
+  # On the host: an eager jnp.broadcast_to would compile a program per
+  # leaf shape.
   def one(x):
     if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-      data = jax.random.key_data(x)
+      data = np.asarray(jax.random.key_data(x))
       return jax.random.wrap_key_data(
-          jnp.broadcast_to(data, (NUM_DEVICES,) + data.shape))
-    return jnp.broadcast_to(x, (NUM_DEVICES,) + x.shape)
+          np.broadcast_to(data, (NUM_DEVICES,) + data.shape),
+          impl=jax.random.key_impl(x))
+    x = np.asarray(x)
+    return np.broadcast_to(x, (NUM_DEVICES,) + x.shape)
   return jax.tree_util.tree_map(one, tree)
 
 
 def shard_batch(batch):
   return jax.tree_util.tree_map(
-      lambda x: x.reshape((NUM_DEVICES, -1) + x.shape[1:]), batch)
+      lambda x: np.reshape(x, (NUM_DEVICES, -1) + x.shape[1:]), batch)
 
 
 def run_pmap(algorithm, params, batches):
@@ -140,7 +146,8 @@ def run_pmap(algorithm, params, batches):
     params, state = step(params, state, shard_batch(batch))
   for leaf in jax.tree_util.tree_leaves(params):
     # Every replica holds the same params: the noise was drawn once.
-    np.testing.assert_array_equal(leaf, jnp.broadcast_to(leaf[0], leaf.shape))
+    leaf = np.asarray(leaf)
+    np.testing.assert_array_equal(leaf, np.broadcast_to(leaf[0], leaf.shape))
   return jax.tree_util.tree_map(lambda leaf: leaf[0], params)
 
 
@@ -177,7 +184,7 @@ def test_eight_devices_equal_one_device(runner, algorithm):
                                      jax.tree_util.tree_leaves(multi)):
     np.testing.assert_allclose(leaf_multi, leaf_single, rtol=1e-5, atol=1e-6)
   # The run moved the params: the comparison is not between two no-ops.
-  assert float(jnp.max(jnp.abs(single['w'] - params['w']))) > 1e-2
+  assert np.max(np.abs(np.asarray(single['w']) - params['w'])) > 1e-2
 
 
 def test_shard_map_per_example_gradients_stay_on_their_device():

@@ -43,7 +43,7 @@ def setup():
   rng = np.random.default_rng(1)
   batch = {'x': jnp.asarray(rng.normal(size=(16, 4)) * 3, jnp.float32),
            'y': jnp.asarray(rng.integers(0, 3, 16), jnp.int32)}
-  params = Model().init(jax.random.key(0), batch['x'][0])
+  params = jax.jit(Model().init)(jax.random.key(0), batch['x'][0])
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ('d',))
   return params, batch, mesh
 
@@ -71,7 +71,10 @@ def test_a_dpsgd_step_over_closed_over_params_equals_one_device(setup):
       mechanism=noise.gaussian(2), key=0, normalize_by=16,
       clipping_method='vmap', axis_name=axis)
   tx_one, tx_sharded = build(None), build('d')
-  expected, _ = tx_one.update(None, tx_one.init(params), params, batch=batch)
+  # The one-device reference compiled whole (eagerly, every op of the
+  # update would compile a program of its own).
+  expected, _ = jax.jit(lambda s: tx_one.update(None, s, params, batch=batch))(
+      tx_one.init(params))
   step = jax.jit(jax.shard_map(
       lambda s, b: tx_sharded.update(None, s, params, batch=b)[0],
       mesh=mesh, in_specs=(P(), P('d')), out_specs=P()))
