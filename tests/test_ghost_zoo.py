@@ -62,9 +62,10 @@ def _shifted(params, seed=0):
   """A nearby previous point for the gradient difference."""
   leaves, treedef = jax.tree_util.tree_flatten(params)
   rng = np.random.default_rng(seed)
+  # numpy: eager jnp arithmetic would compile a program per leaf shape.
   return jax.tree_util.tree_unflatten(treedef, [
-      leaf + jnp.asarray(rng.normal(size=leaf.shape) * 0.05, leaf.dtype)
-      for leaf in leaves])
+      np.asarray(leaf) + (rng.normal(size=leaf.shape) * 0.05).astype(
+          leaf.dtype) for leaf in leaves])
 
 
 def _statistic(kind, loss_fn, method):
@@ -80,8 +81,12 @@ def _arguments(kind, params, batch):
     return batch, (params,)
   if kind == 'difference':
     return batch, (params, _shifted(params), 1.5, 1.0)
+  # numpy where it can (key arrays stay jax arrays): eager jnp reshapes
+  # would compile a program per leaf shape.
+  host = lambda x: x if jax.dtypes.issubdtype(
+      x.dtype, jax.dtypes.prng_key) else np.asarray(x)
   users = jax.tree_util.tree_map(
-      lambda x: x.reshape((USERS, ITEMS) + x.shape[1:]), batch)
+      lambda x: host(x).reshape((USERS, ITEMS) + x.shape[1:]), batch)
   return users, (params,)
 
 
