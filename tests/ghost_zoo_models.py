@@ -60,6 +60,15 @@ def _next_token(logits, labels, weights=None):
   return jnp.sum(losses * weights) / jnp.maximum(jnp.sum(weights), 1.0)
 
 
+def _built(module_class: type[nnx.Module]) -> nnx.Module:
+  """`module_class(nnx.Rngs(0))`, its initializers run as ONE program.
+
+  Built eagerly, every initializer of every layer shape would compile a
+  program of its own.
+  """
+  return nnx.jit(lambda: module_class(nnx.Rngs(0)))()
+
+
 def _nnx_loss(model: nnx.Module, forward: Callable[[Any, Any], jax.Array],
               wrt: Any = nnx.Param):
   """`(loss_fn, params)` for an nnx model: params are its `wrt` state.
@@ -252,7 +261,7 @@ class _Mlp(nnx.Module):
 def mlp_nnx():
   rng = _rng(9)
   loss_fn, params = _nnx_loss(
-      _Mlp(nnx.Rngs(0)), lambda m, ex: _classify(m(ex['x'][None]), ex['y']))
+      _built(_Mlp), lambda m, ex: _classify(m(ex['x'][None]), ex['y']))
   return loss_fn, params, _vectors(rng)
 
 
@@ -267,7 +276,8 @@ def mlp_linen():
 
   model = Mlp()
   batch = _vectors(rng)
-  params = model.init(jax.random.key(0), batch['x'][:1])['params']
+  # One compiled init (an eager one compiles a program per operation).
+  params = jax.jit(model.init)(jax.random.key(0), batch['x'][:1])['params']
 
   def loss_fn(p, ex):
     return _classify(model.apply({'params': p}, ex['x'][None]), ex['y'])
@@ -292,7 +302,7 @@ class _Cnn(nnx.Module):
 def cnn_groupnorm_nnx():
   rng = _rng(11)
   loss_fn, params = _nnx_loss(
-      _Cnn(nnx.Rngs(0)), lambda m, ex: _classify(m(ex['x'][None]), ex['y']))
+      _built(_Cnn), lambda m, ex: _classify(m(ex['x'][None]), ex['y']))
   return loss_fn, params, _images(rng)
 
 
@@ -314,7 +324,7 @@ class _Residual(nnx.Module):
 def residual_block_nnx():
   rng = _rng(12)
   loss_fn, params = _nnx_loss(
-      _Residual(nnx.Rngs(0)),
+      _built(_Residual),
       lambda m, ex: _classify(m(ex['x'][None]), ex['y']))
   return loss_fn, params, _vectors(rng)
 
@@ -347,7 +357,7 @@ class _Vit(nnx.Module):
 def vit_nnx():
   rng = _rng(13)
   loss_fn, params = _nnx_loss(
-      _Vit(nnx.Rngs(0)), lambda m, ex: _classify(m(ex['x'][None]), ex['y']))
+      _built(_Vit), lambda m, ex: _classify(m(ex['x'][None]), ex['y']))
   return loss_fn, params, _images(rng)
 
 
@@ -381,7 +391,7 @@ def decoder_lm_nnx_mask_closed_over():
     logits = m(ex['tokens'][None], _NNX_CAUSAL)[0]       # (T, V)
     return _next_token(logits, ex['labels'])
 
-  loss_fn, params = _nnx_loss(_Decoder(nnx.Rngs(0)), forward)
+  loss_fn, params = _nnx_loss(_built(_Decoder), forward)
   return loss_fn, params, _tokens(rng)
 
 
@@ -399,7 +409,7 @@ class _RmsMlp(nnx.Module):
 def rmsnorm_nnx():
   rng = _rng(15)
   loss_fn, params = _nnx_loss(
-      _RmsMlp(nnx.Rngs(0)), lambda m, ex: _classify(m(ex['x'][None]), ex['y']))
+      _built(_RmsMlp), lambda m, ex: _classify(m(ex['x'][None]), ex['y']))
   return loss_fn, params, _vectors(rng)
 
 
@@ -423,7 +433,7 @@ def lora_nnx_frozen_state():
   # Only the adapters are trained; the base is the non-trainable rest of the
   # state, merged back inside the loss.
   loss_fn, params = _nnx_loss(
-      _LoraMlp(nnx.Rngs(0)),
+      _built(_LoraMlp),
       lambda m, ex: _classify(m(ex['x'][None]), ex['y']), wrt=nnx.LoRAParam)
   return loss_fn, params, _vectors(rng)
 
@@ -462,7 +472,7 @@ class _ScannedMlp(nnx.Module):
 def nnx_scan_layers():
   rng = _rng(17)
   loss_fn, params = _nnx_loss(
-      _ScannedMlp(nnx.Rngs(0)),
+      _built(_ScannedMlp),
       lambda m, ex: _classify(m(ex['x'][None]), ex['y']))
   return loss_fn, params, _vectors(rng)
 

@@ -35,39 +35,74 @@ USERS, ITEMS = 6, 3
 
 
 def _moved(params, scale, seed=10):
-  """`params` plus a Gaussian step of relative size `scale`."""
+  """`params` plus a Gaussian step of relative size `scale`.
+
+  Computed in numpy: eager jnp arithmetic would compile a program per
+  operation and leaf shape.
+  """
   rng = np.random.default_rng(seed)
-  return jax.tree_util.tree_map(
-      lambda p: p + jnp.asarray(rng.normal(size=p.shape) * scale,
-                                p.dtype) * jnp.std(p), params)
+
+  def move(p):
+    p = np.asarray(p)
+    step = (rng.normal(size=p.shape) * scale).astype(p.dtype) * np.std(p)
+    return jnp.asarray(p + step, p.dtype)
+
+  return jax.tree_util.tree_map(move, params)
+
+
+_MAKE = {'difference': clipping.clipped_grad_difference_sum,
+         'user': clipping.clipped_user_grad_sum}
 
 
 @functools.cache
-def _statistic(kind, loss_fn, method, clip, microbatch_size=None):
-  """One jitted statistic per configuration: compilations are shared."""
-  make = {'difference': clipping.clipped_grad_difference_sum,
-          'user': clipping.clipped_user_grad_sum}[kind]
-  return jax.jit(make(loss_fn, clip, clipping_method=method,
-                      microbatch_size=microbatch_size))
+def _statistic(kind, loss_fn, method, microbatch_size=None):
+  """One jitted statistic per configuration, the clip a traced argument.
+
+  `fn(clip, batch, *args, mask=None)` clips to `clip` (the `l2_clip=` of
+  a call): every clip of one model and configuration shares one compiled
+  program.
+  """
+  stat = _MAKE[kind](loss_fn, 1.0, clipping_method=method,
+                     microbatch_size=microbatch_size)
+  return jax.jit(lambda clip, batch, *args, mask=None: stat(
+      batch, *args, mask=mask, l2_clip=clip))
 
 
 def _both(kind, loss_fn, batch, args, clip, mask=None, microbatch_size=None):
-  """The statistic on the ghost path (forced) and on the vmap path."""
-  return tuple(_statistic(kind, loss_fn, method, clip, microbatch_size)(
-      batch, *args, mask=mask) for method in ('ghost', 'vmap'))
+  """The statistic on the ghost path (forced) and on the vmap path.
+
+  Without a mask every unit counts: an all-true mask, so that masked and
+  unmasked calls share one compiled program.
+  """
+  if mask is None:
+    mask = np.ones(clipping.batch_size_of(batch), bool)
+  return tuple(_statistic(kind, loss_fn, method, microbatch_size)(
+      np.float32(clip), batch, *args, mask=mask)
+               for method in ('ghost', 'vmap'))
+
+
+@functools.cache
+def _unit_norms(kind, loss_fn):
+  """Jitted: every unit's squared contribution norm (one program a model)."""
+  contribution_fn = _MAKE[kind](loss_fn, 1.0,
+                                clipping_method='vmap').contribution_fn
+  return jax.jit(lambda batch, *args: clipping._squared_norms_in_clip_units(
+      jax.vmap(lambda unit: contribution_fn(unit, *args))(batch), 1.0))
 
 
 def _clip_between_norms(kind, loss_fn, batch, args):
   """A clip norm between the middle two unit norms (so both cases occur)."""
-  make = {'difference': clipping.clipped_grad_difference_sum,
-          'user': clipping.clipped_user_grad_sum}[kind]
-  contribution_fn = make(loss_fn, 1.0, clipping_method='vmap').contribution_fn
-  values = jax.vmap(lambda unit: contribution_fn(unit, *args))(batch)
-  norms = np.sort(np.sqrt(np.asarray(
-      clipping._squared_norms_in_clip_units(values, 1.0))))
+  norms = np.sort(np.sqrt(np.asarray(_unit_norms(kind, loss_fn)(batch,
+                                                                 *args))))
   finite = norms[np.isfinite(norms)]
   middle = len(finite) // 2
   return float(np.sqrt(finite[middle - 1] * finite[middle]))
+
+
+def _nan_rows(x, mask):
+  """numpy: `x` with the rows `mask` drops set to NaN."""
+  x = np.asarray(x)
+  return np.where(mask.reshape((-1,) + (1,) * (x.ndim - 1)), x, np.nan)
 
 
 # ---------------------------------------------------------------------------
@@ -95,9 +130,8 @@ def test_difference_with_mask_nan_and_microbatches(model):
   mask = np.arange(NUM_EXAMPLES) % 4 != 1
   # Masked rows hold NaN (must be exactly zero); rows 2 and 7 (unmasked)
   # hold NaN and Inf (dropped and counted).
-  x = jnp.where(mask.reshape((-1,) + (1,) * (batch['x'].ndim - 1)),
-                batch['x'], jnp.nan)
-  x = x.at[2].set(jnp.nan).at[7].set(jnp.inf)
+  x = _nan_rows(batch['x'], mask)
+  x[2], x[7] = np.nan, np.inf
   poisoned = dict(batch, x=x)
   for microbatch_size in (None, 5):
     ghost_out, vmap_out = _both('difference', loss_fn, poisoned, args, clip,
@@ -110,13 +144,10 @@ def test_difference_with_mask_nan_and_microbatches(model):
 
 def test_difference_coefficients_may_be_traced():
   loss_fn, batch, (params, prev, _, _) = _difference_case('mlp')
-  ghost_stat, vmap_stat = (clipping.clipped_grad_difference_sum(
-      loss_fn, 0.5, clipping_method=method) for method in ('ghost', 'vmap'))
+  # The coefficients are traced arguments of one compiled program per path.
   for a, b in ((3.0, 2.0), (1.0, 0.0), (0.5, 1.25)):
-    outs = [jax.jit(lambda batch, p, q, a, b, s=stat: s(batch, p, q, a, b))(
-        batch, params, prev, jnp.float32(a), jnp.float32(b))
-            for stat in (ghost_stat, vmap_stat)]
-    _assert_same(*outs)
+    _assert_same(*_both('difference', loss_fn, batch, (params, prev, a, b),
+                        0.5))
 
 
 def test_difference_default_coefficients_and_auto():
@@ -126,9 +157,10 @@ def test_difference_default_coefficients_and_auto():
   with warnings.catch_warnings():
     warnings.simplefilter('error')
     assert stat.ghost_plan(batch, params, prev) is not None
+    # The constructor's clip against the traced clip of the vmap path.
     _assert_same(jax.jit(stat)(batch, params, prev),
-                 _statistic('difference', loss_fn, 'vmap', 0.5)(
-                     batch, params, prev, 1.0, 1.0))
+                 _both('difference', loss_fn, batch,
+                       (params, prev, 1.0, 1.0), 0.5)[1])
 
 
 @pytest.mark.parametrize('model', MODELS)
@@ -148,8 +180,8 @@ def test_difference_of_close_points_with_large_coefficients(model):
 
 def test_difference_at_the_same_point_is_zero_not_nan():
   loss_fn, params, batch = _model('sequence')
-  out = _statistic('difference', loss_fn, 'ghost', 1e-3)(
-      batch, params, params, 7.0, 7.0)
+  out, _ = _both('difference', loss_fn, batch, (params, params, 7.0, 7.0),
+                 1e-3)
   assert int(out.num_nonfinite) == 0
   np.testing.assert_allclose(_flat(out.sum), 0.0, atol=1e-4)
 
@@ -159,11 +191,9 @@ def test_changing_one_example_moves_the_difference_sum_by_at_most_sensitivity(
     value):
   loss_fn, batch, args = _difference_case('mlp', scale=1e-2)
   args = (*args[:2], 101.0, 100.0)
-  stat = clipping.clipped_grad_difference_sum(loss_fn, 0.5,
-                                              clipping_method='ghost')
-  jitted = jax.jit(stat)
+  stat, jitted = _jitted_ghost_statistic('difference', loss_fn)
   original = _flat(jitted(batch, *args).sum)
-  for changed in (batch['x'].at[4, 0].set(value), batch['x'].at[4].set(value)):
+  for changed in (_set(batch['x'], (4, 0), value), _set(batch['x'], 4, value)):
     moved = _flat(jitted(dict(batch, x=changed), *args).sum)
     assert np.all(np.isfinite(moved))
     assert np.linalg.norm(moved - original) <= stat.sensitivity(
@@ -171,6 +201,23 @@ def test_changing_one_example_moves_the_difference_sum_by_at_most_sensitivity(
   removed = _flat(jitted(batch, *args,
                          mask=np.arange(NUM_EXAMPLES) != 4).sum)
   assert np.linalg.norm(removed - original) <= stat.sensitivity() * (1 + 1e-4)
+
+
+@functools.cache
+def _jitted_ghost_statistic(kind, loss_fn):
+  """`(statistic, jax.jit(statistic))`, clip 0.5, the ghost path forced.
+
+  Shared by the parametrizations of a sensitivity test: one program.
+  """
+  stat = _MAKE[kind](loss_fn, 0.5, clipping_method='ghost')
+  return stat, jax.jit(stat)
+
+
+def _set(x, index, value):
+  """numpy: a copy of `x` with `x[index] = value`."""
+  x = np.array(x)
+  x[index] = value
+  return x
 
 
 def test_difference_check_catches_a_missing_cross_term(monkeypatch):
@@ -186,19 +233,15 @@ def test_difference_check_catches_a_missing_cross_term(monkeypatch):
                                    g[:, t:t + 1]).bound
                for t in range(a.shape[1]))
 
-  def ghost_against_vmap():
-    loss_fn, params, batch = _model('mlp')
-    args = (params, _moved(params, 0.3), 2.0, 1.5)
-    outs = [jax.jit(clipping.clipped_grad_difference_sum(
-        loss_fn, 0.5, clipping_method=method))(batch, *args)
-            for method in ('ghost', 'vmap')]
-    _assert_same(*outs)
-
-  ghost_against_vmap()
+  loss_fn, batch, args = _difference_case('mlp')
+  ghost_out, vmap_out = _both('difference', loss_fn, batch, args, 0.5)
+  _assert_same(ghost_out, vmap_out)
   monkeypatch.setitem(ghost.LAYER_RULES, 'dot_general',
                       ghost.LayerRule(dense.check, without_cross_term))
+  patched = jax.jit(clipping.clipped_grad_difference_sum(
+      loss_fn, 0.5, clipping_method='ghost'))(batch, *args)
   with pytest.raises(AssertionError):
-    ghost_against_vmap()
+    _assert_same(patched, vmap_out)
 
 
 def test_difference_refuses_params_of_another_shape():
@@ -218,9 +261,10 @@ def _user_case(model, seed=11):
   """Users of ITEMS items each, with a mask that drops some items."""
   loss_fn, params, batch = _model(model)
   rng = np.random.default_rng(seed)
+  rows = rng.integers(0, NUM_EXAMPLES, USERS * ITEMS)
   items = jax.tree_util.tree_map(
-      lambda x: x[rng.integers(0, NUM_EXAMPLES, USERS * ITEMS)].reshape(
-          (USERS, ITEMS) + x.shape[1:]), batch)
+      lambda x: np.asarray(x)[rows].reshape((USERS, ITEMS) + x.shape[1:]),
+      batch)
   item_mask = np.ones((USERS, ITEMS), bool)
   item_mask[1, 2] = item_mask[3, 0] = item_mask[3, 1] = False
   item_mask[4] = False   # a user with no items: contributes zero
@@ -230,7 +274,8 @@ def _user_case(model, seed=11):
 def _poison_masked_items(items, item_mask):
   def poison(x):
     keep = item_mask.reshape(item_mask.shape + (1,) * (x.ndim - 2))
-    return jnp.where(keep, x, jnp.nan if x.dtype == jnp.float32 else 0)
+    return np.where(keep, x, np.nan if x.dtype == np.float32 else 0).astype(
+        x.dtype)
   return jax.tree_util.tree_map(poison, items)
 
 
@@ -262,7 +307,7 @@ def test_user_ghost_equals_vmap(model):
 def test_user_mask_nan_and_microbatches(model):
   loss_fn, params, items, item_mask = _user_case(model)
   # User 2 has an unmasked NaN item: its mean is NaN, dropped and counted.
-  items = dict(items, x=items['x'].at[2, 1].set(jnp.nan))
+  items = dict(items, x=_set(items['x'], (2, 1), np.nan))
   batch = clipping.UserBatch(_poison_masked_items(items, item_mask),
                              item_mask)
   mask = np.arange(USERS) != 5
@@ -279,8 +324,8 @@ def test_user_with_no_items_contributes_zero():
   loss_fn, params, items, item_mask = _user_case('mlp')
   batch = clipping.UserBatch(_poison_masked_items(items, item_mask),
                              item_mask)
-  stat = _statistic('user', loss_fn, 'ghost', 0.5)
-  alone = stat(batch, params, mask=np.arange(USERS) == 4)
+  alone, _ = _both('user', loss_fn, batch, (params,), 0.5,
+                   mask=np.arange(USERS) == 4)
   assert int(alone.count) == 1 and int(alone.num_nonfinite) == 0
   np.testing.assert_array_equal(_flat(alone.sum), 0.0)
 
@@ -293,24 +338,24 @@ def test_user_statistic_is_auto_by_default():
   with warnings.catch_warnings():
     warnings.simplefilter('error')
     assert stat.ghost_plan(batch, params) is not None
+    # The constructor's clip against the traced clip of the vmap path.
     _assert_same(jax.jit(stat)(batch, params),
-                 _statistic('user', loss_fn, 'vmap', 0.5)(batch, params))
+                 _both('user', loss_fn, batch, (params,), 0.5)[1])
 
 
 @pytest.mark.parametrize('value', [np.nan, np.inf, 1e30, -7.0])
 def test_changing_one_user_moves_the_sum_by_at_most_sensitivity(value):
   loss_fn, params, items, item_mask = _user_case('mlp')
-  stat = clipping.clipped_user_grad_sum(loss_fn, 0.5, clipping_method='ghost')
-  jitted = jax.jit(stat)
+  stat, jitted = _jitted_ghost_statistic('user', loss_fn)
   batch = clipping.UserBatch(items, item_mask)
   original = _flat(jitted(batch, params).sum)
   # Replace-one: all of user 1's items change, or one entry of one item
   # together with the user's item mask.
   all_items = np.where(np.arange(USERS)[:, None] == 1, True, item_mask)
   for changed in (
-      clipping.UserBatch(dict(items, x=items['x'].at[1].set(value)),
+      clipping.UserBatch(dict(items, x=_set(items['x'], 1, value)),
                          item_mask),
-      clipping.UserBatch(dict(items, x=items['x'].at[1, 0, 0].set(value)),
+      clipping.UserBatch(dict(items, x=_set(items['x'], (1, 0, 0), value)),
                          all_items)):
     moved = _flat(jitted(changed, params).sum)
     assert np.all(np.isfinite(moved))
@@ -345,14 +390,15 @@ def test_tied_weights_take_the_ghost_path(kind):
   else:
     make, args = clipping.clipped_user_grad_sum, (params,)
     batch = jax.tree_util.tree_map(
-        lambda x: x.reshape((4, 3) + x.shape[1:]), batch)
+        lambda x: np.asarray(x).reshape((4, 3) + x.shape[1:]), batch)
   plan = make(loss_fn, 1.0, clipping_method='ghost').ghost_plan(batch, *args)
   assert [(tap.rule, tap.shared) for tap in plan.taps if tap.leaf == 1] == [
       ('dot_general', True), ('dot_general', True)]
   with warnings.catch_warnings():
     warnings.simplefilter('error', clipping.GhostClippingFallbackWarning)
-    out = make(loss_fn, 1.0)(batch, *args)
-  _assert_same(out, make(loss_fn, 1.0, clipping_method='vmap')(batch, *args))
+    out = jax.jit(make(loss_fn, 1.0))(batch, *args)
+  _assert_same(out, jax.jit(make(loss_fn, 1.0, clipping_method='vmap'))(
+      batch, *args))
 
 
 def test_layers_fed_by_the_data_alone_are_marked_param_free():
