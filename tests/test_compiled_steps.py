@@ -53,19 +53,6 @@ class Mlp(nn.Module):
 MODEL = Mlp()
 
 
-@pytest.fixture(autouse=True, scope='module')
-def _quick_code_generation():
-  # The assertions read the optimized HLO (`compiled.as_text()`), which
-  # XLA's HLO passes produce whatever this flag says; it lowers only the
-  # backend's (LLVM's) optimization of the machine code, which these
-  # programs, compiled and never run, do not need: the same HLO text in
-  # about two thirds of the compile time.
-  previous = jax.config.read('jax_disable_most_optimizations')
-  jax.config.update('jax_disable_most_optimizations', True)
-  yield
-  jax.config.update('jax_disable_most_optimizations', previous)
-
-
 def loss_fn(params, example):
   logits = MODEL.apply({'params': params}, example['x'])
   return optax.softmax_cross_entropy_with_integer_labels(logits,

@@ -43,16 +43,6 @@ FALLBACKS = {
 STATISTICS = ('grad', 'difference', 'user')
 
 
-@pytest.fixture(autouse=True, scope='module')
-def _quick_compiles():
-  # Tiny models compiled once each: XLA's optimizations would cost more
-  # compile time than they save.
-  previous = jax.config.read('jax_disable_most_optimizations')
-  jax.config.update('jax_disable_most_optimizations', True)
-  yield
-  jax.config.update('jax_disable_most_optimizations', previous)
-
-
 @functools.lru_cache(maxsize=None)
 def _model(name):
   return zoo.MODELS[name]()
