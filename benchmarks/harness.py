@@ -169,19 +169,29 @@ def step_row(name: str, step: Step, params: PyTree, state: PyTree,
   """
   abstract = is_abstract((params, state, batch))
   jitted = jax.jit(step, donate_argnums=(0, 1))
+  # The row runs the program it measures: one compilation serves both the
+  # steps and the memory analysis (a second compilation of a large step
+  # costs as much as the first on a GPU).
+  compiled = None if abstract else jitted.lower(params, state, batch).compile()
   peak: list[int] = []
 
   def advance(carry: PyTree) -> PyTree:
     if abstract:
       raise RuntimeError(f'{name} was compiled from shapes only')
-    return jitted(*carry, batch)
+    return compiled(*carry, batch)
 
   def peak_bytes() -> Optional[int]:
     if not peak:
       shapes = jax.tree_util.tree_map(
           lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype),
           (params, state, batch))
-      peak.append(compiled_peak_bytes(step, *shapes, donated=shapes[:2]))
+      if compiled is None:
+        peak.append(compiled_peak_bytes(step, *shapes, donated=shapes[:2]))
+      else:
+        memory = compiled.memory_analysis()
+        peak.append(int(
+            memory.argument_size_in_bytes + memory.temp_size_in_bytes +
+            max(0, memory.output_size_in_bytes - _nbytes(shapes[:2]))))
     return peak[0]
 
   carry = ((params, state) if abstract else
