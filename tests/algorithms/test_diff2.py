@@ -440,8 +440,12 @@ def test_bvr_noiseless_full_minibatch_is_local_sarah_on_the_round_robin_client()
     trajectory, state = run_vmapped(
         make(output='random_iterate', output_key=output_key), params, batch,
         mask, rounds)
-    for a, b in zip(got, trajectory):   # the option only watches
-      np.testing.assert_array_equal(flat(a), flat(b))
+    # The option only watches: the same iterates, up to the last place of
+    # float32 (a second compiled program; XLA may order a fused
+    # multiply-add differently once the kept iterate reads a value).
+    for a, b in zip(got, trajectory):
+      np.testing.assert_array_max_ulp(
+          flat(a).astype(np.float32), flat(b).astype(np.float32), maxulp=2)
     t_hat, k_hat = (int(d) for d in diff2.bvr_output_draws(
         output_key, rounds, steps))
     assert int(state.output.selected) == t_hat
