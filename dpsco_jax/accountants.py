@@ -30,11 +30,8 @@ nonsmooth plans spend the rest on the event that a clip binds
 
 import abc
 import dataclasses
-import hashlib
 import json
 import math
-import os
-import tempfile
 from typing import Any, Optional, Sequence
 
 import dp_accounting
@@ -390,31 +387,19 @@ def noise_multiplier(mechanism: noise.NoiseMechanism,
     return checks.noise_multiplier(given)
   path = calibration_path(mechanism, participation, epsilon, delta, method,
                           relation, releases)
-  if path is not None:
-    try:
-      with open(path) as handle:
-        cached = float(json.load(handle)['noise_multiplier'])
-      if math.isfinite(cached) and cached > 0:
-        return cached
-    except (OSError, ValueError, KeyError, TypeError):
-      pass
-  # PLD calibration of a long run takes seconds: say so on stderr.
   name = mechanism.name.split('(')[0]
-  with progress.task(f'dpsco_jax: calibrating the {name} noise to epsilon '
-                     f'{epsilon:g} ({method})'):
-    multiplier = accounting.calibrate_noise_multiplier(
-        mechanism, participation, epsilon, delta, method=method,
-        neighboring_relation=relation, releases=releases)
-  if path is not None:
-    try:
-      os.makedirs(os.path.dirname(path), exist_ok=True)
-      with tempfile.NamedTemporaryFile('w', dir=os.path.dirname(path),
-                                       suffix='.json', delete=False) as f:
-        json.dump({'noise_multiplier': multiplier}, f)
-      os.replace(f.name, path)
-    except OSError:
-      pass  # A read-only cache only costs the next build the calibration.
-  return multiplier
+
+  def calibrate() -> float:
+    # PLD calibration of a long run takes seconds: say so on stderr.
+    with progress.task(f'dpsco_jax: calibrating the {name} noise to epsilon '
+                       f'{epsilon:g} ({method})'):
+      return accounting.calibrate_noise_multiplier(
+          mechanism, participation, epsilon, delta, method=method,
+          neighboring_relation=relation, releases=releases)
+
+  if path is None:
+    return calibrate()
+  return strategies.cached_calibration(path, calibrate)
 
 
 # Bumped whenever calibration changes what it returns (2: matrix-factorization
@@ -448,7 +433,7 @@ def calibration_path(mechanism: noise.NoiseMechanism,
   """
   if not mechanism.identity:
     return None
-  key = json.dumps({
+  return strategies.calibration_file('noise', {
       'version': CALIBRATION_CACHE_VERSION,
       'dp_accounting': getattr(dp_accounting, '__version__', None),
       'mechanism': [mechanism.identity, mechanism.name, mechanism.num_steps],
@@ -457,7 +442,4 @@ def calibration_path(mechanism: noise.NoiseMechanism,
       'epsilon': float(epsilon), 'delta': float(delta), 'method': method,
       'relation': Relation(relation).value,
       'releases': [dataclasses.asdict(r) for r in releases],
-  }, sort_keys=True, default=repr)
-  digest = hashlib.sha256(key.encode()).hexdigest()[:32]
-  return os.path.join(strategies.cache_root(), 'calibrations',
-                      f'noise-{digest}.json')
+  })

@@ -102,6 +102,7 @@ import math
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 import warnings
 
+import dp_accounting
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -112,6 +113,7 @@ from dpsco_jax import guards
 from dpsco_jax import keys as keys_lib
 from dpsco_jax import parallel
 from dpsco_jax import rounding
+from dpsco_jax import strategies
 
 PyTree = Any
 
@@ -629,13 +631,42 @@ def _bisect_multiplier(fails: Callable[[float], bool]) -> float:
   return multiplier
 
 
+# Bumped whenever these multipliers' computation changes what it returns.
+_CALIBRATION_CACHE_VERSION = 1
+
+
+def _cached_multiplier(kind: str, key: dict[str, Any],
+                       fails: Callable[[float], bool]) -> float:
+  """`_bisect_multiplier(fails)`, cached on disk under `key` (PLD seconds).
+
+  Privacy never rests on the cache alone: a cached multiplier that does not
+  meet the target is refused (one PLD evaluation) and computed again.
+  """
+  key = dict(key, version=_CALIBRATION_CACHE_VERSION,
+             dp_accounting=getattr(dp_accounting, '__version__', None))
+  computed = []
+
+  def compute() -> float:
+    computed.append(_bisect_multiplier(fails))
+    return computed[0]
+
+  multiplier = strategies.cached_calibration(
+      strategies.calibration_file(kind, key), compute)
+  if not computed and fails(multiplier):
+    multiplier = compute()
+  return multiplier
+
+
 # Cached: every phase of a run (and every run of a sweep) with the same K,
 # epsilon and delta needs the same multiplier; tau only scales the noise.
 @functools.lru_cache(maxsize=256)
 def _gaussian_multiplier(laplace_multiplier: float, epsilon: float,
                          delta: float) -> float:
   """One release: the Gaussian multiplier composed with the Laplace score."""
-  return _bisect_multiplier(
+  return _cached_multiplier(
+      'outlier-removal', {
+          'laplace_multiplier': float(laplace_multiplier),
+          'epsilon': float(epsilon), 'delta': float(delta)},
       lambda z: accounting.laplace_and_gaussian_delta(
           laplace_multiplier, z, epsilon) > delta)
 
@@ -645,7 +676,11 @@ def _sampled_gaussian_multiplier(epsilon: float, delta: float,
                                  num_steps: int, population: int,
                                  sample_size: int) -> float:
   """T subsampled releases: the multiplier meeting (epsilon, delta)."""
-  return _bisect_multiplier(
+  return _cached_multiplier(
+      'outlier-removal-sampled', {
+          'epsilon': float(epsilon), 'delta': float(delta),
+          'num_steps': int(num_steps), 'population': int(population),
+          'sample_size': int(sample_size)},
       lambda z: accounting.subsampled_gaussian_epsilon(
           z, num_steps, population, sample_size, delta) > epsilon)
 

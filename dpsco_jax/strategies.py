@@ -20,6 +20,7 @@ are computed once, before training, and cached on disk.
 
 import contextlib
 import hashlib
+import json
 import math
 import os
 import tempfile
@@ -646,6 +647,63 @@ def cache_root() -> str:
   """
   return os.environ.get(CACHE_ENV_VAR) or os.path.join(
       os.path.expanduser('~'), '.cache', 'dpsco_jax')
+
+
+def calibration_file(kind: str, key: dict[str, Any]) -> str:
+  """The cache file of a calibrated number, keyed by everything it depends on.
+
+  Example:
+    >>> calibration_file('noise', {'epsilon': 2.0, 'delta': 1e-5})
+
+  Args:
+    kind: the file name's prefix (what was calibrated).
+    key: JSON-able description of the inputs (versions included).
+
+  Returns:
+    `cache_root()/calibrations/<kind>-<digest>.json`.
+  """
+  text = json.dumps(key, sort_keys=True, default=repr)
+  digest = hashlib.sha256(text.encode()).hexdigest()[:32]
+  return os.path.join(cache_root(), 'calibrations', f'{kind}-{digest}.json')
+
+
+def cached_calibration(path: str, compute: Callable[[], float]) -> float:
+  """`compute()`, remembered in the JSON file `path` (a positive float).
+
+  A cached value only saves time: callers whose privacy rests on the value
+  re-account it (a plan's ledger recomputes the epsilon it spends). An
+  unreadable, non-finite or non-positive entry is computed again, and a
+  cache that cannot be written costs only the next caller the computation.
+  The file is written under a temporary name and renamed, so concurrent
+  processes read a whole entry or none.
+
+  Example:
+    >>> cached_calibration(calibration_file('noise', key), calibrate)
+
+  Args:
+    path: the cache file (see `calibration_file`).
+    compute: computes the value when it is not cached.
+
+  Returns:
+    The value.
+  """
+  try:
+    with open(path) as handle:
+      cached = float(json.load(handle)['noise_multiplier'])
+    if math.isfinite(cached) and cached > 0:
+      return cached
+  except (OSError, ValueError, KeyError, TypeError):
+    pass
+  value = compute()
+  try:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with tempfile.NamedTemporaryFile('w', dir=os.path.dirname(path),
+                                     suffix='.json', delete=False) as f:
+      json.dump({'noise_multiplier': value}, f)
+    os.replace(f.name, path)
+  except OSError:
+    pass
+  return value
 
 
 def default_cache_dir() -> str:

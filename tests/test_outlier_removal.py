@@ -12,6 +12,7 @@ differences instead: tests at the end).
 """
 
 import functools
+import json
 import math
 
 import jax
@@ -547,3 +548,22 @@ def test_eight_devices_equal_one_and_need_one_key():
       points.reshape(8, 50, 5), keys)
   assert np.all(np.asarray(bad.not_replicated))
   assert np.all(np.isnan(np.asarray(bad.value)))
+
+
+def test_a_cached_multiplier_is_reused_only_while_it_meets_the_target(
+    tmp_path, monkeypatch):
+  """The on-disk calibration cache saves time and never weakens the noise."""
+  monkeypatch.setenv('DPSCO_JAX_CACHE', str(tmp_path))
+  fails = lambda z: z < 1.2345   # a target met from z = 1.2345 on
+  key = {'test': 'cache'}
+  computed = orm._cached_multiplier('outlier-removal-test', key, fails)
+  assert 1.2345 <= computed < 1.2345 * (1 + 2e-4)
+  (entry,) = (tmp_path / 'calibrations').glob('outlier-removal-test-*.json')
+  # A larger cached multiplier still meets the target: it is read back.
+  entry.write_text(json.dumps({'noise_multiplier': 2.0}))
+  assert orm._cached_multiplier('outlier-removal-test', key, fails) == 2.0
+  # A cached multiplier below the target (a stale or edited entry) is
+  # refused and computed again.
+  entry.write_text(json.dumps({'noise_multiplier': 1.0}))
+  assert orm._cached_multiplier('outlier-removal-test', key,
+                                fails) == computed
