@@ -174,16 +174,18 @@ def _xla_optimization_level(request: pytest.FixtureRequest):
 # nothing left to run. Start the slow ones first and the run ends on the
 # many quick ones, which even out the two workers.
 SLOWEST_FIRST = (
-    'tests/algorithms/test_diff2.py',
+    # Files whose single tests take 10-20 s: a long test last would keep
+    # one worker busy alone.
+    'tests/test_readme.py',
+    'tests/test_api_reference.py',
+    'tests/test_outlier_removal.py',
+    'tests/experiments/test_user_level_experiments.py',
     'tests/test_ghost_zoo.py',
-    'tests/algorithms/test_accelerated_phased_erm.py',
-    'tests/algorithms/test_baselines.py',
-    'tests/test_ghost_never_crashes.py',
+    'tests/test_audit.py',
     'tests/test_compiled_steps.py',
-    'tests/test_blt.py',
-    'tests/test_checkpoint.py',
-    'tests/test_accounting.py',
-    'tests/test_api_names.py',
+    'tests/test_nonsmooth.py',
+    'tests/test_parallel.py',
+    'tests/algorithms/test_diff2.py',
 )
 
 
