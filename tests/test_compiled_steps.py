@@ -236,8 +236,11 @@ TRANSFORMATIONS: dict[str, Callable[[], tuple[Any, Any]]] = {
 
 # ------------------------------------------------------ plans' steps
 
+# The accounting method never enters the compiled step; RDP accounts a
+# given noise multiplier in milliseconds where the PLD takes a second.
+ACCOUNTING = dict(method='rdp')
 PLAN_COMMON = dict(num_examples=N, batch_size=BATCH, l2_clip=1.0, delta=1e-5,
-                   noise_multiplier=1.0, key=0, seed=0)
+                   noise_multiplier=1.0, key=0, seed=0, **ACCOUNTING)
 SGD = optax.sgd(0.1)
 
 PLANS: dict[str, Callable[[], tuple[Any, Any]]] = {
@@ -270,37 +273,39 @@ PLANS: dict[str, Callable[[], tuple[Any, Any]]] = {
     'diff2_gd': lambda: _plan_case(plans.diff2_gd(
         loss_fn, learning_rate=0.1, num_rounds=4, restart_interval=2,
         grad_clip=1.0, diff_clip_factor=1.5, num_examples=N, delta=1e-5,
-        noise_multipliers=(1.0, 1.0), key=0), _batch(N)),
+        noise_multipliers=(1.0, 1.0), key=0, **ACCOUNTING), _batch(N)),
     # C_2 held in the state, counted on difference rounds only: selects.
     'diff2_gd_adaptive': lambda: _plan_case(plans.diff2_gd(
         loss_fn, learning_rate=0.1, num_rounds=4, restart_interval=2,
         grad_clip=1.0, diff_clip_factor=1.5, num_examples=N, delta=1e-5,
-        noise_multipliers=(1.0, 1.0), key=0,
+        noise_multipliers=(1.0, 1.0), key=0, **ACCOUNTING,
         adaptive_clipping=adaptive_clipping.AdaptiveClipping(count_stddev=2.0)),
                                             _batch(N)),
     'dp_gd': lambda: _plan_case(plans.dp_gd(
         loss_fn, learning_rate=0.1, num_rounds=4, grad_clip=1.0,
-        num_examples=N, delta=1e-5, noise_multiplier=1.0, key=0), _batch(N)),
+        num_examples=N, delta=1e-5, noise_multiplier=1.0, key=0, **ACCOUNTING),
+      _batch(N)),
     'user_level_dpsgd_poisson': lambda: _user_plan_case(),
     'nonsmooth_single_pass': lambda: _plan_case(plans.nonsmooth_single_pass(
         loss_fn, order='first', num_examples=N, dimension=_dimension(),
         lipschitz=1.0, smoothing_radius=0.1, movement_radius=0.01,
         learning_rate=0.05, block_length=2, period=2, anchor_batch_size=8,
         batch_size=4, num_directions=2, noise_multiplier=1.0, num_steps=4,
-        delta=1e-6, key=0, seed=0)),
+        delta=1e-6, key=0, seed=0, **ACCOUNTING)),
     'nonsmooth_multi_pass': lambda: _plan_case(plans.nonsmooth_multi_pass(
         loss_fn, order='zero', num_examples=N, num_steps=4,
         dimension=_dimension(), lipschitz=1.0, smoothing_radius=0.1,
         movement_radius=0.01, learning_rate=0.05, block_length=2, period=2,
-        num_directions=2, noise_multipliers=(1.0, 1.0), delta=1e-6, key=0),
-        _batch(N)),
+        num_directions=2, noise_multipliers=(1.0, 1.0), delta=1e-6, key=0,
+        **ACCOUNTING), _batch(N)),
 }
 
 
 def _user_plan_case():
   plan = plans.user_level_dpsgd(
       loss_fn, optimizer=SGD, num_users=USERS, users_per_batch=4, epochs=1,
-      l2_clip=1.0, delta=1e-5, noise_multiplier=1.0, key=0, seed=0)
+      l2_clip=1.0, delta=1e-5, noise_multiplier=1.0, key=0, seed=0,
+      **ACCOUNTING)
   return _plan_case(plan, next(iter(plan.batches_of(_users()))))
 
 
