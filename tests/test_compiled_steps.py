@@ -61,7 +61,9 @@ def loss_fn(params, example):
 
 @functools.cache
 def _params():
-  return MODEL.init(jax.random.key(0), jnp.zeros(FEATURES))['params']
+  # One compiled init, not one eager program per layer op.
+  return jax.jit(MODEL.init)(jax.random.key(0),
+                             np.zeros(FEATURES, np.float32))['params']
 
 
 def _dimension():
@@ -141,6 +143,20 @@ def _users():
 
 COMMON = dict(l2_clip=1.0, noise_multiplier=1.0, key=0)
 
+# What `outlier_removal.calibrate(512, 0.5, 8.0, 1e-5, num_steps=3,
+# population=2048, score_radius=1.0)` returns (Algorithm 2: AboveThreshold
+# over 3 steps on 512 of 2048 users), written out: the compiled step depends
+# on the structure these fields select, not on their values (the
+# calibration itself is tested in tests/test_outlier_removal.py).
+_PHASE = outlier_removal.OutlierRemovalCalibration(
+    num_points=512, tau=0.5, score_radius=1.0, threshold=409.6,
+    cutoff=341.3333333333333, laplace_scale=2.0476036242635716,
+    threshold_scale=1.0238018121317858, inclusion='weighted',
+    sensitivity=0.1755185232006802, noise_std=0.21060294479993727,
+    num_steps=3, population=2048, epsilon=8.0, delta=1e-05,
+    score_epsilon=3.9070061730708403, tail_delta=2.5e-06, coupling_delta=0.0,
+    gaussian_delta=7.500000000000001e-06)
+
 
 # ------------------------------------------------ transformations' update
 
@@ -201,10 +217,7 @@ TRANSFORMATIONS: dict[str, Callable[[], tuple[Any, Any]]] = {
         {'batch': _users()}),
     # The outlier-removal mean needs hundreds of users a step.
     'outlier_removal_gradient': lambda: _transformation_case(
-        user_level.outlier_removal_gradient(
-            loss_fn, outlier_removal.calibrate(
-                512, 0.5, 8.0, 1e-5, num_steps=3, population=2048,
-                score_radius=1.0), key=0),
+        user_level.outlier_removal_gradient(loss_fn, _PHASE, key=0),
         {'batch': batching.group_by_user(_data(1024), np.arange(1024) % 512,
                                          max_items=2)}),
     'nonsmooth_vr_gradient': lambda: _transformation_case(
@@ -223,8 +236,11 @@ TRANSFORMATIONS: dict[str, Callable[[], tuple[Any, Any]]] = {
 
 # ------------------------------------------------------ plans' steps
 
+# The accounting method never enters the compiled step; RDP accounts a
+# given noise multiplier in milliseconds where the PLD takes a second.
+ACCOUNTING = dict(method='rdp')
 PLAN_COMMON = dict(num_examples=N, batch_size=BATCH, l2_clip=1.0, delta=1e-5,
-                   noise_multiplier=1.0, key=0, seed=0)
+                   noise_multiplier=1.0, key=0, seed=0, **ACCOUNTING)
 SGD = optax.sgd(0.1)
 
 PLANS: dict[str, Callable[[], tuple[Any, Any]]] = {
@@ -257,37 +273,39 @@ PLANS: dict[str, Callable[[], tuple[Any, Any]]] = {
     'diff2_gd': lambda: _plan_case(plans.diff2_gd(
         loss_fn, learning_rate=0.1, num_rounds=4, restart_interval=2,
         grad_clip=1.0, diff_clip_factor=1.5, num_examples=N, delta=1e-5,
-        noise_multipliers=(1.0, 1.0), key=0), _batch(N)),
+        noise_multipliers=(1.0, 1.0), key=0, **ACCOUNTING), _batch(N)),
     # C_2 held in the state, counted on difference rounds only: selects.
     'diff2_gd_adaptive': lambda: _plan_case(plans.diff2_gd(
         loss_fn, learning_rate=0.1, num_rounds=4, restart_interval=2,
         grad_clip=1.0, diff_clip_factor=1.5, num_examples=N, delta=1e-5,
-        noise_multipliers=(1.0, 1.0), key=0,
+        noise_multipliers=(1.0, 1.0), key=0, **ACCOUNTING,
         adaptive_clipping=adaptive_clipping.AdaptiveClipping(count_stddev=2.0)),
                                             _batch(N)),
     'dp_gd': lambda: _plan_case(plans.dp_gd(
         loss_fn, learning_rate=0.1, num_rounds=4, grad_clip=1.0,
-        num_examples=N, delta=1e-5, noise_multiplier=1.0, key=0), _batch(N)),
+        num_examples=N, delta=1e-5, noise_multiplier=1.0, key=0, **ACCOUNTING),
+      _batch(N)),
     'user_level_dpsgd_poisson': lambda: _user_plan_case(),
     'nonsmooth_single_pass': lambda: _plan_case(plans.nonsmooth_single_pass(
         loss_fn, order='first', num_examples=N, dimension=_dimension(),
         lipschitz=1.0, smoothing_radius=0.1, movement_radius=0.01,
         learning_rate=0.05, block_length=2, period=2, anchor_batch_size=8,
         batch_size=4, num_directions=2, noise_multiplier=1.0, num_steps=4,
-        delta=1e-6, key=0, seed=0)),
+        delta=1e-6, key=0, seed=0, **ACCOUNTING)),
     'nonsmooth_multi_pass': lambda: _plan_case(plans.nonsmooth_multi_pass(
         loss_fn, order='zero', num_examples=N, num_steps=4,
         dimension=_dimension(), lipschitz=1.0, smoothing_radius=0.1,
         movement_radius=0.01, learning_rate=0.05, block_length=2, period=2,
-        num_directions=2, noise_multipliers=(1.0, 1.0), delta=1e-6, key=0),
-        _batch(N)),
+        num_directions=2, noise_multipliers=(1.0, 1.0), delta=1e-6, key=0,
+        **ACCOUNTING), _batch(N)),
 }
 
 
 def _user_plan_case():
   plan = plans.user_level_dpsgd(
       loss_fn, optimizer=SGD, num_users=USERS, users_per_batch=4, epochs=1,
-      l2_clip=1.0, delta=1e-5, noise_multiplier=1.0, key=0, seed=0)
+      l2_clip=1.0, delta=1e-5, noise_multiplier=1.0, key=0, seed=0,
+      **ACCOUNTING)
   return _plan_case(plan, next(iter(plan.batches_of(_users()))))
 
 

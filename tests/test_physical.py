@@ -33,14 +33,17 @@ from tests.physical_model import loss as _loss
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 2   # logical steps compared per plan
+# The accounting method never enters a step: RDP accounts a given noise
+# multiplier in milliseconds where the PLD takes a second.
+ACCOUNTING = 'rdp'
 
 
 def _plan(physical_batch_size=8, **kwargs):
   return plans.dpsgd(
       _loss, optimizer=optax.adam(0.05), num_examples=N,
       batch_size=EXPECTED, epochs=1, l2_clip=0.5, noise_multiplier=1.0,
-      delta=1e-5, key=0, seed=1, physical_batch_size=physical_batch_size,
-      **kwargs)
+      delta=1e-5, method=ACCOUNTING, key=0, seed=1,
+      physical_batch_size=physical_batch_size, **kwargs)
 
 
 # One plan per clipping path, shared by the tests (compiled once each):
@@ -187,7 +190,8 @@ def test_dpftrl_fixed_order_batches_equal_the_one_call_step():
   # time.
   plan = plans.dpftrl(_loss, optimizer=optax.sgd(0.1), num_examples=N,
                       batch_size=24, epochs=1, l2_clip=0.5,
-                      noise_multiplier=1.0, delta=1e-5, key=0, seed=1,
+                      noise_multiplier=1.0, delta=1e-5,
+                      method=ACCOUNTING, key=0, seed=1,
                       clipping_method='vmap', physical_batch_size=8)
   one = by_pieces = PARAMS
   one_state = pieces_state = plan.init(PARAMS)
@@ -224,7 +228,8 @@ def test_srg_memf_differences_at_two_points_equal_the_one_call_step():
   # a clip no difference reaches, so a wrong coefficient shows.
   plan = plans.dp_srg_memf(
       _loss, optimizer=optax.sgd(0.1), num_examples=N, batch_size=24,
-      epochs=1, l2_clip=50.0, noise_multiplier=1.0, delta=1e-5, decay=0.5,
+      epochs=1, l2_clip=50.0, noise_multiplier=1.0, delta=1e-5,
+      method=ACCOUNTING, decay=0.5,
       strategy='banded_sqrt', bands=2, key=0, seed=1,
       clipping_method='ghost', physical_batch_size=8)
   one = by_pieces = PARAMS
@@ -242,7 +247,8 @@ def test_unaccelerated_srg_differences_equal_the_one_call_step():
   # pass, a batch of 24 run 8 at a time; a clip no difference reaches.
   plan = plans.unaccelerated_dp_srg(
       _loss, num_examples=N, batch_size=24, beta=20.0, radius=None,
-      l2_clip=50.0, noise_multiplier=1.0, delta=1e-5, key=0, seed=1,
+      l2_clip=50.0, noise_multiplier=1.0, delta=1e-5,
+      method=ACCOUNTING, key=0, seed=1,
       clipping_method='vmap', physical_batch_size=8)
   one = by_pieces = PARAMS
   one_state = pieces_state = plan.init(PARAMS)
@@ -263,7 +269,8 @@ def test_accelerated_srgd_at_its_query_points_equals_the_one_call_step(
   # run stays inside.
   plan = plans.accelerated_dp_srgd(
       _loss, num_examples=N, batch_size=24, beta=20.0, radius=None,
-      l2_clip=50.0, noise_multiplier=1.0, delta=1e-5, key=0, seed=1,
+      l2_clip=50.0, noise_multiplier=1.0, delta=1e-5,
+      method=ACCOUNTING, key=0, seed=1,
       gradient=gradient, clipping_method='vmap', physical_batch_size=8)
   one = by_pieces = PARAMS
   one_state = pieces_state = plan.init(PARAMS)
@@ -286,11 +293,12 @@ def _diff2_plan(restart_interval, **kwargs):
   if restart_interval == 1:
     return plans.dp_gd(_loss, learning_rate=0.5, num_rounds=4,
                        grad_clip=0.5, num_examples=N, noise_multiplier=1.0,
-                       delta=1e-5, key=0, clipping_method='vmap', **kwargs)
+                       delta=1e-5, method=ACCOUNTING, key=0,
+                       clipping_method='vmap', **kwargs)
   return plans.diff2_gd(
       _loss, learning_rate=0.5, num_rounds=4, restart_interval=2,
       grad_clip=0.5, diff_clip_factor=50.0, num_examples=N,
-      noise_multipliers=(1.0, 1.0), delta=1e-5, key=0,
+      noise_multipliers=(1.0, 1.0), delta=1e-5, method=ACCOUNTING, key=0,
       clipping_method='vmap', **kwargs)
 
 
