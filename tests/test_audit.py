@@ -617,20 +617,27 @@ def test_audit_plan_draws_each_runs_own_poisson_batches_and_noise():
 
 
 def test_audit_plan_runs_fixed_order_and_full_batch_plans():
+  # The noise multipliers are (rounded up) those that `epsilon=2.0`
+  # calibrates to (4.884 and 3.453): claims just below the target without a
+  # calibration each (the Poisson plan above is the calibrated case).
   data, canary, loss_fn, params = _plan_problem()
   ftrl = dpsco_jax.plans.dpftrl(
       loss_fn, optimizer=optax.sgd(1.0), num_examples=64, batch_size=16,
-      epochs=2, l2_clip=1.0, epsilon=TARGET_EPSILON, delta=DELTA,
+      epochs=2, l2_clip=1.0, noise_multiplier=4.9, delta=DELTA,
       clipping_method='vmap')
+  assert 1.9 < ftrl.epsilon < TARGET_EPSILON
   report = audit.audit_plan(ftrl, params=params, data=data, canary=canary,
                             loss_fn=loss_fn, num_runs=100, key=0)
+  assert report.claimed_epsilon == ftrl.epsilon
   assert report.epsilon_lower_bound <= report.claimed_epsilon
   gd = dpsco_jax.plans.dp_gd(loss_fn, learning_rate=1.0, num_rounds=3,
                              grad_clip=1.0, num_examples=64,
-                             epsilon=TARGET_EPSILON, delta=DELTA,
+                             noise_multiplier=3.46, delta=DELTA,
                              clipping_method='vmap')
+  assert 1.9 < gd.epsilon < TARGET_EPSILON
   report = audit.audit_plan(gd, params=params, data=data, canary=canary,
                             loss_fn=loss_fn, num_runs=100, key=0)
+  assert report.claimed_epsilon == gd.epsilon
   assert report.epsilon_lower_bound <= report.claimed_epsilon
 
 
