@@ -563,7 +563,11 @@ def test_audit_plan_poisson_dpsgd_below_its_epsilon_and_a_planted_bug():
   assert report.delta == plan.delta
   assert not report.exceeds_claim, report.to_markdown()
   # Planted bug: the plan claims its epsilon but adds a tenth of its noise.
-  weak = _poisson_plan(loss_fn, noise_multiplier=plan.noise_multiplier / 10)
+  # Only the weak plan's transformation is used: RDP accounts it in
+  # milliseconds (PLD takes seconds at so little noise).
+  weak = _poisson_plan(loss_fn, noise_multiplier=plan.noise_multiplier / 10,
+                       method='rdp')
+  assert weak.noise_multiplier == plan.noise_multiplier / 10
   buggy = dataclasses.replace(plan, transformation=weak.transformation)
   report = audit.audit_plan(buggy, params=params, data=data, canary=canary,
                             loss_fn=loss_fn, num_runs=500, key=1)
@@ -697,7 +701,10 @@ def test_audit_plan_of_300_poisson_steps_catches_a_tenth_of_the_noise(
   assert plan.num_steps == 300
   assert plan.hyperparameters['sampling'] == 'PoissonBatches'
   if divisor != 1.0:
-    weak = _long_plan(noise_multiplier=plan.noise_multiplier / divisor)
+    # Only its transformation is used: RDP accounts it fastest.
+    weak = _long_plan(noise_multiplier=plan.noise_multiplier / divisor,
+                      method='rdp')
+    assert weak.noise_multiplier == plan.noise_multiplier / divisor
     plan = dataclasses.replace(plan, transformation=weak.transformation)
   report = audit.audit_plan(plan, params=jnp.zeros(2), data=data,
                             canary=canary, loss_fn=audit.linear_loss,
