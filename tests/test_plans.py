@@ -204,13 +204,13 @@ class FixedOrderPlansAreZeroOutTest(absltest.TestCase):
   def test_add_or_remove_is_refused_for_a_fixed_or_shuffled_order(self):
     # Adding or removing an example moves every later one to another batch:
     # the fixed-order accounting does not describe that relation. The
-    # refusal comes before any accounting: one fixed-order plan asks for an
-    # epsilon, the others give their noise (no replace-one calibration
-    # each; the recorded relation does not depend on it).
+    # refusal comes before any accounting, and the recorded relation does
+    # not depend on it: the plans give their noise (no replace-one
+    # calibration each).
     sgd = optax.sgd(0.1)
     makers = [
         lambda r: plans.dpsgd(_loss, optimizer=sgd, epochs=EPOCHS,
-                              epsilon=2.0, sampling='fixed',
+                              noise_multiplier=1.0, sampling='fixed',
                               neighboring_relation=r, **COMMON),
         lambda r: plans.dpsgd(_loss, optimizer=sgd, epochs=EPOCHS,
                               noise_multiplier=1.0, sampling='shuffled',
