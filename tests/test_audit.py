@@ -563,7 +563,11 @@ def test_audit_plan_poisson_dpsgd_below_its_epsilon_and_a_planted_bug():
   assert report.delta == plan.delta
   assert not report.exceeds_claim, report.to_markdown()
   # Planted bug: the plan claims its epsilon but adds a tenth of its noise.
-  weak = _poisson_plan(loss_fn, noise_multiplier=plan.noise_multiplier / 10)
+  # Only the weak plan's transformation is used: RDP accounts it in
+  # milliseconds (PLD takes seconds at so little noise).
+  weak = _poisson_plan(loss_fn, noise_multiplier=plan.noise_multiplier / 10,
+                       method='rdp')
+  assert weak.noise_multiplier == plan.noise_multiplier / 10
   buggy = dataclasses.replace(plan, transformation=weak.transformation)
   report = audit.audit_plan(buggy, params=params, data=data, canary=canary,
                             loss_fn=loss_fn, num_runs=500, key=1)
@@ -617,20 +621,27 @@ def test_audit_plan_draws_each_runs_own_poisson_batches_and_noise():
 
 
 def test_audit_plan_runs_fixed_order_and_full_batch_plans():
+  # The noise multipliers are (rounded up) those that `epsilon=2.0`
+  # calibrates to (4.884 and 3.453): claims just below the target without a
+  # calibration each (the Poisson plan above is the calibrated case).
   data, canary, loss_fn, params = _plan_problem()
   ftrl = dpsco_jax.plans.dpftrl(
       loss_fn, optimizer=optax.sgd(1.0), num_examples=64, batch_size=16,
-      epochs=2, l2_clip=1.0, epsilon=TARGET_EPSILON, delta=DELTA,
+      epochs=2, l2_clip=1.0, noise_multiplier=4.9, delta=DELTA,
       clipping_method='vmap')
+  assert 1.9 < ftrl.epsilon < TARGET_EPSILON
   report = audit.audit_plan(ftrl, params=params, data=data, canary=canary,
                             loss_fn=loss_fn, num_runs=100, key=0)
+  assert report.claimed_epsilon == ftrl.epsilon
   assert report.epsilon_lower_bound <= report.claimed_epsilon
   gd = dpsco_jax.plans.dp_gd(loss_fn, learning_rate=1.0, num_rounds=3,
                              grad_clip=1.0, num_examples=64,
-                             epsilon=TARGET_EPSILON, delta=DELTA,
+                             noise_multiplier=3.46, delta=DELTA,
                              clipping_method='vmap')
+  assert 1.9 < gd.epsilon < TARGET_EPSILON
   report = audit.audit_plan(gd, params=params, data=data, canary=canary,
                             loss_fn=loss_fn, num_runs=100, key=0)
+  assert report.claimed_epsilon == gd.epsilon
   assert report.epsilon_lower_bound <= report.claimed_epsilon
 
 
@@ -690,7 +701,10 @@ def test_audit_plan_of_300_poisson_steps_catches_a_tenth_of_the_noise(
   assert plan.num_steps == 300
   assert plan.hyperparameters['sampling'] == 'PoissonBatches'
   if divisor != 1.0:
-    weak = _long_plan(noise_multiplier=plan.noise_multiplier / divisor)
+    # Only its transformation is used: RDP accounts it fastest.
+    weak = _long_plan(noise_multiplier=plan.noise_multiplier / divisor,
+                      method='rdp')
+    assert weak.noise_multiplier == plan.noise_multiplier / divisor
     plan = dataclasses.replace(plan, transformation=weak.transformation)
   report = audit.audit_plan(plan, params=jnp.zeros(2), data=data,
                             canary=canary, loss_fn=audit.linear_loss,

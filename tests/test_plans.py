@@ -203,21 +203,26 @@ class FixedOrderPlansAreZeroOutTest(absltest.TestCase):
 
   def test_add_or_remove_is_refused_for_a_fixed_or_shuffled_order(self):
     # Adding or removing an example moves every later one to another batch:
-    # the fixed-order accounting does not describe that relation.
+    # the fixed-order accounting does not describe that relation. The
+    # refusal comes before any accounting, and the recorded relation does
+    # not depend on it: the plans give their noise (no replace-one
+    # calibration each), ample enough for the accounting of it to be quick.
     sgd = optax.sgd(0.1)
     makers = [
         lambda r: plans.dpsgd(_loss, optimizer=sgd, epochs=EPOCHS,
-                              epsilon=2.0, sampling='fixed',
+                              noise_multiplier=10.0, sampling='fixed',
                               neighboring_relation=r, **COMMON),
         lambda r: plans.dpsgd(_loss, optimizer=sgd, epochs=EPOCHS,
-                              noise_multiplier=1.0, sampling='shuffled',
+                              noise_multiplier=10.0, sampling='shuffled',
                               neighboring_relation=r, **COMMON),
         lambda r: plans.dpftrl(_loss, optimizer=sgd, epochs=EPOCHS,
-                               epsilon=2.0, neighboring_relation=r, **COMMON),
+                               noise_multiplier=10.0, neighboring_relation=r,
+                               **COMMON),
         lambda r: plans.dpmemf(_loss, optimizer=sgd, epochs=EPOCHS,
-                               epsilon=2.0, neighboring_relation=r, **COMMON),
+                               noise_multiplier=10.0, neighboring_relation=r,
+                               **COMMON),
         lambda r: plans.accelerated_dp_srgd(
-            _loss, beta=10.0, radius=None, epsilon=2.0,
+            _loss, beta=10.0, radius=None, noise_multiplier=10.0,
             neighboring_relation=r, **COMMON),
     ]
     with warnings.catch_warnings():
