@@ -446,10 +446,6 @@ class Diff2PlanTest(absltest.TestCase):
         places=6)
 
 
-if __name__ == '__main__':
-  absltest.main()
-
-
 def _tied_loss(params, example):
   # The weights are used twice, once by `integer_pow`: no ghost-norm rule.
   return (example['x'] @ params - example['y']) ** 2 + jnp.sum(params ** 2)
@@ -500,3 +496,7 @@ class ClippingMethodTest(parameterized.TestCase):
       state = plan.init(jnp.ones(DIM))
     with self.assertRaises(dpsco_jax.ghost.GhostClippingUnsupported):
       plan.transformation.update(None, state, jnp.ones(DIM), batch=_data())
+
+
+if __name__ == '__main__':
+  absltest.main()
