@@ -139,8 +139,15 @@ def compiled_peak_bytes(fn: Callable[..., Any], *args: Any,
     Bytes.
   """
   cost = dpsco_jax.compiled_cost(fn, *args)
-  return int(cost.argument_bytes + cost.temp_bytes +
-             max(0, cost.output_bytes - _nbytes(donated)))
+  return _planned_peak(cost.argument_bytes, cost.temp_bytes,
+                       cost.output_bytes, donated)
+
+
+def _planned_peak(argument_bytes: int, temp_bytes: int, output_bytes: int,
+                  donated: PyTree) -> int:
+  """Arguments + temporaries + the outputs not written over `donated`."""
+  return int(argument_bytes + temp_bytes +
+             max(0, output_bytes - _nbytes(donated)))
 
 
 def step_row(name: str, step: Step, params: PyTree, state: PyTree,
@@ -189,9 +196,9 @@ def step_row(name: str, step: Step, params: PyTree, state: PyTree,
         peak.append(compiled_peak_bytes(step, *shapes, donated=shapes[:2]))
       else:
         memory = compiled.memory_analysis()
-        peak.append(int(
-            memory.argument_size_in_bytes + memory.temp_size_in_bytes +
-            max(0, memory.output_size_in_bytes - _nbytes(shapes[:2]))))
+        peak.append(_planned_peak(
+            memory.argument_size_in_bytes, memory.temp_size_in_bytes,
+            memory.output_size_in_bytes, shapes[:2]))
     return peak[0]
 
   carry = ((params, state) if abstract else
