@@ -552,8 +552,8 @@ def score_test_epsilon(num_points: int, epsilon: float, delta: float, *,
 
   return _smallest_passing(
       lambda score_epsilon: score_noise_tail(
-          gap, 8.0 / score_epsilon, 4.0 / score_epsilon,
-          num_steps) > budget, relative_tolerance=1e-12)
+          gap, 8.0 / score_epsilon, 4.0 / score_epsilon, num_steps),
+      budget, relative_tolerance=1e-12)
 
 
 def fewest_points(epsilon: float, delta: float, *, score_share: float = 0.5,
@@ -598,14 +598,87 @@ def fewest_points(epsilon: float, delta: float, *, score_share: float = 0.5,
   return high
 
 
-def _smallest_passing(fails: Callable[[float], bool], *,
+def _smallest_passing(value: Callable[[float], float], target: float, *,
                       relative_tolerance: float = 1e-4,
                       limit: float = 1e6) -> float:
-  """The smallest positive x (to `relative_tolerance`) with `fails(x)` False.
+  """The smallest positive x (to `relative_tolerance`) with value(x) <= target.
 
-  `fails` must be decreasing in x (True below some point, False above).
-  Returns inf when even `limit` fails.
+  `value` must be decreasing in x (above `target` below some point, at most
+  `target` above it). The answer is the plain bisection's: double x from 1
+  until it passes, then halve the bracket until it is narrower than
+  `relative_tolerance` of its top, and return the top. Most of that
+  bisection's questions are answered without calling `value`: once a
+  failing and a passing point are known, a safeguarded secant search
+  (Illinois) on log(value / target) narrows the crossing far inside the
+  bisection's last interval, and every point outside the narrowed bracket
+  is answered by monotonicity alone. A PLD evaluation at a large epsilon
+  takes about a second; the plain bisection needs 15-18 of them.
+
+  Args:
+    value: decreasing in x; compared with `target`.
+    target: the largest passing value.
+    relative_tolerance: the bisection's stopping width, over its top.
+    limit: the largest x tried.
+
+  Returns:
+    x, or inf when even `limit` fails.
   """
+  # Evaluated ends: the largest failing and the smallest passing point, with
+  # their log(value / target) (> 0 failing, <= 0 passing; inf/-inf where the
+  # value is inf or 0).
+  failing, passing = [0.0, math.inf], [math.inf, -math.inf]
+
+  def evaluate(x: float) -> bool:
+    v = float(value(x))
+    log_ratio = (math.log(v / target) if 0.0 < v < math.inf and target > 0
+                 else (math.inf if v > target else -math.inf))
+    if v > target:
+      failing[:] = [x, max(log_ratio, 1e-300)] if x > failing[0] else failing
+      return True
+    passing[:] = [x, log_ratio] if x < passing[0] else passing
+    return False
+
+  def narrow() -> None:
+    """Illinois steps until the bracket is far inside the bisection's step."""
+    (low, low_log), (high, high_log) = failing, passing
+    if not (low > 0 and math.isfinite(low_log) and math.isfinite(high_log)):
+      return
+    kept = None
+    for _ in range(16):
+      width, enough = high - low, relative_tolerance / 16 * high
+      if width <= enough:
+        return
+      guess = high - high_log * width / (high_log - low_log)
+      # At least half the wanted width from either end (as Brent's method
+      # steps at least its tolerance): a guess next to the crossing then
+      # brackets it in one evaluation.
+      margin = max(1e-3 * width, 0.5 * enough)
+      guess = min(max(guess, low + margin), high - margin)
+      # Illinois: an end kept twice in a row counts half, so that both ends
+      # move (plain regula falsi creeps up on the crossing from one side).
+      if evaluate(guess):
+        (low, low_log), high_log = failing, (
+            0.5 * high_log if kept == 'high' else high_log)
+        kept = 'high'
+      else:
+        (high, high_log), low_log = passing, (
+            0.5 * low_log if kept == 'low' else low_log)
+        kept = 'low'
+      if not (math.isfinite(low_log) and math.isfinite(high_log)):
+        return
+
+  def fails(x: float) -> bool:
+    if x <= failing[0]:
+      return True
+    if x >= passing[0]:
+      return False
+    narrow()
+    if x <= failing[0]:
+      return True
+    if x >= passing[0]:
+      return False
+    return evaluate(x)
+
   low, high = 0.0, 1.0
   while fails(high):
     low, high = high, 2.0 * high
@@ -622,9 +695,10 @@ def _smallest_passing(fails: Callable[[float], bool], *,
   return high
 
 
-def _bisect_multiplier(fails: Callable[[float], bool]) -> float:
-  """The smallest noise multiplier (to 1e-4 relative) with `fails` False."""
-  multiplier = _smallest_passing(fails)
+def _bisect_multiplier(value: Callable[[float], float], target: float
+                       ) -> float:
+  """The smallest noise multiplier (to 1e-4 relative) with value <= target."""
+  multiplier = _smallest_passing(value, target)
   if multiplier == math.inf:
     raise ValueError('no Gaussian noise meets this (epsilon, delta) after '
                      'the score tests')
@@ -636,8 +710,9 @@ _CALIBRATION_CACHE_VERSION = 1
 
 
 def _cached_multiplier(kind: str, key: dict[str, Any],
-                       fails: Callable[[float], bool]) -> float:
-  """`_bisect_multiplier(fails)`, cached on disk under `key` (PLD seconds).
+                       value: Callable[[float], float],
+                       target: float) -> float:
+  """`_bisect_multiplier(value, target)`, cached on disk under `key`.
 
   Privacy never rests on the cache alone: a cached multiplier that does not
   meet the target is refused (one PLD evaluation) and computed again.
@@ -647,12 +722,12 @@ def _cached_multiplier(kind: str, key: dict[str, Any],
   computed = []
 
   def compute() -> float:
-    computed.append(_bisect_multiplier(fails))
+    computed.append(_bisect_multiplier(value, target))
     return computed[0]
 
   multiplier = strategies.cached_calibration(
       strategies.calibration_file(kind, key), compute)
-  if not computed and fails(multiplier):
+  if not computed and value(multiplier) > target:
     multiplier = compute()
   return multiplier
 
@@ -668,7 +743,7 @@ def _gaussian_multiplier(laplace_multiplier: float, epsilon: float,
           'laplace_multiplier': float(laplace_multiplier),
           'epsilon': float(epsilon), 'delta': float(delta)},
       lambda z: accounting.laplace_and_gaussian_delta(
-          laplace_multiplier, z, epsilon) > delta)
+          laplace_multiplier, z, epsilon), delta)
 
 
 @functools.lru_cache(maxsize=256)
@@ -682,7 +757,7 @@ def _sampled_gaussian_multiplier(epsilon: float, delta: float,
           'num_steps': int(num_steps), 'population': int(population),
           'sample_size': int(sample_size)},
       lambda z: accounting.subsampled_gaussian_epsilon(
-          z, num_steps, population, sample_size, delta) > epsilon)
+          z, num_steps, population, sample_size, delta), epsilon)
 
 
 def _leaves_as_rows(points: PyTree) -> list[jax.Array]:

@@ -554,16 +554,72 @@ def test_a_cached_multiplier_is_reused_only_while_it_meets_the_target(
     tmp_path, monkeypatch):
   """The on-disk calibration cache saves time and never weakens the noise."""
   monkeypatch.setenv('DPSCO_JAX_CACHE', str(tmp_path))
-  fails = lambda z: z < 1.2345   # a target met from z = 1.2345 on
+  # A target met from z = 1.2345 on: value(z) <= 1 exactly there.
+  fails = (lambda z: 1.2345 / z), 1.0
   key = {'test': 'cache'}
-  computed = orm._cached_multiplier('outlier-removal-test', key, fails)
+  computed = orm._cached_multiplier('outlier-removal-test', key, *fails)
   assert 1.2345 <= computed < 1.2345 * (1 + 2e-4)
   (entry,) = (tmp_path / 'calibrations').glob('outlier-removal-test-*.json')
   # A larger cached multiplier still meets the target: it is read back.
   entry.write_text(json.dumps({'noise_multiplier': 2.0}))
-  assert orm._cached_multiplier('outlier-removal-test', key, fails) == 2.0
+  assert orm._cached_multiplier('outlier-removal-test', key, *fails) == 2.0
   # A cached multiplier below the target (a stale or edited entry) is
   # refused and computed again.
   entry.write_text(json.dumps({'noise_multiplier': 1.0}))
   assert orm._cached_multiplier('outlier-removal-test', key,
-                                fails) == computed
+                                *fails) == computed
+
+
+def _plain_bisection(value, target, relative_tolerance=1e-4, limit=1e6):
+  """The bisection `orm._smallest_passing` must reproduce, written out."""
+  low, high = 0.0, 1.0
+  while value(high) > target:
+    low, high = high, 2.0 * high
+    if high > limit:
+      return math.inf
+  for _ in range(60):
+    middle = 0.5 * (low + high)
+    if value(middle) > target:
+      low = middle
+    else:
+      high = middle
+    if high - low < relative_tolerance * high:
+      break
+  return high
+
+
+@pytest.mark.parametrize('value, target', [
+    (lambda z: math.exp(-(30.0 * z) ** 2 / 2.0), 7.5e-6),  # a delta-like tail
+    (lambda z: 1.0 / z ** 2, 1e-3),                         # crossing far above 1
+    (lambda z: 0.0 if z > 0.37 else 1.0, 0.5),              # a step: no secant
+    (lambda z: math.inf if z < 0.2 else 1.0 / z, 4.0),      # inf below 0.2
+    (lambda z: 5.0 - z, 1.0),                               # linear
+    (lambda z: 1.0 / z, 1e-9),                              # beyond the limit
+])
+def test_the_narrowed_search_returns_the_plain_bisections_answer(value,
+                                                                 target):
+  """The same multiplier as the plain bisection, in fewer evaluations."""
+  calls = []
+
+  def counted(z):
+    calls.append(z)
+    return value(z)
+
+  plain_calls = []
+  plain = _plain_bisection(lambda z: plain_calls.append(z) or value(z),
+                           target)
+  assert orm._smallest_passing(counted, target) == plain
+  assert len(calls) <= len(plain_calls)
+
+
+def test_the_outlier_multiplier_needs_fewer_evaluations():
+  """Each PLD evaluation takes 0.1 s here and about a second at epsilon 30."""
+  calls = []
+
+  def delta_of(z):
+    calls.append(z)
+    return accounting.laplace_and_gaussian_delta(1.0, z, 2.0)
+
+  z = orm._smallest_passing(delta_of, 7.5e-6)
+  assert len(calls) <= 9, len(calls)   # the plain bisection: 16
+  assert delta_of(z) <= 7.5e-6 < delta_of(z * (1 - 1e-4))
