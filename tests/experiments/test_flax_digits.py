@@ -22,12 +22,15 @@ def test_a_flax_model_trains_privately(tmp_path, model, algorithm):
   config = flax_digits_config.get_config()
   config.model, config.algorithm = model, algorithm
   config.num_epochs, config.eval_every = 3, 6
+  # A smaller target than the default 2 calibrates to larger noise, whose
+  # privacy loss distribution is quicker to compute.
+  config.epsilon = 1.0
   with warnings.catch_warnings():
     warnings.simplefilter('ignore')
     result = flax_digits.run(config, str(tmp_path))
   first, last = result.rows[0], result.rows[-1]
   assert first['epsilon'] == 0.0
-  assert 1.99 < last['epsilon'] <= 2.0 + 1e-9
+  assert 0.99 < last['epsilon'] <= 1.0 + 1e-9
   assert last['epoch'] == pytest.approx(3.0, rel=0.02)
   # Ten classes: chance is 0.1; even three private epochs do far better.
   assert last['test_accuracy'] > 0.3, last
