@@ -29,16 +29,18 @@ CLIP = 0.01  # binds for every example below
 def _logistic_batch_of_one():
   """Logistic regression written with a batch axis of one, optax loss."""
   rng = np.random.default_rng(0)
-  params = {'w': jnp.asarray(rng.normal(size=(4, 3)), jnp.float32),
-            'b': jnp.zeros(3)}
+  # Cast in numpy: `jnp.asarray(x, dtype)` of another dtype and `jnp.zeros`
+  # compile a program per shape.
+  params = {'w': jnp.asarray(rng.normal(size=(4, 3)).astype(np.float32)),
+            'b': jnp.asarray(np.zeros(3, np.float32))}
 
   def loss_fn(p, ex):
     logits = ex['x'][None] @ p['w'] + p['b']
     return optax.softmax_cross_entropy_with_integer_labels(
         logits, ex['y'][None]).mean()
 
-  batch = {'x': jnp.asarray(rng.normal(size=(8, 4)), jnp.float32),
-           'y': jnp.asarray(rng.integers(0, 3, 8), jnp.int32)}
+  batch = {'x': jnp.asarray(rng.normal(size=(8, 4)).astype(np.float32)),
+           'y': jnp.asarray(rng.integers(0, 3, 8).astype(np.int32))}
   return loss_fn, params, batch
 
 
@@ -54,7 +56,7 @@ def _attention_lm(mask: str):
   rng = np.random.default_rng(1)
 
   def normal(*shape):
-    return jnp.asarray(rng.normal(size=shape) * 0.5, jnp.float32)
+    return jnp.asarray((rng.normal(size=shape) * 0.5).astype(np.float32))
 
   params = {'emb': normal(V, D), 'q': normal(D, D), 'k': normal(D, D),
             'out': normal(D, V)}
@@ -70,8 +72,8 @@ def _attention_lm(mask: str):
     return optax.softmax_cross_entropy_with_integer_labels(
         logits, ex['labels']).mean()
 
-  batch = {'tokens': jnp.asarray(rng.integers(0, V, (8, T)), jnp.int32),
-           'labels': jnp.asarray(rng.integers(0, V, (8, T)), jnp.int32)}
+  batch = {'tokens': jnp.asarray(rng.integers(0, V, (8, T)).astype(np.int32)),
+           'labels': jnp.asarray(rng.integers(0, V, (8, T)).astype(np.int32))}
   return loss_fn, params, batch
 
 

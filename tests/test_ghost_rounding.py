@@ -54,9 +54,10 @@ def test_cancelling_positions_are_still_clipped(seed):
   # clip norms, the positions themselves 1e6 to 1e9.
   remainder = rng.normal(size=base.shape) * 10.0 ** rng.uniform(0, 2) / scale
   x = np.concatenate([base, -base + remainder]) * scale
-  batch = {'x': jnp.asarray(x[None], jnp.float32),
-           'r': jnp.asarray(rng.normal(size=(1, OUT)) / np.sqrt(OUT),
-                            jnp.float32)}
+  # numpy float32 (a cast by jnp would compile a program per shape).
+  batch = {'x': np.asarray(x[None], np.float32),
+           'r': np.asarray(rng.normal(size=(1, OUT)) / np.sqrt(OUT),
+                           np.float32)}
   params = {'w': jnp.zeros((FEATURES, OUT), jnp.float32)}
   clip = 1.0
   stat = _compiled(clipping.clipped_grad_sum, _loss, clip)
@@ -81,8 +82,8 @@ def test_cancelling_differences_are_still_clipped(seed):
   a = float(10.0 ** rng.uniform(4, 6))
   b = a * (1.0 - 10.0 ** rng.uniform(-6, -4))
   w1 = rng.normal(size=(FEATURES, OUT)) / np.sqrt(FEATURES)
-  params = {'w1': jnp.asarray(w1, jnp.float32),
-            'w2': jnp.asarray(rng.normal(size=(OUT, OUT)), jnp.float32)}
+  params = {'w1': np.asarray(w1, np.float32),
+            'w2': np.asarray(rng.normal(size=(OUT, OUT)), np.float32)}
   # numpy (float32 as before): eager jnp would compile per operation.
   prev = jax.tree.map(
       lambda p: np.asarray(p) + (1e-6 * rng.normal(size=p.shape)).astype(
@@ -109,8 +110,8 @@ def test_cancelling_items_of_a_user_are_still_clipped(seed):
   remainder = rng.normal(size=base.shape) * 10.0 ** rng.uniform(0, 2) / scale
   x = np.concatenate([base, -base + remainder]) * scale   # [items, 1, F]
   r = np.repeat(rng.normal(size=(1, OUT)) / np.sqrt(OUT), POSITIONS, 0)
-  items = {'x': jnp.asarray(x[None], jnp.float32),
-           'r': jnp.asarray(r[None], jnp.float32)}
+  items = {'x': np.asarray(x[None], np.float32),
+           'r': np.asarray(r[None], np.float32)}
   params = {'w': jnp.zeros((FEATURES, OUT), jnp.float32)}
   clip = 1.0
   stat = _compiled(clipping.clipped_user_grad_sum, _loss, clip)
@@ -158,8 +159,8 @@ def _cancelling_sequence(rng, positions, width):
   remainder = rng.normal(size=base.shape) * 10.0 ** rng.uniform(0, 2) / scale
   x = np.concatenate([base, -base + remainder]) * scale
   r = rng.normal(size=(width,)) / np.sqrt(width)
-  return ({'x': jnp.asarray(x[None], jnp.float32),
-           'r': jnp.asarray(r[None], jnp.float32)},
+  return ({'x': np.asarray(x[None], np.float32),
+           'r': np.asarray(r[None], np.float32)},
           {'w': jnp.zeros((width, width), jnp.float32)})
 
 
@@ -195,14 +196,18 @@ def _decoder_loss(params, example):
 
 def _decoder_case(positions, width, vocabulary=32, examples=3, seed=0):
   rng = np.random.default_rng(seed)
-  normal = lambda *shape: jnp.asarray(rng.normal(size=shape) / np.sqrt(
-      shape[0]), jnp.float32)
-  params = {'embed': normal(vocabulary, width) * np.sqrt(vocabulary),
-            'mix': normal(width, width), 'mix_bias': jnp.zeros(width),
-            'scale': jnp.ones(width), 'head': normal(width, vocabulary)}
+  normal = lambda *shape: np.asarray(rng.normal(size=shape) / np.sqrt(
+      shape[0]), np.float32)
+  # numpy float32 throughout (eager jnp casts and products compile per
+  # shape).
+  params = {'embed': normal(vocabulary, width) * np.float32(
+                np.sqrt(vocabulary)),
+            'mix': normal(width, width), 'mix_bias': np.zeros(width, np.float32),
+            'scale': np.ones(width, np.float32),
+            'head': normal(width, vocabulary)}
   tokens = rng.integers(0, vocabulary, (examples, positions + 1))
-  batch = {'tokens': jnp.asarray(tokens[:, :-1], jnp.int32),
-           'targets': jnp.asarray(tokens[:, 1:], jnp.int32)}
+  batch = {'tokens': np.asarray(tokens[:, :-1], np.int32),
+           'targets': np.asarray(tokens[:, 1:], np.int32)}
   return params, batch
 
 
@@ -243,11 +248,11 @@ def test_binding_clip_gives_contributions_at_the_clip_in_the_gram_form(
   # K times the norm, and at width 1024 a one-level bound (gamma_C) would
   # clip at 0.998.
   rng = np.random.default_rng(1)
-  params = {'w': jnp.asarray(rng.normal(size=(width, width)) / np.sqrt(width),
-                             jnp.float32)}
-  batch = {'x': jnp.asarray(rng.normal(size=(2, positions, width)),
-                            jnp.float32),
-           'r': jnp.asarray(rng.normal(size=(2, width)), jnp.float32)}
+  params = {'w': np.asarray(rng.normal(size=(width, width)) / np.sqrt(width),
+                            np.float32)}
+  batch = {'x': np.asarray(rng.normal(size=(2, positions, width)),
+                           np.float32),
+           'r': np.asarray(rng.normal(size=(2, width)), np.float32)}
   choice = clipping.clipped_grad_sum(_sequence_loss, 1.0).clipping_choice(
       batch, params)
   assert [tap.form for tap in choice.taps] == ['gram']
