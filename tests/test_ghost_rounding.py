@@ -202,7 +202,8 @@ def _decoder_case(positions, width, vocabulary=32, examples=3, seed=0):
   # shape).
   params = {'embed': normal(vocabulary, width) * np.float32(
                 np.sqrt(vocabulary)),
-            'mix': normal(width, width), 'mix_bias': np.zeros(width, np.float32),
+            'mix': normal(width, width),
+            'mix_bias': np.zeros(width, np.float32),
             'scale': np.ones(width, np.float32),
             'head': normal(width, vocabulary)}
   tokens = rng.integers(0, vocabulary, (examples, positions + 1))
