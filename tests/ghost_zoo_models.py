@@ -27,24 +27,28 @@ def _rng(seed: int) -> np.random.Generator:
 
 
 def _normal(rng, *shape, scale=0.5):
-  return jnp.asarray(rng.normal(size=shape) * scale, jnp.float32)
+  # Cast in numpy: `jnp.asarray(x, dtype)` of another dtype compiles a
+  # program per shape.
+  return jnp.asarray((rng.normal(size=shape) * scale).astype(np.float32))
 
 
 def _images(rng, size=8, channels=3):
   return {'x': _normal(rng, NUM_EXAMPLES, size, size, channels, scale=1.0),
-          'y': jnp.asarray(rng.integers(0, CLASSES, NUM_EXAMPLES), jnp.int32)}
+          'y': jnp.asarray(rng.integers(0, CLASSES, NUM_EXAMPLES).astype(
+              np.int32))}
 
 
 def _vectors(rng, features=6):
   return {'x': _normal(rng, NUM_EXAMPLES, features, scale=1.0),
-          'y': jnp.asarray(rng.integers(0, CLASSES, NUM_EXAMPLES), jnp.int32)}
+          'y': jnp.asarray(rng.integers(0, CLASSES, NUM_EXAMPLES).astype(
+              np.int32))}
 
 
 def _tokens(rng):
-  return {'tokens': jnp.asarray(rng.integers(0, V, (NUM_EXAMPLES, T)),
-                                jnp.int32),
-          'labels': jnp.asarray(rng.integers(0, V, (NUM_EXAMPLES, T)),
-                                jnp.int32)}
+  return {'tokens': jnp.asarray(rng.integers(0, V, (NUM_EXAMPLES, T)).astype(
+      np.int32)),
+          'labels': jnp.asarray(rng.integers(0, V, (NUM_EXAMPLES, T)).astype(
+              np.int32))}
 
 
 def _classify(logits, y):

@@ -25,8 +25,13 @@ CLIP = 1.0
 NUM_EXAMPLES = 12
 
 
+# Arrays are made in numpy, cast there: `jnp.asarray(x, dtype)` of another
+# dtype, indexing a jax array and eager jnp operations each compile a program
+# per shape.
+
+
 def _normal(rng, *shape, scale=1.0):
-  return jnp.asarray(rng.normal(size=shape) * scale, jnp.float32)
+  return jnp.asarray((rng.normal(size=shape) * scale).astype(np.float32))
 
 
 def _classification_batch(rng, num_features, num_classes=3,
@@ -35,9 +40,8 @@ def _classification_batch(rng, num_features, num_classes=3,
       num_examples, positions, num_features)
   # Scales spread over [0.1, 3] so some examples are clipped and some not.
   scales = rng.uniform(0.1, 3.0, size=(num_examples,) + (1,) * (len(shape) - 1))
-  return {'x': jnp.asarray(rng.normal(size=shape) * scales, jnp.float32),
-          'y': jnp.asarray(rng.integers(0, num_classes, num_examples),
-                           jnp.int32)}
+  return {'x': (rng.normal(size=shape) * scales).astype(np.float32),
+          'y': rng.integers(0, num_classes, num_examples).astype(np.int32)}
 
 
 def _cross_entropy(logits, label):
@@ -197,9 +201,8 @@ def _embedding_model(seed=8):
   rng = np.random.default_rng(seed)
   # 6 tokens from a vocabulary of 5: most examples repeat a token, so the
   # rows of the table's gradient add up and the equality term matters.
-  batch = {'x': jnp.asarray(rng.integers(0, VOCABULARY, (NUM_EXAMPLES, 6)),
-                            jnp.int32),
-           'y': jnp.asarray(rng.integers(0, 3, NUM_EXAMPLES), jnp.int32)}
+  batch = {'x': rng.integers(0, VOCABULARY, (NUM_EXAMPLES, 6)).astype(np.int32),
+           'y': rng.integers(0, 3, NUM_EXAMPLES).astype(np.int32)}
   return loss_fn, params, batch
 
 
@@ -552,7 +555,8 @@ def test_pmap_statistic_is_per_device_and_sums_to_the_whole_batch():
   per_device = jax.pmap(lambda rows, p: stat(rows, p), in_axes=(0, None),
                         devices=jax.devices()[:num_devices])(split, params)
   whole = _run(loss_fn, params, batch, 'vmap')
-  summed = jax.tree_util.tree_map(lambda x: jnp.sum(x, axis=0), per_device)
+  summed = jax.tree_util.tree_map(lambda x: np.sum(np.asarray(x), axis=0),
+                                  per_device)
   _assert_same(summed, whole)
 
 
@@ -593,8 +597,8 @@ def _column_gather(seed=9):
     return jnp.sum(jnp.tanh(example['x'] @ picked))
 
   batch = dict(_classification_batch(rng, 6),
-               tokens=jnp.asarray(rng.integers(0, VOCABULARY,
-                                               (NUM_EXAMPLES, 2)), jnp.int32))
+               tokens=rng.integers(0, VOCABULARY,
+                                   (NUM_EXAMPLES, 2)).astype(np.int32))
   return loss_fn, params, batch
 
 
@@ -665,8 +669,8 @@ def test_embedding_ids_outside_the_table_never_shrink_the_norm():
   # the true gradient of that row is the SUM of both positions' gradients.
   # Norms that took the raw ids as distinct rows would give sqrt(P) times
   # too little here, and the clipped contribution would exceed the clip.
-  direction = jnp.asarray([1.0, -2.0, 0.5], jnp.float32)
-  params = {'table': jnp.zeros((VOCABULARY, 3), jnp.float32)}
+  direction = np.asarray([1.0, -2.0, 0.5], np.float32)
+  params = {'table': jnp.asarray(np.zeros((VOCABULARY, 3), np.float32))}
 
   def loss_fn(params, example):
     rows = jnp.take(params['table'], example['tokens'], axis=0, mode='clip')
@@ -674,7 +678,7 @@ def test_embedding_ids_outside_the_table_never_shrink_the_norm():
 
   tokens = np.full((NUM_EXAMPLES, 6), VOCABULARY - 1)
   tokens[:, ::2] = VOCABULARY + 2          # outside: clamped to V - 1
-  batch = {'tokens': jnp.asarray(tokens, jnp.int32)}
+  batch = {'tokens': tokens.astype(np.int32)}
   true_norm = 6 * float(np.linalg.norm(np.asarray(direction)))
   clip = 0.5 * true_norm
   single = _rows(batch, slice(0, 1))
@@ -682,7 +686,7 @@ def test_embedding_ids_outside_the_table_never_shrink_the_norm():
   assert float(np.linalg.norm(np.asarray(out.sum['table']))) <= clip * (
       1 + 1e-6)
   # With every id inside the table the norms are exact again.
-  inside = {'tokens': jnp.asarray(np.full((NUM_EXAMPLES, 6), 1), jnp.int32)}
+  inside = {'tokens': np.full((NUM_EXAMPLES, 6), 1, np.int32)}
   ghost_out, vmap_out = _ghost_and_vmap(loss_fn, params, inside, clip=clip)
   _assert_same(ghost_out, vmap_out)
   assert int(vmap_out.num_clipped) == NUM_EXAMPLES

@@ -29,16 +29,18 @@ CLIP = 0.01  # binds for every example below
 def _logistic_batch_of_one():
   """Logistic regression written with a batch axis of one, optax loss."""
   rng = np.random.default_rng(0)
-  params = {'w': jnp.asarray(rng.normal(size=(4, 3)), jnp.float32),
-            'b': jnp.zeros(3)}
+  # Cast in numpy: `jnp.asarray(x, dtype)` of another dtype and `jnp.zeros`
+  # compile a program per shape.
+  params = {'w': jnp.asarray(rng.normal(size=(4, 3)).astype(np.float32)),
+            'b': jnp.asarray(np.zeros(3, np.float32))}
 
   def loss_fn(p, ex):
     logits = ex['x'][None] @ p['w'] + p['b']
     return optax.softmax_cross_entropy_with_integer_labels(
         logits, ex['y'][None]).mean()
 
-  batch = {'x': jnp.asarray(rng.normal(size=(8, 4)), jnp.float32),
-           'y': jnp.asarray(rng.integers(0, 3, 8), jnp.int32)}
+  batch = {'x': jnp.asarray(rng.normal(size=(8, 4)).astype(np.float32)),
+           'y': jnp.asarray(rng.integers(0, 3, 8).astype(np.int32))}
   return loss_fn, params, batch
 
 
@@ -54,7 +56,7 @@ def _attention_lm(mask: str):
   rng = np.random.default_rng(1)
 
   def normal(*shape):
-    return jnp.asarray(rng.normal(size=shape) * 0.5, jnp.float32)
+    return jnp.asarray((rng.normal(size=shape) * 0.5).astype(np.float32))
 
   params = {'emb': normal(V, D), 'q': normal(D, D), 'k': normal(D, D),
             'out': normal(D, V)}
@@ -70,8 +72,8 @@ def _attention_lm(mask: str):
     return optax.softmax_cross_entropy_with_integer_labels(
         logits, ex['labels']).mean()
 
-  batch = {'tokens': jnp.asarray(rng.integers(0, V, (8, T)), jnp.int32),
-           'labels': jnp.asarray(rng.integers(0, V, (8, T)), jnp.int32)}
+  batch = {'tokens': jnp.asarray(rng.integers(0, V, (8, T)).astype(np.int32)),
+           'labels': jnp.asarray(rng.integers(0, V, (8, T)).astype(np.int32))}
   return loss_fn, params, batch
 
 
@@ -95,6 +97,16 @@ def _jitted(stat):
   return jax.jit(lambda batch, params: stat(batch, params))
 
 
+def _clipped_sum_of_gradients(per_example, clip):
+  """numpy float64: `(sum of the rows of per_example clipped to clip, units
+  clipped)`; the gradients' leaves flattened per example."""
+  rows = np.concatenate([
+      np.asarray(g, np.float64).reshape(len(g), -1)
+      for g in jax.tree_util.tree_leaves(per_example)], axis=1)
+  norms = np.linalg.norm(rows, axis=1)
+  return np.minimum(1.0, clip / norms) @ rows, int(np.sum(norms > clip))
+
+
 @pytest.mark.parametrize('name', sorted(ISSUE_LOSSES))
 def test_issue_losses_take_the_ghost_path_through_dpsgd(name):
   loss_fn, params, batch = ISSUE_LOSSES[name]()
@@ -102,21 +114,27 @@ def test_issue_losses_take_the_ghost_path_through_dpsgd(name):
       dpsco_jax.dpsgd(loss_fn, l2_clip=CLIP, noise_multiplier=1.0,
                       num_steps=10, key=0),
       optax.sgd(0.1))
+  stat = clipping.clipped_grad_sum(loss_fn, CLIP, clipping_method='ghost')
+  assert stat.ghost_plan(batch, params) is not None
+
+  @jax.jit   # one program: the step, the ghost path, per-example gradients
+  def run(params, batch):
+    updates, _ = tx.update(None, tx.init(params), params, batch=batch)
+    return (updates, stat(batch, params),
+            jax.vmap(jax.grad(loss_fn), (None, 0))(params, batch))
+
   with warnings.catch_warnings():
     # The default path must be the ghost one: a fallback would warn.
     warnings.simplefilter('error', clipping.GhostClippingFallbackWarning)
-    updates, _ = jax.jit(functools.partial(tx.update, None))(
-        tx.init(params), params, batch=batch)
+    updates, ghost_sum, per_example = run(params, batch)
   assert all(np.all(np.isfinite(u))
              for u in jax.tree_util.tree_leaves(updates))
-  # The ghost path, and it agrees with per-example gradients.
-  stat = clipping.clipped_grad_sum(loss_fn, CLIP, clipping_method='ghost')
-  assert stat.ghost_plan(batch, params) is not None
-  ghost_sum = _jitted(stat)(batch, params)
-  vmap_sum = _jitted(clipping.clipped_grad_sum(
-      loss_fn, CLIP, clipping_method='vmap'))(batch, params)
-  assert int(ghost_sum.num_clipped) == int(vmap_sum.num_clipped) == 8
-  assert _relative_l2(ghost_sum.sum, vmap_sum.sum) < 1e-4
+  # The ghost path agrees with per-example gradients clipped to the clip
+  # the statistic documents (`clipping.effective_clip`), in numpy.
+  expected, clipped = _clipped_sum_of_gradients(
+      per_example, clipping.effective_clip(CLIP, 8))
+  assert int(ghost_sum.num_clipped) == clipped == 8
+  assert _relative_l2(ghost_sum.sum, expected) < 1e-4
 
 
 # Constants of every kind, each through a structural operation

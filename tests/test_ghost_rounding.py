@@ -9,6 +9,8 @@ path adds a rounding margin to every layer's squared norm; these tests feed
 such examples and check the clipped sum's norm against the clip.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +23,20 @@ from dpsco_jax import clipping
 pytestmark = pytest.mark.xla_optimized
 
 POSITIONS, FEATURES, OUT = 6, 8, 3
+
+
+@functools.cache
+def _compiled(make, loss_fn, clip=1.0):
+  """`jax.jit(make(loss_fn, clip, clipping_method='ghost'))`, shared by a
+  test's seeds: compiled as users run it, one program for every seed (run
+  eagerly, each of its operations would compile a program of its own)."""
+  return jax.jit(make(loss_fn, clip, clipping_method='ghost'))
+
+
+def _norm(tree):
+  """numpy float64: the global l2 norm of `tree`."""
+  return float(np.sqrt(sum(np.sum(np.asarray(v, np.float64)**2)
+                           for v in jax.tree_util.tree_leaves(tree))))
 
 
 def _loss(params, example):
@@ -38,14 +54,14 @@ def test_cancelling_positions_are_still_clipped(seed):
   # clip norms, the positions themselves 1e6 to 1e9.
   remainder = rng.normal(size=base.shape) * 10.0 ** rng.uniform(0, 2) / scale
   x = np.concatenate([base, -base + remainder]) * scale
-  batch = {'x': jnp.asarray(x[None], jnp.float32),
-           'r': jnp.asarray(rng.normal(size=(1, OUT)) / np.sqrt(OUT),
-                            jnp.float32)}
+  # numpy float32 (a cast by jnp would compile a program per shape).
+  batch = {'x': np.asarray(x[None], np.float32),
+           'r': np.asarray(rng.normal(size=(1, OUT)) / np.sqrt(OUT),
+                           np.float32)}
   params = {'w': jnp.zeros((FEATURES, OUT), jnp.float32)}
   clip = 1.0
-  stat = clipping.clipped_grad_sum(_loss, clip, clipping_method='ghost')
-  out = stat(batch, params)
-  norm = float(jnp.linalg.norm(out.sum['w']))
+  stat = _compiled(clipping.clipped_grad_sum, _loss, clip)
+  norm = _norm(stat(batch, params).sum['w'])
   assert norm <= clip * (1 + 1e-5), norm
 
 
@@ -66,22 +82,21 @@ def test_cancelling_differences_are_still_clipped(seed):
   a = float(10.0 ** rng.uniform(4, 6))
   b = a * (1.0 - 10.0 ** rng.uniform(-6, -4))
   w1 = rng.normal(size=(FEATURES, OUT)) / np.sqrt(FEATURES)
-  params = {'w1': jnp.asarray(w1, jnp.float32),
-            'w2': jnp.asarray(rng.normal(size=(OUT, OUT)), jnp.float32)}
+  params = {'w1': np.asarray(w1, np.float32),
+            'w2': np.asarray(rng.normal(size=(OUT, OUT)), np.float32)}
+  # numpy (float32 as before): eager jnp would compile per operation.
   prev = jax.tree.map(
-      lambda p: p + jnp.asarray(1e-6 * rng.normal(size=p.shape), p.dtype),
-      params)
-  batch = {'x': jnp.asarray(rng.normal(size=(4, POSITIONS, FEATURES)),
-                            jnp.float32),
-           'r': jnp.asarray(rng.normal(size=(4, OUT)), jnp.float32)}
+      lambda p: np.asarray(p) + (1e-6 * rng.normal(size=p.shape)).astype(
+          p.dtype), params)
+  batch = {'x': np.asarray(rng.normal(size=(4, POSITIONS, FEATURES)),
+                           np.float32),
+           'r': np.asarray(rng.normal(size=(4, OUT)), np.float32)}
   clip = 1.0
-  stat = clipping.clipped_grad_difference_sum(_two_layer_loss, clip,
-                                              clipping_method='ghost')
+  stat = _compiled(clipping.clipped_grad_difference_sum, _two_layer_loss,
+                   clip)
   for example in range(4):
     one = jax.tree.map(lambda v, e=example: v[e:e + 1], batch)
-    total = stat(one, params, prev, a, b).sum
-    norm = float(jnp.sqrt(sum(jnp.sum(v ** 2)
-                              for v in jax.tree.leaves(total))))
+    norm = _norm(stat(one, params, prev, a, b).sum)
     assert norm <= clip * (1 + 1e-5), (example, norm)
 
 
@@ -95,13 +110,12 @@ def test_cancelling_items_of_a_user_are_still_clipped(seed):
   remainder = rng.normal(size=base.shape) * 10.0 ** rng.uniform(0, 2) / scale
   x = np.concatenate([base, -base + remainder]) * scale   # [items, 1, F]
   r = np.repeat(rng.normal(size=(1, OUT)) / np.sqrt(OUT), POSITIONS, 0)
-  items = {'x': jnp.asarray(x[None], jnp.float32),
-           'r': jnp.asarray(r[None], jnp.float32)}
+  items = {'x': np.asarray(x[None], np.float32),
+           'r': np.asarray(r[None], np.float32)}
   params = {'w': jnp.zeros((FEATURES, OUT), jnp.float32)}
   clip = 1.0
-  stat = clipping.clipped_user_grad_sum(_loss, clip, clipping_method='ghost')
-  out = stat(clipping.UserBatch(items), params)
-  norm = float(jnp.linalg.norm(out.sum['w']))
+  stat = _compiled(clipping.clipped_user_grad_sum, _loss, clip)
+  norm = _norm(stat(clipping.UserBatch(items), params).sum['w'])
   assert norm <= clip * (1 + 1e-5), norm
 
 
@@ -120,14 +134,13 @@ def test_a_bias_whose_positions_cancel_is_still_clipped(seed):
   base = rng.normal(size=(POSITIONS // 2, OUT))
   remainder = rng.normal(size=base.shape) * 10.0 ** rng.uniform(-1, 1) / scale
   r = np.concatenate([base, -base + remainder]) * scale
-  batch = {'x': jnp.zeros((3, POSITIONS, OUT), jnp.float32),
-           'r': jnp.asarray(np.stack([r, 0.5 * r, 2.0 * r]), jnp.float32)}
+  batch = {'x': np.zeros((3, POSITIONS, OUT), np.float32),
+           'r': np.stack([r, 0.5 * r, 2.0 * r]).astype(np.float32)}
   params = {'b': jnp.zeros(OUT, jnp.float32)}
-  stat = clipping.clipped_grad_sum(_bias_over_positions, 1.0,
-                                   clipping_method='ghost')
+  stat = _compiled(clipping.clipped_grad_sum, _bias_over_positions)
   for example in range(3):
     one = jax.tree.map(lambda v, e=example: v[e:e + 1], batch)
-    norm = float(jnp.linalg.norm(stat(one, params).sum['b']))
+    norm = _norm(stat(one, params).sum['b'])
     assert norm <= 1.0 + 1e-5, (example, norm)
 
 
@@ -146,8 +159,8 @@ def _cancelling_sequence(rng, positions, width):
   remainder = rng.normal(size=base.shape) * 10.0 ** rng.uniform(0, 2) / scale
   x = np.concatenate([base, -base + remainder]) * scale
   r = rng.normal(size=(width,)) / np.sqrt(width)
-  return ({'x': jnp.asarray(x[None], jnp.float32),
-           'r': jnp.asarray(r[None], jnp.float32)},
+  return ({'x': np.asarray(x[None], np.float32),
+           'r': np.asarray(r[None], np.float32)},
           {'w': jnp.zeros((width, width), jnp.float32)})
 
 
@@ -165,7 +178,8 @@ def test_cancelling_long_sequences_are_still_clipped(positions, width, form,
   stat = clipping.clipped_grad_sum(_sequence_loss, 1.0, clipping_method='ghost')
   choice = stat.clipping_choice(batch, params)
   assert [tap.form for tap in choice.taps] == [form]
-  norm = float(jnp.linalg.norm(stat(batch, params).sum['w']))
+  norm = _norm(_compiled(clipping.clipped_grad_sum, _sequence_loss)(
+      batch, params).sum['w'])
   assert norm <= 1.0 + 1e-5, norm
 
 
@@ -182,21 +196,27 @@ def _decoder_loss(params, example):
 
 def _decoder_case(positions, width, vocabulary=32, examples=3, seed=0):
   rng = np.random.default_rng(seed)
-  normal = lambda *shape: jnp.asarray(rng.normal(size=shape) / np.sqrt(
-      shape[0]), jnp.float32)
-  params = {'embed': normal(vocabulary, width) * np.sqrt(vocabulary),
-            'mix': normal(width, width), 'mix_bias': jnp.zeros(width),
-            'scale': jnp.ones(width), 'head': normal(width, vocabulary)}
+  normal = lambda *shape: np.asarray(rng.normal(size=shape) / np.sqrt(
+      shape[0]), np.float32)
+  # numpy float32 throughout (eager jnp casts and products compile per
+  # shape).
+  params = {'embed': normal(vocabulary, width) * np.float32(
+                np.sqrt(vocabulary)),
+            'mix': normal(width, width),
+            'mix_bias': np.zeros(width, np.float32),
+            'scale': np.ones(width, np.float32),
+            'head': normal(width, vocabulary)}
   tokens = rng.integers(0, vocabulary, (examples, positions + 1))
-  batch = {'tokens': jnp.asarray(tokens[:, :-1], jnp.int32),
-           'targets': jnp.asarray(tokens[:, 1:], jnp.int32)}
+  batch = {'tokens': np.asarray(tokens[:, :-1], np.int32),
+           'targets': np.asarray(tokens[:, 1:], np.int32)}
   return params, batch
 
 
 def _contribution_ratios(loss_fn, params, batch):
   """||clipped contribution|| / clip per example, with a binding clip."""
   size = len(jax.tree_util.tree_leaves(batch)[0])
-  grads = jax.vmap(jax.grad(loss_fn), (None, 0))(params, batch)
+  # Compiled: eagerly, each operation would compile a program of its own.
+  grads = jax.jit(jax.vmap(jax.grad(loss_fn), (None, 0)))(params, batch)
   norms = np.sqrt(sum(np.sum(np.asarray(g, np.float64).reshape(size, -1)**2,
                              axis=1) for g in jax.tree_util.tree_leaves(grads)))
   clip = float(0.01 * norms.min())
@@ -229,11 +249,11 @@ def test_binding_clip_gives_contributions_at_the_clip_in_the_gram_form(
   # K times the norm, and at width 1024 a one-level bound (gamma_C) would
   # clip at 0.998.
   rng = np.random.default_rng(1)
-  params = {'w': jnp.asarray(rng.normal(size=(width, width)) / np.sqrt(width),
-                             jnp.float32)}
-  batch = {'x': jnp.asarray(rng.normal(size=(2, positions, width)),
-                            jnp.float32),
-           'r': jnp.asarray(rng.normal(size=(2, width)), jnp.float32)}
+  params = {'w': np.asarray(rng.normal(size=(width, width)) / np.sqrt(width),
+                            np.float32)}
+  batch = {'x': np.asarray(rng.normal(size=(2, positions, width)),
+                           np.float32),
+           'r': np.asarray(rng.normal(size=(2, width)), np.float32)}
   choice = clipping.clipped_grad_sum(_sequence_loss, 1.0).clipping_choice(
       batch, params)
   assert [tap.form for tap in choice.taps] == ['gram']

@@ -243,7 +243,9 @@ def test_clipped_contributions_hold_under_tf32_matmuls():
   rows = np.abs(rng.normal(size=(16, 64))).astype(F32) * 50 + F32(1.0009765)
   stat = clipping.clipped_grad_sum(linear_loss, 1.0, method='vmap')
   params = {'w': jnp.zeros((64,), jnp.float32)}
-  one_row = _emulate_tf32(lambda x: stat({'x': x}, params).sum['w'])
+  # Compiled: one program for the 16 rows (run eagerly, the emulation
+  # would trace the statistic and dispatch its operations once per row).
+  one_row = jax.jit(_emulate_tf32(lambda x: stat({'x': x}, params).sum['w']))
   norms = [np.linalg.norm(np.asarray(one_row(jnp.asarray(rows[i:i + 1])),
                                      np.float64)) for i in range(16)]
   # Held to the clip the certificate gives (`effective_clip`), not past it.
@@ -274,8 +276,8 @@ def test_the_ghost_clipped_sum_holds_under_tf32_matmuls():
     params = {'w': jnp.zeros(w_shape, jnp.float32)}
     choice = stat.clipping_choice({'x': jnp.asarray(rows[:1])}, params)
     assert [tap.form for tap in choice.taps] == [form]
-    one_row = _emulate_tf32(
-        lambda x, s=stat, p=params: s({'x': x}, p).sum['w'])
+    one_row = jax.jit(_emulate_tf32(
+        lambda x, s=stat, p=params: s({'x': x}, p).sum['w']))
     norms = [np.linalg.norm(np.asarray(one_row(jnp.asarray(rows[i:i + 1])),
                                        np.float64)) for i in range(16)]
     assert max(norms) <= clip, (shape, max(norms))
@@ -348,8 +350,10 @@ def test_mf_noise_by_substitution_is_accounted_with_float32_coefficients():
 def _noise_after(mechanism, steps=5):
   template = {'w': jnp.zeros((7,), jnp.float32)}
   state = mechanism.init(template, jax.random.key(0))
+  # One compiled step (eagerly, each of its operations compiles its own).
+  step = jax.jit(lambda state: mechanism.next(state, template)[1])
   for _ in range(steps):
-    _, state = mechanism.next(state, template)
+    state = step(state)
   return state, template
 
 
@@ -364,6 +368,8 @@ def test_correlated_noise_applies_its_coefficients_in_full_float32():
   for mechanism in mechanisms:
     state, template = _noise_after(mechanism)
     next_noise = lambda s, m=mechanism: m.next(s, template)[0]['w']
+    # Both compiled, as users run them: the same program but for the TF32
+    # rounding the emulation adds before a product below HIGHEST precision.
     np.testing.assert_array_equal(
-        np.asarray(_emulate_tf32(next_noise)(state)),
-        np.asarray(next_noise(state)), err_msg=mechanism.name)
+        np.asarray(jax.jit(_emulate_tf32(next_noise))(state)),
+        np.asarray(jax.jit(next_noise)(state)), err_msg=mechanism.name)
