@@ -832,28 +832,49 @@ class ClippedStatistic:
         of the analysis, or of tracing the ghost passes from its plan,
         falls back to `'vmap'`.
     """
+    return self._ghost_plan(batch, args, trace=True)
+
+  def _ghost_plan(self, batch: PyTree, args: tuple[Any, ...], *,
+                  trace: bool) -> Optional[ghost.GhostPlan]:
+    """`ghost_plan`; `trace=False` skips tracing the ghost passes first.
+
+    The statistic's own call traces the ghost passes for real right after
+    (`_ghost_sum`, which falls back the same way when they fail): tracing
+    them once more on one unit beforehand would double the ghost path's
+    trace time.
+    """
     if self.clipping_method == 'vmap':
       return None
     try:
       params, examples = self.ghost_form.signature(batch, *args)
       plan = ghost.analyze(self.loss_fn, params, examples)
-      self._trace_ghost_passes(plan, batch, args)
+      if trace:
+        self._trace_ghost_passes(plan, batch, args)
       return plan
     except Exception as e:  # pylint: disable=broad-exception-caught
-      # Whatever failed, the vmap path computes the same sum: a failure of
-      # the analysis must cost speed, never the step.
-      reason = (str(e) if isinstance(e, ghost.GhostClippingUnsupported) else
-                f'the analysis failed ({ghost.describe_error(e)})')
-      if self.clipping_method == 'ghost':
-        raise ghost.GhostClippingUnsupported(
-            f"clipping_method='ghost' cannot apply: {reason}") from e
-      if reason not in self._announced:
-        self._announced.add(reason)
-        warnings.warn(
-            f'ghost clipping does not apply ({reason}); the clipped sum uses '
-            'per-example gradients (vmap) instead: same result, slower',
-            GhostClippingFallbackWarning, stacklevel=3)
+      self._fall_back(e)
       return None
+
+  def _fall_back(self, error: Exception) -> None:
+    """Announces the fallback to `vmap` (once per reason), or raises.
+
+    Whatever failed, the vmap path computes the same sum: a failure of the
+    analysis, or of the ghost passes, must cost speed, never the step.
+
+    Raises:
+      ghost.GhostClippingUnsupported: for `clipping_method='ghost'`.
+    """
+    reason = (str(error) if isinstance(error, ghost.GhostClippingUnsupported)
+              else f'the analysis failed ({ghost.describe_error(error)})')
+    if self.clipping_method == 'ghost':
+      raise ghost.GhostClippingUnsupported(
+          f"clipping_method='ghost' cannot apply: {reason}") from error
+    if reason not in self._announced:
+      self._announced.add(reason)
+      warnings.warn(
+          f'ghost clipping does not apply ({reason}); the clipped sum uses '
+          'per-example gradients (vmap) instead: same result, slower',
+          GhostClippingFallbackWarning, stacklevel=4)
 
   def _trace_ghost_passes(self, plan: ghost.GhostPlan, batch: PyTree,
                           args: tuple[Any, ...]) -> None:
@@ -939,27 +960,48 @@ class ClippedStatistic:
           automatic_clipping=self.automatic_clipping, num_devices=devices)
     size = batch_size_of(batch, self.min_ndim)
     mask = _validated_mask(mask, size)
-    plan = self.ghost_plan(batch, *args)
-    if (plan is not None and self.clipping_method == 'auto' and
-        self._choice(plan, batch, args).path == 'vmap'):
-      plan = None   # the cost model's choice: no warning, not a failure
-    if plan is None:
+    plan = self._ghost_plan(batch, args, trace=False)
+    summed = None if plan is None else self._ghost_sum(
+        plan, batch, args, mask, clip, devices)
+    if summed is None:
       self._paths.add('vmap')
       return clipped_sum(
           self.contribution_fn, batch, *args, l2_clip=clip, mask=mask,
           microbatch_size=self.microbatch_size, min_ndim=self.min_ndim,
           automatic_clipping=self.automatic_clipping, num_devices=devices)
     self._paths.add('ghost')
-    stability = _stability_in_clip_units(self.automatic_clipping, clip)
-    # The same clip as the vmap path (the paths agree); but the ghost sum of
-    # a Gram-form layer is a matrix product (at full float32 precision)
-    # whose accumulation order is the backend's, which `sum_shrink` does
-    # not bound (docs/sharp_edges.md).
-    return _sum_in_blocks(
-        lambda rows, rows_mask, sum_shrink: _ghost_clip_and_sum_rows(
-            plan, self.ghost_form, rows, args, rows_mask, clip,
-            sum_shrink, stability),
-        batch, mask, self.microbatch_size, devices)
+    return summed
+
+  def _ghost_sum(self, plan: ghost.GhostPlan, batch: PyTree,
+                 args: tuple[Any, ...], mask: jax.Array, clip: Any,
+                 devices: int) -> Optional[ClippedSum]:
+    """The ghost path's clipped sum, or None where `vmap` takes over.
+
+    None when the cost model chooses `vmap` under 'auto' (no warning, not a
+    failure) and when the ghost passes fail to trace (announced, or raised
+    under 'ghost', as by `ghost_plan`). A failed trace leaves only unused
+    operations behind, which compilation removes.
+    """
+    try:
+      if (self.clipping_method == 'auto' and
+          self._choice(plan, batch, args).path == 'vmap'):
+        return None
+      stability = _stability_in_clip_units(self.automatic_clipping, clip)
+      # The same clip as the vmap path (the paths agree); but the ghost sum
+      # of a Gram-form layer is a matrix product (at full float32 precision)
+      # whose accumulation order is the backend's, which `sum_shrink` does
+      # not bound (docs/sharp_edges.md).
+      return _sum_in_blocks(
+          lambda rows, rows_mask, sum_shrink: _ghost_clip_and_sum_rows(
+              plan, self.ghost_form, rows, args, rows_mask, clip,
+              sum_shrink, stability),
+          batch, mask, self.microbatch_size, devices)
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      unsupported = ghost.GhostClippingUnsupported(
+          f'the ghost passes failed to trace ({ghost.describe_error(e)})')
+      unsupported.__cause__ = e
+      self._fall_back(unsupported)
+      return None
 
   def _choice(self, plan: ghost.GhostPlan, batch: PyTree,
               args: tuple[Any, ...]) -> ghost.ClippingChoice:
