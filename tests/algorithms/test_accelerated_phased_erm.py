@@ -21,16 +21,37 @@ from dpsco_jax import clipping
 from dpsco_jax import guards
 from dpsco_jax import outlier_removal
 from dpsco_jax.algorithms import user_level as ul
-from tests import shared_results
 
 K, T, POPULATION = 512, 3, 2048
 EPSILON, DELTA = 8.0, 1e-5
 
 
-def _cal():
-  return shared_results.once(outlier_removal.calibrate, K, 0.5, EPSILON,
-                             DELTA, num_steps=T, population=POPULATION,
-                             score_radius=1.0)
+# What `outlier_removal.calibrate(K, 0.5, EPSILON, DELTA, num_steps=T,
+# population=POPULATION, score_radius=1.0)` returns (Algorithm 2:
+# AboveThreshold over 3 steps on 512 of 2048 users), written out: these
+# tests use its noise levels, not its search (the calibration itself is
+# tested in tests/test_outlier_removal.py, and the driver below calibrates
+# its own phase).
+_PHASE = outlier_removal.OutlierRemovalCalibration(
+    num_points=K, tau=0.5, score_radius=1.0, threshold=409.6,
+    cutoff=341.3333333333333, laplace_scale=2.0476036242635716,
+    threshold_scale=1.0238018121317858, inclusion='weighted',
+    sensitivity=0.1755185232006802, noise_std=0.21060294479993727,
+    num_steps=T, population=POPULATION, epsilon=EPSILON, delta=DELTA,
+    score_epsilon=3.9070061730708403, tail_delta=2.5e-06, coupling_delta=0.0,
+    gaussian_delta=7.500000000000001e-06)
+
+
+def _cal(tau=0.5):
+  """The phase above at concentration radius `tau` (score radius 2 tau).
+
+  Only the sensitivity and the Gaussian noise scale with tau: the score
+  test's noise and the accounting do not depend on it.
+  """
+  scale = tau / _PHASE.tau
+  return _PHASE._replace(tau=tau, score_radius=2 * tau,
+                         sensitivity=_PHASE.sensitivity * scale,
+                         noise_std=_PHASE.noise_std * scale)
 
 
 def _loss(w, item):
@@ -103,8 +124,7 @@ def test_threshold_noise_is_drawn_once_per_phase():
 
 
 def test_a_halted_phase_releases_zero_for_good():
-  tight = outlier_removal.calibrate(K, 1e-4, EPSILON, DELTA, num_steps=T,
-                                    population=POPULATION, score_radius=2e-4)
+  tight = _cal(tau=1e-4)
   tx = ul.outlier_removal_gradient(_loss, tight, key=0)
   w = jnp.array([0.2, -0.1, 0.3])
   state = tx.init(w)
