@@ -65,6 +65,13 @@ def _users(n, m=4, d=3, seed=0, spread=1.0):
   return clipping.UserBatch({'x': x, 'y': y})
 
 
+def _compiled_update(tx):
+  """`tx.update(None, state, w, batch=users)` as one compiled program (not
+  every op eagerly); the same outputs."""
+  return jax.jit(lambda state, w, users: tx.update(None, state, w,
+                                                   batch=users))
+
+
 def _plain_mean_gradient(users, w):
   per_user = jax.vmap(clipping.user_mean_gradient(_loss),
                       in_axes=(0, None))(users, w)
@@ -81,15 +88,21 @@ def test_ac_sa_meets_its_deterministic_rate():
   x0 = jnp.zeros(6)
   for stages in (None, (40, 40, 40)):
     tx = ul.ac_sa(8.0, 0.05, stage_lengths=stages)
+
+    @jax.jit
+    def step(params, state, tx=tx):
+      updates, state = tx.update(jax.grad(objective)(params), state, params)
+      return (optax.apply_updates(params, updates), state,
+              objective(ul.ac_sa_output(state)))
+
     params, state = x0, tx.init(x0)
     for n in range(1, 121):
-      updates, state = tx.update(jax.grad(objective)(params), state, params)
-      params = optax.apply_updates(params, updates)
+      params, state, output_objective = step(params, state)
       if stages is None:
         bound = 4 * 8.0 * 0.5 * float(jnp.sum((x0 - target) ** 2)) / (
             n * (n + 1))
-        assert float(objective(ul.ac_sa_output(state))) <= bound * (1 + 1e-4)
-    assert float(objective(ul.ac_sa_output(state))) < 1e-3
+        assert float(output_objective) <= bound * (1 + 1e-4)
+    assert float(output_objective) < 1e-3
     if stages is not None:
       assert int(state.step) == 1  # restarted at the last boundary
 
@@ -111,15 +124,16 @@ def test_threshold_noise_is_drawn_once_per_phase():
       jax.random.fold_in(jax.random.key(11), 0), ())
   np.testing.assert_allclose(state.threshold_noise, expected, rtol=1e-6)
   users = _users(K, spread=0.01)
+  update = _compiled_update(tx)
   for _ in range(T):
-    _, state = tx.update(None, state, w, batch=users)
+    _, state = update(state, w, users)
     np.testing.assert_allclose(state.threshold_noise, expected, rtol=1e-6)
   other = ul.outlier_removal_gradient(_loss, _cal(), key=12).init(w)
   assert float(other.threshold_noise) != float(expected)
   # Every test of the phase compares with THAT draw: a threshold raised
   # past K fails even concentrated users.
   raised = tx.init(w)._replace(threshold_noise=jnp.float32(K))
-  _, raised = tx.update(None, raised, w, batch=users)
+  _, raised = update(raised, w, users)
   assert bool(raised.halted)
 
 
@@ -193,7 +207,7 @@ def test_eight_devices_equal_one():
   w = jnp.array([0.3, -0.2, 0.1])
   users = _users(K, spread=0.2)
   single = ul.outlier_removal_gradient(_loss, _cal(), key=jax.random.key(6))
-  expected, _ = single.update(None, single.init(w), w, batch=users)
+  expected, _ = _compiled_update(single)(single.init(w), w, users)
   sharded = ul.outlier_removal_gradient(_loss, _cal(), key=jax.random.key(6),
                                         axis_name='devices')
 
@@ -204,7 +218,7 @@ def test_eight_devices_equal_one():
 
   items = jax.tree.map(lambda a: a.reshape((8, K // 8) + a.shape[1:]),
                        users.items)
-  outs, halted = jax.vmap(on_device, axis_name='devices')(items)
+  outs, halted = jax.jit(jax.vmap(on_device, axis_name='devices'))(items)
   assert not np.any(halted)
   for device in range(8):
     np.testing.assert_allclose(outs[device], expected, rtol=1e-5, atol=1e-6)
@@ -216,12 +230,11 @@ def test_smoothing_evaluates_each_item_at_a_perturbed_point():
   absolute = lambda w, item: jnp.abs(w[0] - item['z'])
   users = clipping.UserBatch({'z': np.zeros((K, 4), np.float32)})
   w = jnp.array([0.005])
-  plain, _ = ul.outlier_removal_gradient(absolute, quiet, key=4).update(
-      None, ul.outlier_removal_gradient(absolute, quiet, key=4).init(w), w,
-      batch=users)
+  plain_tx = ul.outlier_removal_gradient(absolute, quiet, key=4)
+  plain, _ = _compiled_update(plain_tx)(plain_tx.init(w), w, users)
   tx = ul.outlier_removal_gradient(absolute, quiet, key=5,
                                    smoothing_radius=0.1)
-  smoothed, _ = tx.update(None, tx.init(w), w, batch=users)
+  smoothed, _ = _compiled_update(tx)(tx.init(w), w, users)
   assert float(plain[0]) == 1.0
   # E sign(0.005 + y), y ~ U[-0.1, 0.1]: 0.05; 2,048 draws: std 0.022.
   assert abs(float(smoothed[0]) - 0.05) < 0.09
