@@ -247,7 +247,15 @@ def test_guard_across_devices_uses_the_global_batch():
   device, and those errors must not leak into the other tests' runtime.
   """
   env = dict(os.environ)
-  env['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8'
+  # This process's XLA flags (tests/conftest.py: 8 virtual devices, the
+  # quicker-to-compile loop emitters) and optimization level, so the
+  # subprocess compiles its programs as the suite does.
+  flags = env.get('XLA_FLAGS', '')
+  if 'xla_force_host_platform_device_count' not in flags:
+    flags += ' --xla_force_host_platform_device_count=8'
+  env['XLA_FLAGS'] = flags.strip()
+  env['JAX_DISABLE_MOST_OPTIMIZATIONS'] = str(
+      int(jax.config.read('jax_disable_most_optimizations')))
   root = os.path.dirname(os.path.dirname(os.path.dirname(
       os.path.abspath(__file__))))
   result = subprocess.run([sys.executable, '-c', _DEVICES_SCRIPT], cwd=root,
