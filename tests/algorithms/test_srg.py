@@ -189,14 +189,21 @@ def test_one_changed_example_changes_exactly_one_delta(change):
 
 
 def test_refuses_to_run_past_num_steps():
-  batches, iterates = batches_and_iterates(3)
-  tx = srg.srg_gradient(loss_fn, l2_clip=1.0, noise_multiplier=1.0,
-                        num_steps=2, key=0)
+  """The step after num_steps is refused as users run it, compiled: NaN out,
+  the refusal recorded in the state (the program of the test above)."""
+  num_steps, clip_norm = 6, 0.4
+  batches, iterates = batches_and_iterates(num_steps + 1, seed=1)
+  tx, update = masked_srg_step(num_steps, clip_norm)
+  mask = jnp.ones((BATCH,), bool)
   state = tx.init(iterates[0])
-  for t in range(2):
-    _, state = tx.update(None, state, iterates[t], batch=batches[t])
-  with pytest.raises(Exception, match='past|beyond|capacity|steps'):
-    tx.update(None, state, iterates[2], batch=batches[2])
+  for t in range(num_steps):
+    out, state = update(state, iterates[t], batches[t], mask)
+  dpsco_jax.raise_if_refused(state)   # every step within the capacity
+  assert np.all(np.isfinite(flat(out)))
+  out, state = update(state, iterates[num_steps], batches[num_steps], mask)
+  assert np.all(np.isnan(flat(out)))
+  with pytest.raises(dpsco_jax.PrivacyGuardError, match='capacity'):
+    dpsco_jax.raise_if_refused(state)
 
 
 def test_purity_same_state_same_output():
