@@ -197,14 +197,23 @@ def test_purity_same_state_same_output(algorithm):
 
 
 def test_steps_beyond_capacity_are_refused():
+  """The step past num_steps, compiled as users run it: NaN noise and the
+  refusal recorded in the state (the program of the purity test above).
+  Run eagerly the same check raises at once (tests/algorithms/test_mf.py
+  and tests/test_noise_matrix_factorization.py)."""
   params, batch = make_problem()
   tx = dpsco_jax.dpsgd(loss_fn, l2_clip=1.0, noise_multiplier=1.0, key=0,
-                       num_steps=2)
+                       num_steps=4)
   state = tx.init(params)
-  for _ in range(2):
-    _, state = tx.update(None, state, params, batch=batch)
-  with pytest.raises(ValueError, match='capacity'):
-    tx.update(None, state, params, batch=batch)
+  update = jax.jit(lambda s: tx.update(None, s, params, batch=batch))
+  for _ in range(4):
+    out, state = update(state)
+  dpsco_jax.raise_if_refused(state)   # every step within the capacity
+  out, state = update(state)
+  assert all(np.all(np.isnan(np.asarray(leaf)))
+             for leaf in jax.tree_util.tree_leaves(out))
+  with pytest.raises(dpsco_jax.PrivacyGuardError, match='capacity'):
+    dpsco_jax.raise_if_refused(state)
 
 
 @pytest.mark.parametrize('kwargs,match', [
