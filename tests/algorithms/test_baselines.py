@@ -260,8 +260,10 @@ def test_state_params_mismatch_is_refused():
                         num_steps=4, honaker=True)
   other_params = {'w': jnp.zeros((7, 3)), 'b': jnp.zeros((3,))}
   state = tx.init(other_params)
+  # A check of shapes: refused while the step is traced, before anything
+  # runs (eagerly it would first run every op of the step).
   with pytest.raises(ValueError, match='does not match'):
-    tx.update(None, state, params, batch=batch)
+    jax.jit(lambda s: tx.update(None, s, params, batch=batch))(state)
 
 
 @pytest.mark.parametrize('algorithm', ['dpsgd', 'dpftrl', 'dpftrl_honaker'])
