@@ -1,5 +1,7 @@
 """Matrix-factorization noise: streamed C^-1 z equals the explicit product."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,11 +31,20 @@ def random_strategy(steps, bands=None, seed=0):
 STORAGES = ['buffer', 'regenerate']
 
 
+@functools.cache
+def template_draws(steps):
+  """`gaussian_draws(TEMPLATE, steps)`, streamed (and compiled) once per
+  length for every test and parametrization that compares with it."""
+  draws = gaussian_draws(TEMPLATE, steps)
+  draws.flags.writeable = False
+  return draws
+
+
 @pytest.mark.parametrize('storage', STORAGES)
 def test_identity_strategy_is_the_gaussian_mechanism(storage):
   got, _ = stream(noise.matrix_factorization(np.eye(6), storage=storage),
                   TEMPLATE, 6)
-  np.testing.assert_array_equal(got, gaussian_draws(TEMPLATE, 6))
+  np.testing.assert_array_equal(got, template_draws(6))
 
 
 @pytest.mark.parametrize('steps,bands', [(12, None), (15, 3), (9, 1), (9, 2)])
@@ -45,7 +56,7 @@ def test_streaming_equals_explicit_inverse_times_z(steps, bands, release,
   mechanism = noise.matrix_factorization(strategy, release=release,
                                          storage=storage)
   got, _ = stream(mechanism, TEMPLATE, steps)
-  z = gaussian_draws(TEMPLATE, steps)
+  z = template_draws(steps)
   explicit = scipy.linalg.solve_triangular(strategy, z, lower=True)
   if release == 'prefix':
     explicit = np.cumsum(explicit, axis=0)

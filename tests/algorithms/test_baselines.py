@@ -197,14 +197,23 @@ def test_purity_same_state_same_output(algorithm):
 
 
 def test_steps_beyond_capacity_are_refused():
+  """The step past num_steps, compiled as users run it: NaN noise and the
+  refusal recorded in the state (the program of the purity test above).
+  Run eagerly the same check raises at once (tests/algorithms/test_mf.py
+  and tests/test_noise_matrix_factorization.py)."""
   params, batch = make_problem()
   tx = dpsco_jax.dpsgd(loss_fn, l2_clip=1.0, noise_multiplier=1.0, key=0,
-                       num_steps=2)
+                       num_steps=4)
   state = tx.init(params)
-  for _ in range(2):
-    _, state = tx.update(None, state, params, batch=batch)
-  with pytest.raises(ValueError, match='capacity'):
-    tx.update(None, state, params, batch=batch)
+  update = jax.jit(lambda s: tx.update(None, s, params, batch=batch))
+  for _ in range(4):
+    out, state = update(state)
+  dpsco_jax.raise_if_refused(state)   # every step within the capacity
+  out, state = update(state)
+  assert all(np.all(np.isnan(np.asarray(leaf)))
+             for leaf in jax.tree_util.tree_leaves(out))
+  with pytest.raises(dpsco_jax.PrivacyGuardError, match='capacity'):
+    dpsco_jax.raise_if_refused(state)
 
 
 @pytest.mark.parametrize('kwargs,match', [
@@ -251,8 +260,10 @@ def test_state_params_mismatch_is_refused():
                         num_steps=4, honaker=True)
   other_params = {'w': jnp.zeros((7, 3)), 'b': jnp.zeros((3,))}
   state = tx.init(other_params)
+  # A check of shapes: refused while the step is traced, before anything
+  # runs (eagerly it would first run every op of the step).
   with pytest.raises(ValueError, match='does not match'):
-    tx.update(None, state, params, batch=batch)
+    jax.jit(lambda s: tx.update(None, s, params, batch=batch))(state)
 
 
 @pytest.mark.parametrize('algorithm', ['dpsgd', 'dpftrl', 'dpftrl_honaker'])

@@ -124,6 +124,7 @@ def reference_diff2(params, clients, rounds, *, learning_rate, grad_clip,
                           in_axes=(None, 0)))
   mechanism = noise.gaussian(rounds)
   noise_state = mechanism.init(params, jax.random.key(key))
+  next_noise = jax.jit(mechanism.next)   # one program, not every op eagerly
   n_min, num_clients = min(len(c['y']) for c in clients), len(clients)
 
   def clip(rows, c):
@@ -143,7 +144,7 @@ def reference_diff2(params, clients, rounds, *, learning_rate, grad_clip,
       c = diff_clip_factor * np.linalg.norm(x - x_prev)
       z, base = noise_multipliers.difference, v
       means = [clip(g(x, cl) - g(x_prev, cl), c).mean(0) for cl in clients]
-    drawn, noise_state = mechanism.next(noise_state, params)
+    drawn, noise_state = next_noise(noise_state, params)
     sigma = 2 * z / (n_min * num_clients)  # the paper's sigma (z = sigma nP/2)
     v = np.mean(means, 0) + base + sigma * c * flat(drawn)
     x_prev, x = x, x - learning_rate * v
@@ -207,12 +208,14 @@ def test_no_noise_huge_clips_is_gradient_descent():
 
   def objective_gradient(p):  # clients weighted equally, each by its mean
     means = [mean_gradient(p, c['x'], c['y']) for c in clients]
-    return jax.tree_util.tree_map(lambda *g: sum(g) / len(g), *means)
+    return {k: np.mean([np.asarray(m[k]) for m in means], 0) for k in p}
 
-  x = params
+  # In NumPy (float32, as the run): eager jnp ops would compile a program
+  # per op and shape.
+  x = {k: np.asarray(v) for k, v in params.items()}
   for t in range(rounds):
     gradient = objective_gradient(x)
-    x = jax.tree_util.tree_map(lambda p, g: p - lr * g, x, gradient)
+    x = {k: x[k] - np.float32(lr) * gradient[k] for k in x}
     np.testing.assert_allclose(flat(got[t]), flat(x), rtol=1e-4, atol=1e-5)
   # The last estimate is the true gradient at the previous iterate.
   np.testing.assert_allclose(flat(state[0].estimate), flat(gradient),
@@ -289,12 +292,14 @@ def test_one_changed_example_moves_the_aggregate_at_most_the_sensitivity():
 
 
 def replicate(tree, copies):
+  """`copies` copies of every leaf along a new leading axis (in NumPy where
+  it can be: no eager program per leaf shape)."""
   def one(x):
     if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-      data = jax.random.key_data(x)
+      data = np.asarray(jax.random.key_data(x))
       return jax.random.wrap_key_data(
-          jnp.broadcast_to(data, (copies,) + data.shape))
-    return jnp.broadcast_to(x, (copies,) + x.shape)
+          np.broadcast_to(data, (copies,) + data.shape))
+    return np.broadcast_to(np.asarray(x), (copies,) + np.shape(x))
   return jax.tree_util.tree_map(one, tree)
 
 
@@ -325,7 +330,8 @@ def test_eight_devices_equal_eight_vmapped_clients(algorithm):
     step = jax.pmap(client_step(tx), axis_name=AXIS)
     for _ in range(rounds):
       x, state = step(x, state, batch, mask)
-      pmap_traj.append(jax.tree_util.tree_map(lambda leaf: leaf[0], x))
+      pmap_traj.append(jax.tree_util.tree_map(lambda leaf: np.asarray(leaf)[0],
+                                              x))
 
   mesh = jax.make_mesh((8,), (AXIS,))
   inner = client_step(tx)
@@ -362,9 +368,13 @@ def test_padding_does_not_change_per_client_means():
   _, wide_batch, wide_mask = make_clients(pad_to=13)
   # Shuffle the padding among the real rows of client 0: order is irrelevant.
   order = np.random.default_rng(0).permutation(13)
-  wide_batch = jax.tree_util.tree_map(
-      lambda x: x.at[0].set(x[0][order]), wide_batch)
-  wide_mask = wide_mask.at[0].set(wide_mask[0][order])
+
+  def shuffled(x):   # in NumPy: no eager program per op
+    x = np.array(x)
+    x[0] = x[0][order]
+    return jnp.asarray(x)
+  wide_batch = jax.tree_util.tree_map(shuffled, wide_batch)
+  wide_mask = shuffled(wide_mask)
   narrow, _ = run_vmapped(default_gd(), params, batch, mask, 2)
   wide, _ = run_vmapped(make_tx('gd'), params, wide_batch, wide_mask, 2)
   for a, b in zip(narrow, wide):

@@ -127,8 +127,9 @@ def test_matrix_factorization_prefix_noise_plugs_in():
                         mechanism=mechanism, key=4)
   outputs, _ = feed(tx, iterates, batches)
   state = mechanism.init(iterates[0], jax.random.key(4))
+  next_noise = jax.jit(mechanism.next)   # one program, not every op eagerly
   for t, out in enumerate(outputs):
-    draw, state = mechanism.next(state, iterates[0])
+    draw, state = next_noise(state, iterates[0])
     np.testing.assert_allclose(
         flat(out), flat(draw) * z * clip_norm / (BATCH * (t + 1)), rtol=1e-5,
         atol=1e-7)
@@ -189,14 +190,21 @@ def test_one_changed_example_changes_exactly_one_delta(change):
 
 
 def test_refuses_to_run_past_num_steps():
-  batches, iterates = batches_and_iterates(3)
-  tx = srg.srg_gradient(loss_fn, l2_clip=1.0, noise_multiplier=1.0,
-                        num_steps=2, key=0)
+  """The step after num_steps is refused as users run it, compiled: NaN out,
+  the refusal recorded in the state (the program of the test above)."""
+  num_steps, clip_norm = 6, 0.4
+  batches, iterates = batches_and_iterates(num_steps + 1, seed=1)
+  tx, update = masked_srg_step(num_steps, clip_norm)
+  mask = jnp.ones((BATCH,), bool)
   state = tx.init(iterates[0])
-  for t in range(2):
-    _, state = tx.update(None, state, iterates[t], batch=batches[t])
-  with pytest.raises(Exception, match='past|beyond|capacity|steps'):
-    tx.update(None, state, iterates[2], batch=batches[2])
+  for t in range(num_steps):
+    out, state = update(state, iterates[t], batches[t], mask)
+  dpsco_jax.raise_if_refused(state)   # every step within the capacity
+  assert np.all(np.isfinite(flat(out)))
+  out, state = update(state, iterates[num_steps], batches[num_steps], mask)
+  assert np.all(np.isnan(flat(out)))
+  with pytest.raises(dpsco_jax.PrivacyGuardError, match='capacity'):
+    dpsco_jax.raise_if_refused(state)
 
 
 def test_purity_same_state_same_output():
@@ -454,9 +462,10 @@ def test_srg_memf_adds_the_noise_once_and_decays_it():
   outputs, _ = feed(tx, iterates, batches)
   mechanism = dpsco_jax.dpmemf_mechanism(strategy)
   state = mechanism.init(iterates[0], jax.random.key(8))
+  next_noise = jax.jit(mechanism.next)   # one program, not every op eagerly
   expected = 0.0
   for t, out in enumerate(outputs):
-    draw, state = mechanism.next(state, iterates[0])
+    draw, state = next_noise(state, iterates[0])
     expected = (0.0 if t == 0 else c) * expected + (
         flat(draw) * z * clip_norm / BATCH)
     np.testing.assert_allclose(flat(out), expected, rtol=1e-5, atol=1e-6)
@@ -498,21 +507,32 @@ def test_srg_memf_with_zero_decay_is_dpmemf():
 
 
 def test_srg_memf_refuses_a_reshuffled_epoch():
+  """Compiled, as users run it: the step that breaks the fixed order is
+  refused (its release NaN, the refusal in the state). The same guard
+  (`mf.with_order_check`) refuses at once eagerly: tests/algorithms/
+  test_mf.py."""
   steps_per_epoch = 2
   params, data = make_problem(batch_size=steps_per_epoch * BATCH, dim=DIM,
                               classes=CLASSES)
+  data = jax.tree_util.tree_map(np.asarray, data)
   tx = srg.dp_srg_memf(loss_fn, l2_clip=1.0, noise_multiplier=1.0,
                        strategy=np.eye(2 * steps_per_epoch),
                        steps_per_epoch=steps_per_epoch, decay=0.1,
                        num_examples=steps_per_epoch * BATCH, key=0)
   state = tx.init(params)
+  update = jax.jit(lambda s, b, ids: tx.update(None, s, params, batch=b,
+                                               example_ids=ids))
   order = [np.arange(BATCH), np.arange(BATCH, 2 * BATCH),
            np.arange(BATCH, 2 * BATCH)]  # epoch 2 starts with batch 2
-  with pytest.raises(ValueError, match='order|batch'):
-    for indices in order:
-      batch = jax.tree_util.tree_map(lambda x, i=indices: x[i], data)
-      _, state = tx.update(None, state, params, batch=batch,
-                           example_ids=jnp.asarray(indices))
+  for step, indices in enumerate(order):
+    batch = jax.tree_util.tree_map(lambda x, i=indices: x[i], data)
+    out, state = update(state, batch, indices)
+    if step < steps_per_epoch:   # the first epoch: no refusal
+      dpsco_jax.raise_if_refused(state)
+  assert all(np.all(np.isnan(np.asarray(leaf)))
+             for leaf in jax.tree_util.tree_leaves(out))
+  with pytest.raises(dpsco_jax.PrivacyGuardError, match='reshuffles'):
+    dpsco_jax.raise_if_refused(state)
 
 
 # ------------------------------------------------------ presets and errors
