@@ -45,18 +45,28 @@ def test_config_rejects_bad_shapes():
 
 
 def test_decoder_is_causal_and_loss_is_near_log_vocab():
-  params = decoder_step.decoder_init(jax.random.key(0), TINY)
+  # One program for the init and one for both sequences' logits and the
+  # loss (run eagerly, every operation would compile a program of its own).
+  params = jax.jit(lambda key: decoder_step.decoder_init(key, TINY))(
+      jax.random.key(0))
   batch = decoder_step.make_batch(np.random.default_rng(0), TINY)
-  tokens = jnp.asarray(batch['x'][0])
-  changed = tokens.at[-1].set((tokens[-1] + 1) % TINY.vocab)
-  before, after = (decoder_step.decoder_apply(params, t, TINY)
-                   for t in (tokens, changed))
+  tokens = np.asarray(batch['x'][0])
+  changed = tokens.copy()
+  changed[-1] = (tokens[-1] + 1) % TINY.vocab
+
+  @jax.jit
+  def logits_and_loss(params, tokens, changed, targets):
+    apply = lambda t: decoder_step.decoder_apply(params, t, TINY)  # noqa: E731
+    loss = decoder_step.sequence_loss_fn(TINY)(
+        params, {'x': tokens, 'y': targets})
+    return apply(tokens), apply(changed), loss
+
+  before, after, loss = jax.device_get(logits_and_loss(
+      params, tokens, changed, np.asarray(batch['y'][0])))
   # Changing the last token moves no earlier position's logits.
   np.testing.assert_allclose(before[:-1], after[:-1], rtol=0, atol=1e-6)
   assert not np.allclose(before[-1], after[-1])
   np.testing.assert_array_equal(batch['x'][:, 1:], batch['y'][:, :-1])
-  example = {'x': tokens, 'y': jnp.asarray(batch['y'][0])}
-  loss = decoder_step.sequence_loss_fn(TINY)(params, example)
   # A mean over positions (not a sum): about log(vocab) at initialization.
   assert abs(float(loss) - np.log(TINY.vocab)) < 1.5, float(loss)
 
