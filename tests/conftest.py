@@ -1,4 +1,4 @@
-"""Test configuration: virtual devices and the caches one test run shares.
+"""Test configuration: virtual devices, caches, and whole files per worker.
 
 - Eight virtual CPU devices for the multi-device tests, and XLA:CPU's
   quicker-to-compile loop emitters. XLA reads its flags when the backend
@@ -15,6 +15,9 @@
     that lowers to the same program. Tracing and lowering still run for
     every new function, so trace-time warnings and `_cache_size()` counts
     are what they would be without it.
+- The pytest-xdist workers take whole test files, slowest first
+  (`SLOWEST_FIRST`), so no file's shared programs and fixtures are built
+  by both workers.
 - `DPSCO_JAX_TEST_CACHE=<dir>` keeps the compilation cache in `<dir>`
   across runs instead (e.g. `.test_cache/`, ignored by git): a rerun
   compiles only what changed. Its entries are keyed by the compiled program
@@ -166,27 +169,90 @@ def _xla_optimization_level(request: pytest.FixtureRequest):
     jax.config.update('jax_disable_most_optimizations', True)
 
 
-# The slowest test files, slowest first (a ranking from serial profiles of
-# the suite's CPU seconds per file, not a budget; a file missing here only
-# runs in its collection place). They start first: pytest-xdist's load
-# scheduling hands the last pending tests to whichever worker is free, so a
-# slow file collected last would keep one worker busy while the other has
-# nothing left to run. Start the slow ones first and the run ends on the
-# many quick ones, which even out the two workers.
+# The test files, slowest first, from a profile of the suite's seconds per
+# file (a ranking, not a budget; a file missing here runs after them, in
+# its collection place). The workers take whole files
+# (`pytest_xdist_make_scheduler`) in this order: the slow files start first and the run ends on the many
+# quick ones, which even out the two workers.
 SLOWEST_FIRST = (
-    # Files whose single tests take 10-20 s: a long test last would keep
-    # one worker busy alone.
-    'tests/test_readme.py',
-    'tests/test_api_reference.py',
-    'tests/test_outlier_removal.py',
-    'tests/experiments/test_user_level_experiments.py',
-    'tests/test_ghost_zoo.py',
     'tests/test_audit.py',
+    'tests/test_ghost_zoo.py',
+    'tests/test_readme.py',
     'tests/test_compiled_steps.py',
-    'tests/test_nonsmooth.py',
+    'tests/test_plans.py',
+    'tests/test_physical.py',
     'tests/test_parallel.py',
+    'tests/test_outlier_removal.py',
     'tests/algorithms/test_diff2.py',
+    'tests/test_nonsmooth.py',
+    'tests/test_ghost_statistics.py',
+    'tests/test_benchmarks_smoke.py',
+    'tests/test_adaptive_clipping.py',
+    'tests/test_blt.py',
+    'tests/experiments/test_diff2_tabular.py',
+    'tests/test_checkpoint.py',
+    'tests/test_api_reference.py',
+    'tests/test_accounting.py',
+    'tests/experiments/test_single_epoch_synthetic.py',
+    'tests/algorithms/test_srg.py',
+    'tests/algorithms/test_diff2_accounting.py',
+    'tests/test_preprocessing.py',
+    'tests/test_ghost_clipping.py',
+    'tests/algorithms/test_mf.py',
+    'tests/experiments/test_srg_memf.py',
+    'tests/experiments/test_lora_finetune.py',
+    'tests/experiments/test_correlated_noise.py',
+    'tests/test_physical_sharded.py',
+    'tests/test_multiprocess.py',
+    'tests/experiments/test_flax_digits.py',
+    'tests/test_noise.py',
+    'tests/test_noise_matrix_factorization.py',
+    'tests/test_mixed_precision.py',
+    'tests/experiments/test_nonsmooth_synthetic.py',
+    'tests/test_diff2_adaptive.py',
+    'tests/test_blt_jax_privacy.py',
+    'tests/algorithms/test_baselines.py',
+    'tests/test_data.py',
+    'tests/algorithms/test_accelerated_phased_erm.py',
+    'tests/test_plan_identity.py',
+    'tests/test_batching.py',
+    'tests/experiments/test_user_level_experiments.py',
+    'tests/test_precision.py',
+    'tests/test_clipping.py',
+    'tests/test_ghost_never_crashes.py',
+    'tests/experiments/test_quickstart.py',
+    'tests/test_sharding.py',
+    'tests/algorithms/test_phased_sgd.py',
+    'tests/experiments/test_sweep_digits.py',
+    'tests/test_ghost_rounding.py',
+    'tests/test_runs.py',
 )
+
+
+@pytest.hookimpl(optionalhook=True)   # pytest-xdist's hook, when it is on
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+  """Whole test files per worker, in `SLOWEST_FIRST` order.
+
+  pytest-xdist's default (load) scheduling deals the first quarter of the
+  tests out one by one, alternating between the workers, so both workers
+  trace and compile every program the slow files share between their
+  tests (module-level jitted functions, a fixture's model and step) and
+  build every module-scoped fixture. Whole files avoid that work twice.
+  An explicit `--dist` other than load is kept.
+
+  Args:
+    config: pytest's configuration.
+    log: xdist's logger for the scheduler.
+
+  Returns:
+    The scheduler, or None for xdist's own choice.
+  """
+  if config.getoption('dist') != 'load':
+    return None
+  from xdist import scheduler  # pylint: disable=g-import-not-at-top
+  # xdist would otherwise sort the files by their number of tests.
+  config.option.loadscopereorder = False
+  return scheduler.LoadFileScheduling(config, log)
 
 
 @pytest.hookimpl(trylast=True)
