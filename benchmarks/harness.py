@@ -172,34 +172,34 @@ def step_row(name: str, step: Step, params: PyTree, state: PyTree,
     note: for the table.
 
   Returns:
-    The row; its `peak_bytes` reads `compiled_peak_bytes` once, lazily.
+    The row; its `peak_bytes` reads the compiled step's memory analysis.
   """
   abstract = is_abstract((params, state, batch))
   jitted = jax.jit(step, donate_argnums=(0, 1))
-  # The row runs the program it measures: one compilation serves both the
-  # steps and the memory analysis (a second compilation of a large step
-  # costs as much as the first on a GPU).
-  compiled = None if abstract else jitted.lower(params, state, batch).compile()
-  peak: list[int] = []
+  # One program, with the donation of a training loop, serves the steps and
+  # the memory analysis, whether the row runs or is compiled from shapes
+  # only (then lazily): both kinds of row report the same program's peak,
+  # and a large step is not compiled twice (as costly as once on a GPU).
+  compiled: list[Any] = []
+
+  def program() -> Any:
+    if not compiled:
+      compiled.append(jitted.lower(params, state, batch).compile())
+    return compiled[0]
+
+  if not abstract:
+    program()
 
   def advance(carry: PyTree) -> PyTree:
     if abstract:
       raise RuntimeError(f'{name} was compiled from shapes only')
-    return compiled(*carry, batch)
+    return program()(*carry, batch)
 
-  def peak_bytes() -> Optional[int]:
-    if not peak:
-      shapes = jax.tree_util.tree_map(
-          lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype),
-          (params, state, batch))
-      if compiled is None:
-        peak.append(compiled_peak_bytes(step, *shapes, donated=shapes[:2]))
-      else:
-        memory = compiled.memory_analysis()
-        peak.append(_planned_peak(
-            memory.argument_size_in_bytes, memory.temp_size_in_bytes,
-            memory.output_size_in_bytes, shapes[:2]))
-    return peak[0]
+  def peak_bytes() -> int:
+    memory = program().memory_analysis()
+    return _planned_peak(
+        memory.argument_size_in_bytes, memory.temp_size_in_bytes,
+        memory.output_size_in_bytes, (params, state))
 
   carry = ((params, state) if abstract else
            jax.tree_util.tree_map(jnp.copy, (params, state)))
