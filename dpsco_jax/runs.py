@@ -109,8 +109,12 @@ def run_keys(key: Any, count: int) -> jax.Array:
   if isinstance(key, (int, np.integer)):
     key = jax.random.key(int(key))
   count = checks.positive_int(count, 'count')
-  return jax.vmap(lambda i: jax.random.fold_in(key, i))(
-      jnp.arange(count, dtype=jnp.uint32))
+  return _fold_in_each(key, np.arange(count, dtype=np.uint32))
+
+
+# One compiled program per run count (eagerly, every op of the vmapped
+# fold-in compiled a program of its own for each new count).
+_fold_in_each = jax.jit(jax.vmap(jax.random.fold_in, in_axes=(None, 0)))
 
 
 def sampler_seeds(key: Any, count: int) -> list[int]:
