@@ -38,6 +38,7 @@ from dpsco_jax import outlier_removal
 from dpsco_jax import plans
 from dpsco_jax import strategies
 from dpsco_jax import user_level
+from tests import phase_calibration
 
 N, FEATURES, CLASSES, BATCH, STEPS, USERS = 32, 8, 3, 8, 8, 16
 
@@ -143,19 +144,10 @@ def _users():
 
 COMMON = dict(l2_clip=1.0, noise_multiplier=1.0, key=0)
 
-# What `outlier_removal.calibrate(512, 0.5, 8.0, 1e-5, num_steps=3,
-# population=2048, score_radius=1.0)` returns (Algorithm 2: AboveThreshold
-# over 3 steps on 512 of 2048 users), written out: the compiled step depends
-# on the structure these fields select, not on their values (the
-# calibration itself is tested in tests/test_outlier_removal.py).
-_PHASE = outlier_removal.OutlierRemovalCalibration(
-    num_points=512, tau=0.5, score_radius=1.0, threshold=409.6,
-    cutoff=341.3333333333333, laplace_scale=2.0476036242635716,
-    threshold_scale=1.0238018121317858, inclusion='weighted',
-    sensitivity=0.1755185232006802, noise_std=0.21060294479993727,
-    num_steps=3, population=2048, epsilon=8.0, delta=1e-05,
-    score_epsilon=3.9070061730708403, tail_delta=2.5e-06, coupling_delta=0.0,
-    gaussian_delta=7.500000000000001e-06)
+# A phase's calibration, written out (tests/phase_calibration.py): the
+# compiled step depends on the structure its fields select, not on their
+# values.
+_PHASE = phase_calibration.PHASE
 
 
 # ------------------------------------------------ transformations' update

@@ -21,25 +21,24 @@ from dpsco_jax import clipping
 from dpsco_jax import guards
 from dpsco_jax import outlier_removal
 from dpsco_jax.algorithms import user_level as ul
+from tests import phase_calibration
 
 K, T, POPULATION = 512, 3, 2048
 EPSILON, DELTA = 8.0, 1e-5
 
 
-# What `outlier_removal.calibrate(K, 0.5, EPSILON, DELTA, num_steps=T,
-# population=POPULATION, score_radius=1.0)` returns (Algorithm 2:
-# AboveThreshold over 3 steps on 512 of 2048 users), written out: these
-# tests use its noise levels, not its search (the calibration itself is
-# tested in tests/test_outlier_removal.py, and the driver below calibrates
-# its own phase).
-_PHASE = outlier_removal.OutlierRemovalCalibration(
-    num_points=K, tau=0.5, score_radius=1.0, threshold=409.6,
-    cutoff=341.3333333333333, laplace_scale=2.0476036242635716,
-    threshold_scale=1.0238018121317858, inclusion='weighted',
-    sensitivity=0.1755185232006802, noise_std=0.21060294479993727,
-    num_steps=T, population=POPULATION, epsilon=EPSILON, delta=DELTA,
-    score_epsilon=3.9070061730708403, tail_delta=2.5e-06, coupling_delta=0.0,
-    gaussian_delta=7.500000000000001e-06)
+# A phase's calibration, written out (tests/phase_calibration.py: K users of
+# POPULATION, T AboveThreshold steps): these tests use its noise levels,
+# not its search; the calibration itself is tested in
+# tests/test_outlier_removal.py, and the driver below calibrates its own.
+_PHASE = phase_calibration.PHASE
+assert (_PHASE.num_points, _PHASE.num_steps, _PHASE.population,
+        _PHASE.epsilon, _PHASE.delta) == (K, T, POPULATION, EPSILON, DELTA)
+
+
+def test_the_written_out_phase_is_what_calibrate_returns():
+  assert outlier_removal.calibrate(
+      **phase_calibration.ARGUMENTS) == phase_calibration.PHASE
 
 
 def _cal(tau=0.5):
