@@ -629,13 +629,14 @@ def _smallest_passing(value: Callable[[float], float], target: float, *,
   failing, passing = [0.0, math.inf], [math.inf, -math.inf]
 
   def evaluate(x: float) -> bool:
+    """Evaluates x, strictly inside the known bracket, and moves an end."""
     v = float(value(x))
     log_ratio = (math.log(v / target) if 0.0 < v < math.inf and target > 0
                  else (math.inf if v > target else -math.inf))
     if v > target:
-      failing[:] = [x, max(log_ratio, 1e-300)] if x > failing[0] else failing
+      failing[:] = [x, max(log_ratio, 1e-300)]
       return True
-    passing[:] = [x, log_ratio] if x < passing[0] else passing
+    passing[:] = [x, log_ratio]
     return False
 
   def narrow() -> None:
